@@ -1,0 +1,48 @@
+# JAGG reproduction. `make help` lists every target. Every target that needs Python builds .venv first.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Offline by default (no model hub at run time); set HF_HUB_OFFLINE=0 for real weights on a connected machine.
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
+# One torch thread per process (2-core machines: OpenMP spin-wait makes 2 threads up to 85x slower).
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+export PYTHONHASHSEED := 0
+
+.PHONY: help venv test lint format bench clean
+
+help: ## List every target
+	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "Installing pinned dependencies into $(VENV) (first run: a few minutes)..."
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
+	@touch $(STAMP)
+
+venv: $(STAMP) ## Create .venv with the pinned dependencies (done automatically by every target)
+
+test: $(STAMP) ## Run the test suite (creates .venv if missing)
+	$(PY) -m pytest -q
+
+lint: $(STAMP) ## ruff check + format check
+	$(PY) -m ruff check src tests experiments
+	$(PY) -m ruff format --check src tests experiments
+
+format: $(STAMP) ## Auto-format with ruff
+	$(PY) -m ruff format src tests experiments
+	$(PY) -m ruff check --fix src tests experiments
+
+bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image backbones -> results/bench_group_backward.csv
+	$(PY) experiments/bench_group_backward.py --out results/bench_group_backward.csv
+
+clean: ## Remove caches and run directories (keeps .venv and results/)
+	rm -rf runs .pytest_cache .ruff_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,39 @@
+"""Backbone adapters: a diffusers DiT plus its conditioning -> ``velocity(z, t)`` on unpacked latents.
+
+Every adapter takes latents in the natural layout (B, C, H, W) and times sigma in [0, 1] (scalar or (B,)),
+packs them the way its pipeline does, runs the transformer and unpacks the prediction. The SDE math and the
+backward strategies therefore never see a model-specific layout. The same adapter class serves the tiny
+random-init models of the tests, the embedded-default world models and the real Flux / Qwen-Image weights;
+only the transformer's config (or checkpoint) differs.
+"""
+
+from __future__ import annotations
+
+from jagg.backbones.base import Backbone, TextCond, pack_2x2, unpack_2x2
+from jagg.backbones.flux import FluxBackbone, tiny_flux_config
+from jagg.backbones.qwenimage import QwenImageBackbone, tiny_qwenimage_config
+
+# name -> (adapter class, tiny-config factory). The registry the CLI and configs refer to.
+BACKBONES: dict[str, type[Backbone]] = {"flux": FluxBackbone, "qwenimage": QwenImageBackbone}
+TINY_CONFIGS = {"flux": tiny_flux_config, "qwenimage": tiny_qwenimage_config}
+
+
+def build_tiny_backbone(name: str, seed: int = 0, **overrides) -> Backbone:
+    """A random-init backbone of the real diffusers class with a tiny config (tests, benchmarks)."""
+    if name not in BACKBONES:
+        raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {name!r}")
+    return BACKBONES[name].from_config(TINY_CONFIGS[name](**overrides), seed=seed)
+
+
+__all__ = [
+    "BACKBONES",
+    "Backbone",
+    "FluxBackbone",
+    "QwenImageBackbone",
+    "TextCond",
+    "build_tiny_backbone",
+    "pack_2x2",
+    "tiny_flux_config",
+    "tiny_qwenimage_config",
+    "unpack_2x2",
+]

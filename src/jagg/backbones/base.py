@@ -1,0 +1,97 @@
+"""Shared pieces of the backbone adapters: text conditioning, 2x2 latent packing, the adapter base."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class TextCond:
+    """Encoded prompts for a batch. Fields a backbone does not use stay None.
+
+    embeds: (B, L, D) token embeddings (T5 for Flux, Qwen2.5-VL for Qwen-Image, the world's text tower).
+    mask:   (B, L) 1 for real tokens (Qwen-Image attends with it).
+    pooled: (B, P) pooled embedding (Flux's CLIP-L vector).
+    neg_embeds / neg_mask: the negative prompt for true classifier-free guidance (Qwen-Image).
+    """
+
+    embeds: Tensor
+    mask: Tensor | None = None
+    pooled: Tensor | None = None
+    neg_embeds: Tensor | None = None
+    neg_mask: Tensor | None = None
+
+    def _map(self, fn) -> TextCond:
+        return replace(
+            self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
+        )
+
+    def select(self, idx) -> TextCond:
+        """Rows ``idx`` of every field (an index tensor, list or slice)."""
+        return self._map(lambda t: t[idx])
+
+    def to(self, device=None, dtype=None) -> TextCond:
+        """Move to ``device``; cast floating fields to ``dtype`` (masks keep their dtype)."""
+        return self._map(lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None))
+
+    @property
+    def batch_size(self) -> int:
+        return self.embeds.shape[0]
+
+
+def pack_2x2(z: Tensor) -> Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): the 2x2 patch packing of the Flux / Qwen-Image pipelines."""
+    b, c, h, w = z.shape
+    z = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # (B, H/2, W/2, C, 2, 2)
+    return z.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: Tensor, height: int, width: int) -> Tensor:
+    """(B, H/2 * W/2, 4C) -> (B, C, H, W); inverse of ``pack_2x2``."""
+    b, _, d = tokens.shape
+    c = d // 4
+    z = tokens.view(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)  # (B, C, H/2, 2, W/2, 2)
+    return z.reshape(b, c, height, width)
+
+
+class Backbone(nn.Module):
+    """A diffusers transformer seen as a velocity field v(z, t | cond) on (B, C, H, W) latents.
+
+    Subclasses implement ``_forward_tokens(tokens, t, cond, h, w)`` on packed tokens.
+    """
+
+    transformer_cls: type[nn.Module]
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.transformer = transformer
+
+    @classmethod
+    def from_config(cls, config: dict, seed: int = 0) -> Backbone:
+        """Random-init transformer of the real class from a config dict (deterministic in ``seed``)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls(cls.transformer_cls.from_config(config))
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels C of the unpacked latent the model predicts."""
+        return self.transformer.config.in_channels // 4
+
+    def velocity(self, z: Tensor, t: Tensor | float, cond: TextCond) -> Tensor:
+        """Model output v(z, t | cond) in z's layout (B, C, H, W). ``t`` is sigma in [0, 1], scalar or (B,)."""
+        b, _, h, w = z.shape
+        param = next(self.transformer.parameters())
+        timestep = torch.as_tensor(t, dtype=param.dtype, device=z.device).expand(b)
+        out = self._forward_tokens(pack_2x2(z.to(param.dtype)), timestep, cond, h, w)
+        return unpack_2x2(out, h, w).to(z.dtype)
+
+    def bind(self, cond: TextCond):
+        """``velocity(z, t)`` with the conditioning fixed: the callable the backward strategies take."""
+        return lambda z, t: self.velocity(z, t, cond)
+
+    def _forward_tokens(self, tokens: Tensor, timestep: Tensor, cond: TextCond, h: int, w: int) -> Tensor:
+        raise NotImplementedError

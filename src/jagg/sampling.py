@@ -1,0 +1,73 @@
+"""Trajectory sampling: run a velocity field down a sigma schedule, recording what GRPO needs.
+
+Each step uses ``jagg.sde.sde_step_with_logprob`` with its own kind ("ode" for deterministic steps, an SDE
+kind where the algorithm explores), so DanceGRPO (all SDE), Flow-GRPO-Fast (an SDE window, ODE elsewhere) and
+evaluation (all ODE) are one function with different ``kinds``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from jagg.sde import sde_step_with_logprob
+from jagg.strategies import Velocity
+
+
+@dataclass
+class Trajectory:
+    """A batch of sampled trajectories (no grad).
+
+    latents:   (S + 1, B, ...) x at every schedule point; latents[i] is the model input of step i,
+               latents[i + 1] its sample; latents[-1] is the final clean latent.
+    log_probs: (S, B) log-prob of latents[i + 1] under step i (0 for ODE steps).
+    sigmas:    (S + 1,) the schedule, from 1 down to 0.
+    kinds:     the S step kinds.
+    """
+
+    latents: Tensor
+    log_probs: Tensor
+    sigmas: Tensor
+    kinds: tuple[str, ...]
+
+    @property
+    def final(self) -> Tensor:
+        return self.latents[-1]
+
+    @property
+    def sde_steps(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k != "ode"]
+
+
+@torch.no_grad()
+def sample_trajectory(
+    velocity: Velocity,
+    noise: Tensor,
+    sigmas: Tensor,
+    kinds: Sequence[str],
+    *,
+    noise_level: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Trajectory:
+    """Integrate from ``noise`` (B, ...) at sigmas[0] = 1 down to sigmas[-1]; step i uses ``kinds[i]``."""
+    n_steps = sigmas.shape[0] - 1
+    if len(kinds) != n_steps:
+        raise ValueError(f"need one kind per step ({n_steps}), got {len(kinds)}")
+    x = noise
+    latents, log_probs = [x], []
+    for i in range(n_steps):
+        v = velocity(x, sigmas[i])
+        kw = dict(kind=kinds[i], noise_level=noise_level)
+        step = sde_step_with_logprob(x, v, sigmas[i], sigmas[i + 1], generator=generator, **kw)
+        x_next = step.prev_sample.to(noise.dtype)
+        log_prob = step.log_prob
+        if x_next.dtype != step.prev_sample.dtype:
+            # Stored in lower precision: score the *stored* sample so the training-time ratio is exactly 1.
+            log_prob = sde_step_with_logprob(x, v, sigmas[i], sigmas[i + 1], prev_sample=x_next, **kw).log_prob
+        x = x_next
+        latents.append(x)
+        log_probs.append(log_prob)
+    return Trajectory(torch.stack(latents), torch.stack(log_probs), sigmas, tuple(kinds))
