@@ -1,0 +1,146 @@
+"""Test helpers: small velocity fields, a GRPO step loss, and pass counters."""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from jagg.backbones import TextCond, build_tiny_backbone
+from jagg.grpo import clipped_ppo_loss
+from jagg.sde import sde_step_with_logprob
+
+
+class MLPVelocity(nn.Module):
+    """A small nonlinear velocity field v(z, t) on (B, C, H, W) latents."""
+
+    def __init__(self, shape=(2, 4, 4), hidden=32):
+        super().__init__()
+        d = int(torch.tensor(shape).prod())
+        self.shape = shape
+        self.net = nn.Sequential(nn.Linear(d + 1, hidden), nn.Tanh(), nn.Linear(hidden, d))
+
+    def forward(self, z, t):
+        t = torch.as_tensor(t, dtype=z.dtype).expand(z.shape[0])
+        return self.net(torch.cat([z.flatten(1), t[:, None]], dim=1)).view(z.shape)
+
+
+class LinearVelocity(nn.Module):
+    """v(z, t) = A z + b t + c: linear in (z, t), the setting of Theorem 1."""
+
+    def __init__(self, shape=(2, 4, 4)):
+        super().__init__()
+        d = int(torch.tensor(shape).prod())
+        self.A = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.b = nn.Parameter(torch.randn(d))
+        self.c = nn.Parameter(torch.randn(d))
+
+    def forward(self, z, t):
+        t = torch.as_tensor(t, dtype=z.dtype).expand(z.shape[0])
+        return (z.flatten(1) @ self.A.T + t[:, None] * self.b + self.c).view(z.shape)
+
+
+
+MODEL_NAMES = ("mlp", "linear", "flux", "qwenimage")
+
+
+def make_model(name: str, batch: int = 2, seed: int = 0):
+    """(module, velocity(z, t), latent shape (B, C, H, W)) in float64 for a named test model."""
+    torch.manual_seed(seed)
+    if name in ("mlp", "linear"):
+        module = (MLPVelocity if name == "mlp" else LinearVelocity)().double()
+        return module, module, (batch, 2, 4, 4)
+    backbone = build_tiny_backbone(name, seed=seed, latent_channels=4).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    cond = TextCond(
+        embeds=torch.randn(batch, 5, 32, generator=g, dtype=torch.float64),
+        mask=torch.ones(batch, 5, dtype=torch.long),
+        pooled=torch.randn(batch, 32, generator=g, dtype=torch.float64),
+    )
+    return backbone, backbone.bind(cond), (batch, 4, 4, 4)
+
+
+def straight_path_latents(shape, sigmas, seed=0):
+    """Latents of a straight rectified-flow path z_t = (1 - t) x0 + t eps at the given times: (W, B, ...)."""
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(shape, generator=g, dtype=torch.float64)
+    eps = torch.randn(shape, generator=g, dtype=torch.float64)
+    return torch.stack([(1 - t) * x0 + t * eps for t in sigmas])
+
+
+def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grpo", noise=0.7, seed=0):
+    """A realistic step loss: clipped PPO on the SDE log-prob of a stored next sample.
+
+    The stored samples and old log-probs come from the current model (on-policy), the advantages are
+    random; ``step_loss(j, v)`` is a differentiable function of step j's model output only.
+    """
+    g = torch.Generator().manual_seed(seed)
+    w, b = latents.shape[:2]
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    stored, old_lp = [], []
+    with torch.no_grad():
+        for j in range(w):
+            step = sde_step_with_logprob(
+                latents[j], velocity(latents[j], sigmas[j]), sigmas[j], sigma_next[j],
+                kind=kind, noise_level=noise, generator=g,
+            )
+            stored.append(step.prev_sample)
+            # perturb the old log-probs a little so that ratios differ from 1 but stay inside the clip
+            old_lp.append(step.log_prob + 1e-3 * torch.randn(b, generator=g, dtype=torch.float64))
+
+    def step_loss(j, v):
+        lp = sde_step_with_logprob(
+            latents[j], v, sigmas[j], sigma_next[j], kind=kind, noise_level=noise, prev_sample=stored[j]
+        ).log_prob
+        return clipped_ppo_loss(lp, old_lp[j], adv, clip_range=0.2)[0]
+
+    return step_loss
+
+
+def grads_of(module) -> torch.Tensor:
+    """All parameter grads flattened (zeros where None)."""
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in module.parameters()]
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@contextmanager
+def count_passes(module: nn.Module):
+    """Count, independently of GroupStats: forwards (with/without grad), backward graphs, backward calls.
+
+    A full backward hook on the model fires once per forward graph that autograd propagates through;
+    ``torch.autograd.backward`` is wrapped to count invocations (Tensor.backward goes through it too).
+    """
+    counts = {"forward": 0, "forward_grad": 0, "backward_graphs": 0, "backward_calls": 0}
+
+    def fwd_hook(mod, args, out):
+        counts["forward"] += 1
+        counts["forward_grad"] += int(torch.is_grad_enabled())
+
+    def bwd_hook(mod, grad_in, grad_out):
+        counts["backward_graphs"] += 1
+
+    real_backward = torch.autograd.backward
+
+    def counting_backward(*args, **kwargs):
+        counts["backward_calls"] += 1
+        return real_backward(*args, **kwargs)
+
+    module = getattr(module, "transformer", module)  # hook the diffusers model inside an adapter
+    # (the hook warns that no *inputs* require grad: expected, latents are data)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    h1 = module.register_forward_hook(fwd_hook)
+    h2 = module.register_full_backward_hook(bwd_hook)
+    torch.autograd.backward = counting_backward
+    try:
+        yield counts
+    finally:
+        torch.autograd.backward = real_backward
+        h1.remove()
+        h2.remove()

@@ -1,0 +1,207 @@
+"""Numerics and cost of the backward strategies (float64, tight tolerances).
+
+Invariants (PAPER.md): exact == plain autograd; JAGG == exact for W = 2 (any model) and for a velocity
+linear in (z, t) on a straight path (Theorem 1); JAGG != exact for a nonlinear model at W >= 3;
+pass/call counts W/W for exact vs 2/1 for the two-endpoint strategies, counted with hooks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    MODEL_NAMES,
+    count_passes,
+    grads_of,
+    make_grpo_step_loss,
+    make_model,
+    rel_err,
+    straight_path_latents,
+)
+
+from jagg.strategies import (
+    STRATEGIES,
+    group_backward,
+    jagg_weights,
+    plan_groups,
+    trajectory_backward,
+)
+
+SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08, 0.03], dtype=torch.float64)
+
+
+def setup_group(name, w, *, sigmas=None, seed=0):
+    module, velocity, shape = make_model(name, seed=seed)
+    sig = SIGMAS[: w + 1] if sigmas is None else sigmas
+    latents = straight_path_latents(shape, sig[:w], seed=seed + 7)
+    step_loss = make_grpo_step_loss(velocity, latents, sig[:w], sig[1 : w + 1], seed=seed + 3)
+    return module, velocity, latents, sig[:w], step_loss
+
+
+def run(strategy, module, velocity, latents, sigmas, step_loss):
+    module.zero_grad(set_to_none=True)
+    stats = group_backward(velocity, latents, sigmas, step_loss, strategy)
+    return grads_of(module), stats
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_exact_equals_plain_autograd(name):
+    module, velocity, latents, sigmas, step_loss = setup_group(name, 4)
+    g_exact, stats = run("exact", module, velocity, latents, sigmas, step_loss)
+    module.zero_grad(set_to_none=True)
+    total = sum(step_loss(j, velocity(latents[j], sigmas[j])) for j in range(4))
+    params = list(module.parameters())
+    plain = torch.autograd.grad(total, params, allow_unused=True)
+    g_plain = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(plain, params)])
+    assert g_plain.norm() > 0
+    assert rel_err(g_exact, g_plain) < 1e-10
+    assert stats.loss == pytest.approx(total.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("strategy", ["jagg", "endpoints"])
+def test_two_step_group_is_exact_for_any_model(name, strategy):
+    """W = 2: alpha = (0, 1), so both endpoints get exactly their own signal."""
+    module, velocity, latents, sigmas, step_loss = setup_group(name, 2)
+    g_exact, _ = run("exact", module, velocity, latents, sigmas, step_loss)
+    g_jagg, _ = run(strategy, module, velocity, latents, sigmas, step_loss)
+    assert rel_err(g_jagg, g_exact) < 1e-10
+
+
+@pytest.mark.parametrize("w", [3, 4, 6, 9])
+def test_theorem1_linear_velocity_on_straight_path(w):
+    """Velocity linear in (z, t), latents on the chord at t-proportional positions: JAGG is exact."""
+    # non-uniform times, so the t-weights alpha_j are not just j / (W - 1)
+    sigmas = torch.tensor([0.97, 0.9, 0.71, 0.66, 0.43, 0.4, 0.22, 0.1, 0.05, 0.01], dtype=torch.float64)
+    module, velocity, latents, sig, step_loss = setup_group("linear", w, sigmas=sigmas[: w + 1])
+    g_exact, _ = run("exact", module, velocity, latents, sig, step_loss)
+    g_jagg, _ = run("jagg", module, velocity, latents, sig, step_loss)
+    assert rel_err(g_jagg, g_exact) < 1e-10
+    # the t-weights are what makes it exact: the ablations are not
+    for ablation in ("endpoints", "uniform"):
+        g_abl, _ = run(ablation, module, velocity, latents, sig, step_loss)
+        assert rel_err(g_abl, g_exact) > 1e-3
+
+
+def test_theorem1_needs_the_chord():
+    """Same linear model, latents off the straight path: the interpolation is no longer exact."""
+    module, velocity, latents, sig, step_loss = setup_group("linear", 4)
+    latents = latents.clone()
+    latents[1] += 0.5 * torch.randn_like(latents[1])
+    step_loss = make_grpo_step_loss(velocity, latents, sig, SIGMAS[1:5], seed=3)
+    g_exact, _ = run("exact", module, velocity, latents, sig, step_loss)
+    g_jagg, _ = run("jagg", module, velocity, latents, sig, step_loss)
+    assert rel_err(g_jagg, g_exact) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["mlp", "flux", "qwenimage"])
+@pytest.mark.parametrize("w", [3, 5])
+def test_jagg_is_approximate_for_nonlinear_models(name, w):
+    module, velocity, latents, sigmas, step_loss = setup_group(name, w)
+    g_exact, _ = run("exact", module, velocity, latents, sigmas, step_loss)
+    g_jagg, _ = run("jagg", module, velocity, latents, sigmas, step_loss)
+    err = rel_err(g_jagg, g_exact)
+    assert 1e-6 < err < 1.0  # different, yet an approximation rather than noise
+    assert torch.nn.functional.cosine_similarity(g_jagg, g_exact, dim=0) > 0
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("w", [2, 4])
+def test_pass_and_call_counts(name, strategy, w):
+    module, velocity, latents, sigmas, step_loss = setup_group(name, w)
+    module.zero_grad(set_to_none=True)
+    with count_passes(module) as counts:
+        stats = group_backward(velocity, latents, sigmas, step_loss, strategy)
+    expected_fwd = {"exact": w, "jagg": w, "uniform": w, "endpoints": 2}[strategy]
+    if strategy == "exact":
+        assert counts == dict(forward=w, forward_grad=w, backward_graphs=w, backward_calls=w)
+    else:
+        assert counts == dict(forward=expected_fwd, forward_grad=2, backward_graphs=2, backward_calls=1)
+    assert stats.forward_passes == counts["forward"]
+    assert stats.forward_passes_with_grad == counts["forward_grad"]
+    assert stats.backward_passes == counts["backward_graphs"]
+    assert stats.backward_calls == counts["backward_calls"]
+
+
+def test_gradients_accumulate_into_grad():
+    module, velocity, latents, sigmas, step_loss = setup_group("mlp", 4)
+    g1, _ = run("jagg", module, velocity, latents, sigmas, step_loss)
+    group_backward(velocity, latents, sigmas, step_loss, "jagg")
+    assert rel_err(grads_of(module), 2 * g1) < 1e-12
+
+
+def test_per_sample_sigmas_match_separate_calls():
+    """sigmas (W, B): each sample gets its own t-weights, equal to running the samples one by one."""
+    module, velocity, _, _, _ = setup_group("mlp", 3)
+    module.zero_grad(set_to_none=True)
+    b = 2
+    sig = torch.tensor([[0.9, 0.8], [0.6, 0.7], [0.2, 0.3]], dtype=torch.float64)  # (W, B)
+    x0, eps = torch.randn(b, 2, 4, 4, dtype=torch.float64), torch.randn(b, 2, 4, 4, dtype=torch.float64)
+    latents = torch.stack([(1 - s.view(-1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1) * eps for s in sig])
+    target = torch.randn_like(latents)
+
+    def quad(j, v):
+        return ((v - target[j]) ** 2).mean()
+
+    g_batch, _ = run("jagg", module, velocity, latents, sig, quad)
+    module.zero_grad(set_to_none=True)
+    for i in range(b):
+
+        def quad_i(j, v, i=i):
+            return ((v - target[j, i : i + 1]) ** 2).mean() / b
+
+        group_backward(velocity, latents[:, i : i + 1], sig[:, i], quad_i, "jagg")
+    assert rel_err(grads_of(module), g_batch) < 1e-10
+
+
+def test_aggregation_weights_sum_to_one_per_step():
+    w = jagg_weights(SIGMAS[:5])
+    assert torch.allclose(w.sum(dim=1), torch.ones(5, dtype=torch.float64))
+    assert w[0].tolist() == [1.0, 0.0] and w[-1].tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("strategy", ["jagg", "endpoints", "uniform"])
+def test_trajectory_routing_with_w2_and_frac1_is_exact_for_jagg(strategy):
+    module, velocity, latents, sigmas, step_loss = setup_group("flux", 7)
+    module.zero_grad(set_to_none=True)
+    trajectory_backward(velocity, latents, sigmas, step_loss, strategy="exact", group_size=2, jagg_frac=1.0)
+    g_exact = grads_of(module)
+    module.zero_grad(set_to_none=True)
+    stats = trajectory_backward(
+        velocity, latents, sigmas, step_loss, strategy=strategy, group_size=2, jagg_frac=1.0
+    )
+    # 7 steps in groups of 2: three two-step groups (2 passes each) + one single-step group (exact)
+    assert stats.backward_passes == 7 and stats.backward_calls == 4
+    if strategy != "uniform":
+        assert rel_err(grads_of(module), g_exact) < 1e-10
+
+
+def test_plan_groups_routing():
+    plans = plan_groups(9, 3, 0.6, "jagg")  # 3 groups, round(1.8) = 2 routed to JAGG
+    assert [p.steps for p in plans] == [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
+    assert [p.strategy for p in plans] == ["jagg", "jagg", "exact"]
+    assert [p.strategy for p in plan_groups(11, 4, 0.6, "jagg")] == ["jagg", "jagg", "exact"]
+    assert all(p.strategy == "exact" for p in plan_groups(9, 3, 0.0, "jagg"))
+    # last group of one step is always exact
+    assert [p.strategy for p in plan_groups(7, 3, 1.0, "jagg")] == ["jagg", "jagg", "exact"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(group_size=1, jagg_frac=0.5, strategy="jagg"), "group_size"),
+        (dict(group_size=3, jagg_frac=1.5, strategy="jagg"), r"jagg_frac must be in \[0, 1\]"),
+        (dict(group_size=3, jagg_frac=-0.1, strategy="jagg"), "jagg_frac"),
+        (dict(group_size=3, jagg_frac=0.5, strategy="bogus"), "strategy"),
+    ],
+)
+def test_plan_groups_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_groups(9, **kwargs)
+
+
+def test_group_backward_rejects_non_decreasing_sigmas():
+    module, velocity, latents, sigmas, step_loss = setup_group("mlp", 3)
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        group_backward(velocity, latents, sigmas.flip(0), step_loss, "jagg")
