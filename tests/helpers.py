@@ -42,7 +42,6 @@ class LinearVelocity(nn.Module):
         return (z.flatten(1) @ self.A.T + t[:, None] * self.b + self.c).view(z.shape)
 
 
-
 MODEL_NAMES = ("mlp", "linear", "flux", "qwenimage")
 
 
@@ -83,8 +82,13 @@ def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grp
     with torch.no_grad():
         for j in range(w):
             step = sde_step_with_logprob(
-                latents[j], velocity(latents[j], sigmas[j]), sigmas[j], sigma_next[j],
-                kind=kind, noise_level=noise, generator=g,
+                latents[j],
+                velocity(latents[j], sigmas[j]),
+                sigmas[j],
+                sigma_next[j],
+                kind=kind,
+                noise_level=noise,
+                generator=g,
             )
             stored.append(step.prev_sample)
             # perturb the old log-probs a little so that ratios differ from 1 but stay inside the clip

@@ -30,7 +30,9 @@ def test_global_std_and_clamp_and_degenerate_groups():
     rewards = torch.tensor([1.0, 3.0, 5.0, 9.0])
     groups = torch.tensor([0, 0, 1, 1])
     glob = group_advantages(rewards, groups, std_mode="global", eps=0.0)
-    assert torch.allclose(glob, torch.tensor([-1.0, 1.0, -2.0, 2.0], dtype=torch.float64) / rewards.std(unbiased=False))
+    assert torch.allclose(
+        glob, torch.tensor([-1.0, 1.0, -2.0, 2.0], dtype=torch.float64) / rewards.std(unbiased=False)
+    )
     with pytest.raises(ValueError, match="std_mode"):
         group_advantages(rewards, groups, std_mode="batch")
 
@@ -48,7 +50,9 @@ def test_ppo_on_policy_gradient_is_minus_advantage():
 def test_ppo_clipping_stops_gradient_beyond_the_trust_region():
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     old = torch.zeros(2, dtype=torch.float64)
-    lp = torch.tensor([0.1, -0.1], dtype=torch.float64, requires_grad=True)  # ratio moved past the clip in the favoured direction
+    lp = torch.tensor(
+        [0.1, -0.1], dtype=torch.float64, requires_grad=True
+    )  # ratio moved past the clip in the favoured direction
     loss, stats = clipped_ppo_loss(lp, old, adv, clip_range=0.01)
     (g,) = torch.autograd.grad(loss, lp)
     assert torch.all(g == 0) and stats.clip_frac == 1.0

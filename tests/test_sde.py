@@ -38,7 +38,13 @@ def test_per_sample_times_match_scalar_times():
     batched = sde_step_with_logprob(x, v, sig, nxt, kind="flow_grpo", noise_level=0.9, prev_sample=x)
     for i in range(3):
         one = sde_step_with_logprob(
-            x[i : i + 1], v[i : i + 1], sig[i], nxt[i], kind="flow_grpo", noise_level=0.9, prev_sample=x[i : i + 1]
+            x[i : i + 1],
+            v[i : i + 1],
+            sig[i],
+            nxt[i],
+            kind="flow_grpo",
+            noise_level=0.9,
+            prev_sample=x[i : i + 1],
         )
         assert torch.allclose(batched.log_prob[i], one.log_prob[0], rtol=1e-13)
         assert torch.allclose(batched.mean[i], one.mean[0], rtol=1e-13)
@@ -64,7 +70,9 @@ def test_proxy_signal_equals_affine_slope(kind):
         std = lp.std
         lp_mu = torch.distributions.Normal(mu, std).log_prob(target).flatten(1).mean(1)
         dt = sigma_next - sigma
-        g = diffusion_coefficient(kind, torch.tensor(sigma, dtype=F64), torch.tensor(sigma_next, dtype=F64), a)
+        g = diffusion_coefficient(
+            kind, torch.tensor(sigma, dtype=F64), torch.tensor(sigma_next, dtype=F64), a
+        )
         slope = dt * (1 + g**2 * (1 - sigma) / (2 * sigma))
     (d_mu,) = torch.autograd.grad((lp_mu * torch.tensor([1.0, -2.0, 0.5], dtype=F64)).sum(), mu)
     assert torch.allclose(s, slope * d_mu, rtol=1e-12, atol=1e-14)
@@ -132,7 +140,11 @@ def test_shifted_linear_schedule():
 def test_diffusers_flux_schedule_matches_scheduler():
     """Flux-style dynamic shift: mu from the sequence length, then the scheduler's exponential shift."""
     cfg = dict(
-        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
     )
     s = diffusers_sigmas(cfg, num_steps=6, image_seq_len=1024)
     mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (1024 - 256)

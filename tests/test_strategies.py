@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import (
     MODEL_NAMES,
     count_passes,
@@ -18,7 +19,6 @@ from helpers import (
     rel_err,
     straight_path_latents,
 )
-
 from jagg.strategies import (
     STRATEGIES,
     group_backward,
@@ -52,7 +52,9 @@ def test_exact_equals_plain_autograd(name):
     total = sum(step_loss(j, velocity(latents[j], sigmas[j])) for j in range(4))
     params = list(module.parameters())
     plain = torch.autograd.grad(total, params, allow_unused=True)
-    g_plain = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(plain, params)])
+    g_plain = torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(plain, params)]
+    )
     assert g_plain.norm() > 0
     assert rel_err(g_exact, g_plain) < 1e-10
     assert stats.loss == pytest.approx(total.item(), rel=1e-12)

@@ -66,7 +66,9 @@ def sample_trajectory(
         log_prob = step.log_prob
         if x_next.dtype != step.prev_sample.dtype:
             # Stored in lower precision: score the *stored* sample so the training-time ratio is exactly 1.
-            log_prob = sde_step_with_logprob(x, v, sigmas[i], sigmas[i + 1], prev_sample=x_next, **kw).log_prob
+            log_prob = sde_step_with_logprob(
+                x, v, sigmas[i], sigmas[i + 1], prev_sample=x_next, **kw
+            ).log_prob
         x = x_next
         latents.append(x)
         log_probs.append(log_prob)

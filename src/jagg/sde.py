@@ -87,9 +87,7 @@ def _as_batch(value: Tensor | float, x: Tensor) -> Tensor:
     return t.view(-1, *([1] * (x.ndim - 1)))
 
 
-def diffusion_coefficient(
-    kind: str, sigma: Tensor, sigma_next: Tensor, noise_level: float
-) -> Tensor:
+def diffusion_coefficient(kind: str, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
     """g(sigma) of the SDE: Flow-GRPO ``a sqrt(sigma / (1 - sigma))`` or DanceGRPO's constant ``eta``.
 
     Flow-GRPO uses the *second* schedule entry in the denominator when sigma == 1; at the first step that
@@ -105,9 +103,7 @@ def diffusion_coefficient(
 
 def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """log N(sample; mean, std^2), averaged over all non-batch elements (one value per sample)."""
-    log_density = (
-        -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
-    )
+    log_density = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     return log_density.flatten(1).mean(dim=1)
 
 

@@ -109,9 +109,7 @@ def endpoints_weights(sigmas: Tensor) -> Tensor:
 
 def uniform_weights(sigmas: Tensor) -> Tensor:
     """Ablation (b): every step's signal split equally onto both endpoints (no t-weights)."""
-    return torch.full(
-        (sigmas.shape[0], 2, *sigmas.shape[1:]), 0.5, dtype=sigmas.dtype, device=sigmas.device
-    )
+    return torch.full((sigmas.shape[0], 2, *sigmas.shape[1:]), 0.5, dtype=sigmas.dtype, device=sigmas.device)
 
 
 # name -> weight rule. "exact" is the per-step baseline and has no weights.
@@ -127,9 +125,7 @@ STRATEGIES: tuple[str, ...] = ("exact", *AGGREGATION_WEIGHTS)
 def _check_group(latents: Tensor, sigmas: Tensor) -> None:
     w = latents.shape[0]
     if sigmas.shape[0] != w or sigmas.ndim not in (1, 2):
-        raise ValueError(
-            f"sigmas must have shape (W,) or (W, B) with W = {w}, got {tuple(sigmas.shape)}"
-        )
+        raise ValueError(f"sigmas must have shape (W,) or (W, B) with W = {w}, got {tuple(sigmas.shape)}")
     if sigmas.ndim == 2 and sigmas.shape[1] != latents.shape[1]:
         raise ValueError(f"per-sample sigmas {tuple(sigmas.shape)} do not match batch {latents.shape[1]}")
     if w > 1 and not bool((sigmas[1:] < sigmas[:-1]).all()):

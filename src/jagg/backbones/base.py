@@ -26,7 +26,8 @@ class TextCond:
 
     def _map(self, fn) -> TextCond:
         return replace(
-            self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
+            self,
+            **{f.name: fn(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None},
         )
 
     def select(self, idx) -> TextCond:

@@ -1,0 +1,86 @@
+"""Plumbing shared by the drivers: threads, run metadata (git SHA, versions, hardware), atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def set_threads(n: int = 1) -> None:
+    """One torch thread per process by default (2-core machines: OpenMP spin-wait, REFERENCE.md s.7)."""
+    torch.set_num_threads(n)
+
+
+def git_sha(short: bool = False) -> str:
+    """Current commit (suffixed "-dirty" if the tree has uncommitted changes), or "unknown"."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short" if short else "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def hardware() -> str:
+    """Human-readable hardware string, e.g. "CPU, 2 cores (x86_64), 1 torch thread"."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
+    return f"CPU, {cores} cores ({platform.machine()}), {threads} torch thread{'s' * (threads != 1)}"
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries that determine the numbers."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "diffusers", "transformers", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "missing"
+    return out
+
+
+def run_metadata(**extra) -> dict:
+    """What every result records: git SHA, versions, hardware, plus caller fields (config, seed, ...)."""
+    return {"git_sha": git_sha(), "hardware": hardware(), "versions": versions(), **extra}
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write via a temporary file + rename, so an interrupted run never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_table(rows: list[dict], path: str | Path, meta: dict) -> None:
+    """Write rows as CSV plus ``<stem>.meta.json`` (config, SHA, versions, hardware), both atomically."""
+    import pandas as pd
+
+    path = Path(path)
+    atomic_write_text(path, pd.DataFrame(rows).to_csv(index=False))
+    atomic_write_text(path.with_suffix(".meta.json"), json.dumps(meta, indent=2, default=str) + "\n")
