@@ -1,0 +1,50 @@
+"""Build the model-specific parts of a run (backbone, text encoder, decoder, prompts) from a config.
+
+model.source = world       the embedded default, pretrained by `make pretrain` (cache/world/)
+model.source = tiny        random-init models of the same classes and sizes (tests, smoke runs)
+model.source = pretrained  real Flux / Qwen-Image weights by hub id or local path (paper scale)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jagg.config import Config, ConfigError
+from jagg.trainer import Components
+
+
+def _world_components(cfg: Config, pretrained: bool) -> Components:
+    from jagg.world import World, load_pretrained
+    from jagg.world.pretrained import new_module, text_encoder_from_clip
+
+    world = World()
+    size = world.config.size
+    if cfg.sampling.latent_size != size:
+        raise ConfigError(
+            f"sampling.latent_size must equal the world image size {size} for model.source={cfg.model.source}"
+        )
+    if pretrained:
+        backbone, text_encoder = load_pretrained(cfg.model.backbone)
+    else:
+        with torch.random.fork_rng(devices=[]):  # random init, deterministic in the seed
+            torch.manual_seed(cfg.train.seed)
+            backbone = new_module(cfg.model.backbone, world).requires_grad_(True)
+            text_encoder = text_encoder_from_clip(new_module("text_encoder", world), world)
+    return Components(
+        backbone=backbone,
+        text_encoder=text_encoder,
+        decode=world.decode,
+        train_prompts=list(world.train_prompts),
+        eval_prompts=list(world.heldout_prompts),
+        latent_shape=(backbone.latent_channels, size, size),
+    )
+
+
+def build_components(cfg: Config) -> Components:
+    """Components for ``cfg.model.source``; raises ConfigError / ArtefactError with a clear message."""
+    src = cfg.model.source
+    if src in ("world", "tiny"):
+        return _world_components(cfg, pretrained=src == "world")
+    from jagg.backbones.pretrained import build_pretrained_components
+
+    return build_pretrained_components(cfg)

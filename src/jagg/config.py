@@ -1,0 +1,309 @@
+"""Typed training configuration: dataclasses, YAML loading with inheritance, ``a.b=value`` overrides, checks.
+
+A YAML file may name a parent with ``inherit: other.yaml`` (relative to itself); keys are merged recursively,
+so configs that differ only in, e.g., the backward strategy share one base file. Every error is a
+``ConfigError`` whose message names the key and what is allowed; the CLI turns it into one line on stderr
+and exit status 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jagg.sde import SDE_KINDS
+from jagg.strategies import STRATEGIES
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the key and the allowed values."""
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "flux"  # flux | qwenimage
+    source: str = (
+        "world"  # world (embedded default, `make pretrain`) | tiny (random init) | pretrained (hub/path)
+    )
+    path: str | None = None  # hub id or local directory for source=pretrained
+    guidance_scale: float = 3.5  # Flux embedded guidance
+    true_cfg_scale: float = 1.0  # Qwen-Image true CFG (> 1 needs a negative prompt)
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0  # 0 = full fine-tuning
+    lora_alpha: float = 0.0
+    lora_targets: list[str] = field(default_factory=list)  # empty = backbone default
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = 16
+    shift: float = 3.0  # shifted-linear schedule (DanceGRPO); real models use their scheduler
+    latent_size: int = 16  # latent height = width (must be even: 2x2 packing)
+    eval_num_steps: int = 16
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo
+    sde_kind: str = "dance"  # dance | flow_grpo | cps
+    noise_level: float = 0.3  # eta (dance) or a (flow_grpo, cps)
+    timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
+    sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 3])  # window start drawn in [lo, hi)
+    clip_range: float = 1e-4
+    adv_clip: float = 5.0
+    adv_eps: float = 1e-8
+    adv_unbiased: bool = True
+    adv_std: str = "group"  # group | global
+    kl_beta: float = 0.0
+
+
+@dataclass
+class BackwardConfig:
+    strategy: str = "jagg"  # exact | jagg | endpoints | uniform
+    group_size: int = 3  # W
+    jagg_frac: float = 0.6
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    ema_decay: float = 0.0  # 0 = no EMA
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = 30
+    prompts_per_iter: int = 4
+    images_per_prompt: int = 8
+    train_batch_size: int = 8  # samples per forward, in rollout and in update (on-policy ratio == 1)
+    grad_accum: int = 4  # micro-batches per optimizer step
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | bf16 | fp64
+    device: str = "cpu"  # cpu | cuda | auto
+    max_consecutive_skips: int = 3
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"pref": 1.0})
+    eval: list[str] = field(default_factory=lambda: ["pref", "clip", "attr"])
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/default"
+    eval_every: int = 10  # iterations; 0 = never
+    eval_prompts: int = 24
+    eval_images_per_prompt: int = 1
+    checkpoint_every: int = 10  # iterations; 0 = only at the end
+    grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    backward: BackwardConfig = field(default_factory=BackwardConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- loading
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML config, resolving ``inherit:`` chains (paths relative to the including file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config: file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must be a mapping")
+    parent = data.pop("inherit", None)
+    return _merge(load_yaml(path.parent / parent), data) if parent else data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``backward.strategy=exact`` -> (["backward", "strategy"], "exact") with YAML typing of the value."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value)
+
+
+def _coerce(key: str, tp, value):
+    """Check ``value`` against the annotation ``tp`` (int -> float is allowed); return the value."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        return _coerce(key, next(a for a in args if a is not type(None)), value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {str(k): _coerce(f"{key}.{k}", vt, v) for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}; allowed: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a mapping")
+            kwargs[name] = _build(tp, value, key)
+        else:
+            kwargs[name] = _coerce(key, tp, value)
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file (with inheritance) <- ``a.b=value`` overrides, then ``validate``."""
+    data = load_yaml(path) if path else {}
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {k} is not a section")
+        node[keys[-1]] = value
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- validation
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks; each failure names the key and the allowed range."""
+    from jagg.algorithms import ALGORITHMS
+    from jagg.backbones import BACKBONES
+
+    m, s, a, b, o, t = cfg.model, cfg.sampling, cfg.algorithm, cfg.backward, cfg.optim, cfg.train
+    _require(
+        m.backbone in BACKBONES, f"model.backbone must be one of {sorted(BACKBONES)}, got {m.backbone!r}"
+    )
+    _require(
+        m.source in ("world", "tiny", "pretrained"),
+        f"model.source must be world|tiny|pretrained, got {m.source!r}",
+    )
+    _require(m.source != "pretrained" or bool(m.path), "model.path is required when model.source=pretrained")
+    _require(m.lora_rank >= 0, f"model.lora_rank must be >= 0, got {m.lora_rank}")
+    _require(s.num_steps >= 2, f"sampling.num_steps must be >= 2, got {s.num_steps}")
+    _require(s.eval_num_steps >= 1, f"sampling.eval_num_steps must be >= 1, got {s.eval_num_steps}")
+    _require(s.shift > 0, f"sampling.shift must be > 0, got {s.shift}")
+    _require(
+        s.latent_size >= 2 and s.latent_size % 2 == 0,
+        f"sampling.latent_size must be even and >= 2, got {s.latent_size}",
+    )
+    _require(a.name in ALGORITHMS, f"algorithm.name must be one of {sorted(ALGORITHMS)}, got {a.name!r}")
+    _require(
+        a.sde_kind in SDE_KINDS and a.sde_kind != "ode",
+        f"algorithm.sde_kind must be dance|flow_grpo|cps, got {a.sde_kind!r}",
+    )
+    _require(a.noise_level > 0, f"algorithm.noise_level must be > 0, got {a.noise_level}")
+    _require(
+        0 < a.timestep_fraction <= 1,
+        f"algorithm.timestep_fraction must be in (0, 1], got {a.timestep_fraction}",
+    )
+    _require(a.clip_range > 0, f"algorithm.clip_range must be > 0, got {a.clip_range}")
+    _require(a.adv_clip > 0, f"algorithm.adv_clip must be > 0, got {a.adv_clip}")
+    _require(a.adv_std in ("group", "global"), f"algorithm.adv_std must be group|global, got {a.adv_std!r}")
+    _require(a.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {a.kl_beta}")
+    ALGORITHMS[a.name].validate(a, s.num_steps)
+    _require(
+        b.strategy in STRATEGIES, f"backward.strategy must be one of {list(STRATEGIES)}, got {b.strategy!r}"
+    )
+    _require(b.group_size >= 2, f"backward.group_size must be an integer >= 2, got {b.group_size}")
+    _require(0.0 <= b.jagg_frac <= 1.0, f"backward.jagg_frac must be in [0, 1], got {b.jagg_frac}")
+    _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    _require(o.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {o.max_grad_norm}")
+    _require(0 <= o.ema_decay < 1, f"optim.ema_decay must be in [0, 1), got {o.ema_decay}")
+    _require(
+        len(o.betas) == 2 and all(0 <= x < 1 for x in o.betas),
+        f"optim.betas must be two values in [0, 1), got {o.betas}",
+    )
+    for key in (
+        "iterations",
+        "prompts_per_iter",
+        "images_per_prompt",
+        "train_batch_size",
+        "grad_accum",
+        "max_consecutive_skips",
+    ):
+        _require(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
+    _require(
+        t.images_per_prompt >= 2,
+        f"train.images_per_prompt must be >= 2 (group advantages), got {t.images_per_prompt}",
+    )
+    _require(
+        t.precision in ("fp32", "bf16", "fp64"),
+        f"train.precision must be fp32|bf16|fp64, got {t.precision!r}",
+    )
+    _require(t.device in ("cpu", "cuda", "auto"), f"train.device must be cpu|cuda|auto, got {t.device!r}")
+    _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")
+    from jagg.rewards import REWARDS, _import_builtin_rewards
+
+    _import_builtin_rewards()
+    for key, names in (("reward.weights", list(cfg.reward.weights)), ("reward.eval", cfg.reward.eval)):
+        unknown = [n for n in names if n not in REWARDS]
+        _require(
+            not unknown, f"{key}: unknown reward {unknown[0] if unknown else ''!r}; known: {sorted(REWARDS)}"
+        )
+    for key in ("eval_every", "checkpoint_every", "grid_every"):
+        _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
+    _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")

@@ -1,0 +1,461 @@
+"""One GRPO training loop for every algorithm, backbone and backward strategy.
+
+    rollout (no grad, SDE where the algorithm explores) -> rewards -> group advantages
+    -> update: per micro-batch, the trained steps of each sample go through ``trajectory_backward``
+       (the backward strategy and ``jagg_frac`` routing live there; this loop never looks at the name)
+    -> optimizer step every ``grad_accum`` micro-batches (grad-norm clip, non-finite updates skipped)
+    -> metrics (JSONL), periodic held-out evaluation (ODE sampling, every eval reward), checkpoints.
+
+Follows the DanceGRPO / Flow-GRPO loops (REFERENCE.md section 4): the per-step loss is the clipped PPO
+surrogate on the SDE log-prob of the stored next latent, scaled by 1 / (grad_accum * T). Rollouts and updates
+use the same micro-batches, so before the first optimizer step of an iteration every ratio is exactly 1.
+Every random draw of iteration ``it`` comes from a generator seeded by (seed, it), which makes a resumed run
+reproduce the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from jagg.algorithms import ALGORITHMS
+from jagg.backbones import Backbone, TextCond
+from jagg.common import atomic_write_text
+from jagg.config import Config
+from jagg.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
+from jagg.rewards import Reward, WeightedRewards, build_reward
+from jagg.sampling import Trajectory, sample_trajectory
+from jagg.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.strategies import GroupStats, trajectory_backward
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+class TrainingAborted(RuntimeError):
+    """Too many consecutive non-finite updates; a final checkpoint has been written."""
+
+
+@dataclass
+class Components:
+    """Everything model-specific the loop needs; built by ``jagg.components.build_components``."""
+
+    backbone: Backbone
+    text_encoder: object  # .encode_prompts(list[str]) -> TextCond
+    decode: Callable[[Tensor], Tensor]  # latents -> images (B, 3, H, W) in [0, 1]
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    latent_shape: tuple[int, int, int]  # (C, H, W)
+    sigmas: Tensor | None = None  # (S + 1,) schedule; None = shifted linear from the config
+    eval_sigmas: Tensor | None = None
+
+
+@dataclass
+class Rollout:
+    """One iteration's samples. N = prompts_per_iter * images_per_prompt."""
+
+    prompts: list[str]  # (N,)
+    cond: TextCond  # N rows
+    traj: Trajectory  # latents (S + 1, N, C, H, W), log_probs (S, N)
+    trained: Tensor  # (N, T) trained step indices per sample, ascending
+    rewards: Tensor  # (N,) weighted total
+    components: dict[str, Tensor]  # per-reward scores (N,)
+    advantages: Tensor  # (N,)
+
+
+def _iteration_generator(seed: int, it: int, stream: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + it * 7919 + stream)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class Trainer:
+    def __init__(self, cfg: Config, comp: Components, run_dir: str | Path) -> None:
+        self.cfg, self.comp, self.run_dir = cfg, comp, Path(run_dir)
+        t = cfg.train
+        self.device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
+        self.dtype = DTYPES[t.precision]
+        param_dtype = torch.float32 if t.precision == "bf16" else self.dtype  # bf16 = autocast, fp32 master
+        self.backbone = comp.backbone.to(self.device, param_dtype)
+        if cfg.model.gradient_checkpointing:
+            self.backbone.transformer.enable_gradient_checkpointing()
+        self.params = [p for p in self.backbone.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.ema = [p.detach().clone() for p in self.params] if o.ema_decay > 0 else None
+        self.reference = None
+        if cfg.algorithm.kl_beta > 0:
+            self.reference = copy.deepcopy(self.backbone).requires_grad_(False)
+        self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
+        s = cfg.sampling
+        self.sigmas = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(s.num_steps, s.shift)
+        self.eval_sigmas = (
+            comp.eval_sigmas
+            if comp.eval_sigmas is not None
+            else shifted_linear_sigmas(s.eval_num_steps, s.shift)
+        )
+        self.train_reward = WeightedRewards(
+            {n: build_reward(n) for n in cfg.reward.weights}, dict(cfg.reward.weights)
+        )
+        self.eval_rewards: dict[str, Reward] = {
+            n: self.train_reward.rewards.get(n) or build_reward(n) for n in cfg.reward.eval
+        }
+        self.iteration = 0
+        self.consecutive_skips = 0
+        self.metrics: list[dict] = []
+
+    # ------------------------------------------------------------------ model calls
+    def velocity(self, cond: TextCond, model: Backbone | None = None):
+        """``velocity(z, t)`` of ``model`` (default: the trained backbone), autocast under bf16."""
+        model = model or self.backbone
+        cond = cond.to(self.device)
+
+        def v(z: Tensor, t: Tensor) -> Tensor:
+            with torch.autocast(self.device.type, torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+                out = model.velocity(z, t.to(self.device) if torch.is_tensor(t) else t, cond)
+            return out.to(z.dtype)
+
+        return v
+
+    def _noise(self, n: int, gen: torch.Generator) -> Tensor:
+        shape = (n, *self.comp.latent_shape)
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device, self._latent_dtype)
+
+    @property
+    def _latent_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    # ------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def rollout(self, it: int) -> Rollout:
+        """Sample N = prompts x images trajectories in train micro-batches, score them, compute advantages."""
+        t, a = self.cfg.train, self.cfg.algorithm
+        gen = _iteration_generator(t.seed, it)
+        picks = torch.randint(len(self.comp.train_prompts), (t.prompts_per_iter,), generator=gen)
+        prompts = [self.comp.train_prompts[i] for i in picks for _ in range(t.images_per_prompt)]
+        group_ids = torch.arange(t.prompts_per_iter).repeat_interleave(t.images_per_prompt)
+        cond = self.comp.text_encoder.encode_prompts(prompts)
+        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
+        noise = self._noise(len(prompts), gen)
+        sde_gen = torch.Generator(device=self.device).manual_seed(
+            int(torch.randint(2**62, (1,), generator=gen))
+        )
+        chunks = []
+        for start in range(0, len(prompts), t.train_batch_size):
+            idx = slice(start, start + t.train_batch_size)
+            chunks.append(
+                sample_trajectory(
+                    self.velocity(cond.select(idx)),
+                    noise[idx],
+                    self.sigmas.to(self.device),
+                    kinds,
+                    noise_level=a.noise_level,
+                    generator=sde_gen,
+                )
+            )
+        traj = Trajectory(
+            torch.cat([c.latents for c in chunks], dim=1),
+            torch.cat([c.log_probs for c in chunks], dim=1),
+            chunks[0].sigmas,
+            chunks[0].kinds,
+        )
+        trained = self.algorithm.trained_steps(list(kinds), len(prompts), gen)
+        images = self.comp.decode(traj.final.float()).cpu()
+        rewards = self.train_reward(images, prompts)
+        scores = dict(self.train_reward.components)
+        for name, fn in self.eval_rewards.items():  # e.g. attribute accuracy of the training samples
+            if name not in scores:
+                scores[name] = fn(images, prompts).float()
+        adv = group_advantages(
+            rewards, group_ids, std_mode=a.adv_std, unbiased=a.adv_unbiased, eps=a.adv_eps, clip=a.adv_clip
+        )
+        return Rollout(prompts, cond, traj, trained, rewards, scores, adv)
+
+    # ------------------------------------------------------------------ update
+    def _step_loss(self, ro: Rollout, idx: slice, steps: Tensor, scale: float, ppo_log: list):
+        """``step_loss(i, v)`` for the i-th trained step of the micro-batch ``idx`` (samples x steps)."""
+        a = self.cfg.algorithm
+        cols = torch.arange(steps.shape[0])[None, :]  # (1, b)
+        rows = steps.T  # (T, b)
+        lat = ro.traj.latents[:, idx]  # (S + 1, b, ...)
+        x, x_next = lat[rows, cols], lat[rows + 1, cols]  # (T, b, ...)
+        sig = self.sigmas.to(self.device)
+        s, s_next = sig[rows], sig[rows + 1]  # (T, b)
+        old_lp = ro.traj.log_probs[:, idx][rows, cols]  # (T, b)
+        adv = ro.advantages[idx].to(self.device)
+        ref_velocity = self.velocity(ro.cond.select(idx), self.reference) if self.reference else None
+
+        def step_loss(i: int, v: Tensor) -> Tensor:
+            step = sde_step_with_logprob(
+                x[i], v, s[i], s_next[i], kind=a.sde_kind, noise_level=a.noise_level, prev_sample=x_next[i]
+            )
+            loss, stats = clipped_ppo_loss(step.log_prob, old_lp[i], adv, a.clip_range)
+            if ref_velocity is not None:
+                with torch.no_grad():
+                    ref = sde_step_with_logprob(
+                        x[i],
+                        ref_velocity(x[i], s[i]),
+                        s[i],
+                        s_next[i],
+                        kind=a.sde_kind,
+                        noise_level=a.noise_level,
+                        prev_sample=x_next[i],
+                    )
+                loss = loss + a.kl_beta * gaussian_mean_kl(step.mean, ref.mean, step.std).mean()
+            ppo_log.append((loss.item(), stats))
+            return loss * scale
+
+        return x, s, step_loss
+
+    def update(self, ro: Rollout) -> dict:
+        """Backward over every micro-batch with the configured strategy; optimizer step every grad_accum."""
+        t, b = self.cfg.train, self.cfg.backward
+        n = len(ro.prompts)
+        starts = list(range(0, n, t.train_batch_size))
+        ppo_log: list = []
+        total: GroupStats | None = None
+        onpolicy_dev, grad_norms, skipped, stepped = 0.0, [], 0, 0
+        self.optimizer.zero_grad(set_to_none=True)
+        for k, start in enumerate(starts):
+            idx = slice(start, start + t.train_batch_size)
+            steps = ro.trained[idx]  # (b, T)
+            scale = 1.0 / (t.grad_accum * steps.shape[1])
+            x, s, step_loss = self._step_loss(ro, idx, steps, scale, ppo_log)
+            stats = trajectory_backward(
+                self.velocity(ro.cond.select(idx)),
+                x,
+                s,
+                step_loss,
+                strategy=b.strategy,
+                group_size=b.group_size,
+                jagg_frac=b.jagg_frac,
+            )
+            total = stats if total is None else total.merge(stats)
+            if stepped == 0:
+                onpolicy_dev = max(onpolicy_dev, max(st.ratio_max_dev for _, st in ppo_log))
+            if (k + 1) % t.grad_accum == 0 or k == len(starts) - 1:
+                norm, ok = self._optimizer_step()
+                grad_norms.append(norm)
+                skipped += int(not ok)
+                stepped += 1
+        losses = [loss for loss, _ in ppo_log]
+        return {
+            "loss": float(np.mean(losses)),
+            "grad_norm": float(np.nanmean(grad_norms))
+            if any(map(math.isfinite, grad_norms))
+            else float("nan"),
+            "clip_frac": float(np.mean([st.clip_frac for _, st in ppo_log])),
+            "approx_kl": float(np.mean([st.approx_kl for _, st in ppo_log])),
+            "onpolicy_ratio_max_dev": onpolicy_dev,
+            "optimizer_steps": stepped,
+            "skipped_steps": skipped,
+            "forward_passes": total.forward_passes,
+            "forward_passes_with_grad": total.forward_passes_with_grad,
+            "backward_passes": total.backward_passes,
+            "backward_calls": total.backward_calls,
+            "backward_passes_per_sample": total.backward_passes / n * t.train_batch_size,
+            "time_forward_s": total.time_forward_s,
+            "time_backward_s": total.time_backward_s,
+        }
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.consecutive_skips += 1
+            return norm, False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.consecutive_skips = 0
+        if self.ema is not None:
+            d = self.cfg.optim.ema_decay
+            with torch.no_grad():
+                for e, p in zip(self.ema, self.params):
+                    e.mul_(d).add_(p.detach(), alpha=1 - d)
+        return norm, True
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, it: int) -> tuple[dict, Tensor]:
+        """ODE samples on held-out prompts (fixed noise), scored by every eval reward (EMA weights if any)."""
+        lg = self.cfg.log
+        prompts = [
+            p for p in self.comp.eval_prompts[: lg.eval_prompts] for _ in range(lg.eval_images_per_prompt)
+        ]
+        gen = _iteration_generator(self.cfg.train.seed, -1)  # the same noise at every evaluation
+        noise = self._noise(len(prompts), gen)
+        cond = self.comp.text_encoder.encode_prompts(prompts)
+        sig = self.eval_sigmas.to(self.device)
+        with self._ema_weights():
+            finals = [
+                sample_trajectory(
+                    self.velocity(cond.select(slice(i, i + 32))),
+                    noise[i : i + 32],
+                    sig,
+                    ["ode"] * (len(sig) - 1),
+                ).final
+                for i in range(0, len(prompts), 32)
+            ]
+        images = self.comp.decode(torch.cat(finals).float()).cpu()
+        out = {}
+        for name, fn in self.eval_rewards.items():
+            score = fn(images, prompts).float()
+            out[f"eval_{name}_mean"] = score.mean().item()
+            out[f"eval_{name}_std"] = score.std().item() if len(score) > 1 else 0.0
+        return out, images
+
+    def _ema_weights(self):
+        trainer = self
+
+        class _Swap:
+            def __enter__(self):
+                if trainer.ema is not None:
+                    self.saved = [p.detach().clone() for p in trainer.params]
+                    for p, e in zip(trainer.params, trainer.ema):
+                        p.data.copy_(e)
+
+            def __exit__(self, *exc):
+                if trainer.ema is not None:
+                    for p, s in zip(trainer.params, self.saved):
+                        p.data.copy_(s)
+
+        return _Swap()
+
+    # ------------------------------------------------------------------ one iteration
+    def train_iteration(self, it: int) -> dict:
+        t0 = time.perf_counter()
+        ro = self.rollout(it)
+        t1 = time.perf_counter()
+        upd = self.update(ro)
+        t2 = time.perf_counter()
+        row = {
+            "iteration": it + 1,
+            "reward_mean": ro.rewards.mean().item(),
+            "reward_std": ro.rewards.std().item(),
+        }
+        for name, score in ro.components.items():
+            row[f"reward_{name}_mean"], row[f"reward_{name}_std"] = score.mean().item(), score.std().item()
+        row.update(upd)
+        row.update(
+            time_rollout_s=t1 - t0,
+            time_update_s=t2 - t1,
+            time_iteration_s=t2 - t0,
+            lr=self.optimizer.param_groups[0]["lr"],
+            peak_memory_mb=_peak_memory_mb(self.device),
+        )
+        return row
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def save_checkpoint(self) -> None:
+        """Atomically write trainable weights, optimizer, EMA, RNG states, iteration and metrics."""
+        state = {
+            "iteration": self.iteration,
+            "trainable": [p.detach().cpu() for p in self.params],
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema,
+            "consecutive_skips": self.consecutive_skips,
+            "metrics": self.metrics,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+            },
+            "config": self.cfg.to_dict(),
+        }
+        tmp = self.checkpoint_path.with_suffix(".pt.tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.checkpoint_path)
+
+    def load_checkpoint(self) -> None:
+        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["trainable"], strict=True):
+                p.copy_(saved.to(p.device, p.dtype))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.ema = [e.to(self.device) for e in state["ema"]] if state["ema"] is not None else None
+        self.iteration, self.consecutive_skips = state["iteration"], state["consecutive_skips"]
+        self.metrics = state["metrics"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        atomic_write_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.metrics))
+
+    # ------------------------------------------------------------------ main loop
+    def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
+        """Train from ``self.iteration`` to ``train.iterations``; evaluates, logs and checkpoints on the way."""
+        lg, t = self.cfg.log, self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.iteration == 0 and lg.eval_every:
+            self._evaluate_and_log(0, {"iteration": 0})
+        while self.iteration < t.iterations:
+            row = self.train_iteration(self.iteration)
+            self.iteration += 1
+            if lg.eval_every and (self.iteration % lg.eval_every == 0 or self.iteration == t.iterations):
+                self._evaluate_and_log(self.iteration, row)
+            else:
+                self._log(row)
+            if progress:
+                progress(row)
+            if self.consecutive_skips >= t.max_consecutive_skips:
+                self.save_checkpoint()
+                raise TrainingAborted(
+                    f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
+                    f"(train.max_consecutive_skips={t.max_consecutive_skips}); last checkpoint: {self.checkpoint_path}"
+                )
+            if lg.checkpoint_every and self.iteration % lg.checkpoint_every == 0:
+                self.save_checkpoint()
+        self.save_checkpoint()
+        return self.metrics
+
+    def _evaluate_and_log(self, it: int, row: dict) -> None:
+        ev, images = self.evaluate(it)
+        row.update(ev)
+        self._log(row)
+        grid_every = self.cfg.log.grid_every
+        if grid_every == 0 or it % grid_every == 0:
+            save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
+
+    def _log(self, row: dict) -> None:
+        self.metrics.append(row)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def save_grid(images: Tensor, path: Path, nrow: int = 8) -> None:
+    """Save (B, 3, H, W) images in [0, 1] as one PNG grid (2 px padding)."""
+    from PIL import Image
+
+    b, c, h, w = images.shape
+    ncol = min(nrow, b)
+    nrows = math.ceil(b / ncol)
+    grid = torch.ones(c, nrows * (h + 2), ncol * (w + 2))
+    for i in range(b):
+        r, q = divmod(i, ncol)
+        grid[:, r * (h + 2) + 1 : r * (h + 2) + 1 + h, q * (w + 2) + 1 : q * (w + 2) + 1 + w] = images[i]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr = (grid.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    Image.fromarray(arr).resize((arr.shape[1] * 4, arr.shape[0] * 4), Image.NEAREST).save(path)

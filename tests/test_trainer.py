@@ -1,0 +1,132 @@
+"""The training loop end to end on tiny random-init world backbones (seconds per run)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from jagg.components import build_components
+from jagg.config import load_config
+from jagg.rewards import REWARDS
+from jagg.strategies import STRATEGIES
+from jagg.trainer import Trainer, TrainingAborted
+
+TIME_KEYS = ("time_", "peak_memory")
+
+
+def tiny_cfg(tmp_path, *overrides, config="configs/world/flux_dancegrpo.yaml"):
+    base = [
+        "model.source=tiny",
+        "reward.weights={jpeg: 1.0}",
+        "reward.eval=[jpeg]",
+        "train.iterations=2",
+        "train.prompts_per_iter=2",
+        "train.images_per_prompt=3",
+        "train.train_batch_size=3",
+        "train.grad_accum=1",
+        "sampling.num_steps=6",
+        "sampling.eval_num_steps=3",
+        "log.eval_every=0",
+        "log.eval_prompts=4",
+        f"log.run_dir={tmp_path}",
+        "optim.lr=1e-3",
+        "algorithm.clip_range=0.2",
+        "algorithm.sde_window_range=[0, 4]",
+    ]
+    return load_config(config, base + list(overrides))
+
+
+def make_trainer(cfg):
+    return Trainer(cfg, build_components(cfg), cfg.log.run_dir)
+
+
+CASES = [
+    ("configs/world/flux_dancegrpo.yaml", "flux"),
+    ("configs/world/qwenimage_dancegrpo.yaml", "qwenimage"),
+    ("configs/world/flux_flowgrpo_fast.yaml", "flux"),
+    ("configs/world/qwenimage_flowgrpo_fast.yaml", "qwenimage"),
+]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("config", "backbone"), CASES)
+def test_smoke_two_iterations_on_policy(tmp_path, config, backbone, strategy):
+    cfg = tiny_cfg(tmp_path, f"backward.strategy={strategy}", config=config)
+    assert cfg.model.backbone == backbone
+    trainer = make_trainer(cfg)
+    before = [p.detach().clone() for p in trainer.params]
+    metrics = trainer.fit()
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    for m in metrics:
+        # on-policy: before the first optimizer step of every iteration each PPO ratio is exactly 1
+        assert m["onpolicy_ratio_max_dev"] == 0.0
+        assert m["skipped_steps"] == 0 and m["optimizer_steps"] == 2
+        assert all(map(torch.isfinite, map(torch.tensor, (m["loss"], m["grad_norm"]))))
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
+    assert (tmp_path / "checkpoint.pt").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+
+
+@pytest.mark.parametrize(
+    ("strategy", "passes", "calls", "fwd"), [("exact", 6, 6, 6), ("jagg", 4, 2, 6), ("endpoints", 4, 2, 4)]
+)
+def test_backward_pass_counts_follow_routing(tmp_path, strategy, passes, calls, fwd):
+    """Flow-GRPO-Fast window of 3 = one group: exact 3 passes, JAGG 2, per micro-batch (2 micro-batches)."""
+    cfg = tiny_cfg(
+        tmp_path,
+        f"backward.strategy={strategy}",
+        "backward.jagg_frac=1.0",
+        "train.iterations=1",
+        config="configs/world/flux_flowgrpo_fast.yaml",
+    )
+    (m,) = make_trainer(cfg).fit()
+    assert (m["backward_passes"], m["backward_calls"], m["forward_passes"]) == (passes, calls, fwd)
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    over = ("train.iterations=4", "log.checkpoint_every=2", "log.eval_every=2", "reward.eval=[jpeg]")
+    full = make_trainer(tiny_cfg(full_dir, *over)).fit()
+
+    cfg = tiny_cfg(cut_dir, *over)
+    trainer = make_trainer(cfg)
+
+    def kill_after_third(row):
+        if row["iteration"] == 3:
+            raise KeyboardInterrupt  # simulated kill after the checkpoint at iteration 2
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(progress=kill_after_third)
+    resumed = make_trainer(cfg)
+    resumed.load_checkpoint()
+    assert resumed.iteration == 2
+    again = resumed.fit()
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(TIME_KEYS)} for r in rows]
+
+    assert strip(again) == strip(full)
+    lines = (cut_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == [0, 1, 2, 3, 4]
+
+
+def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypatch):
+    class NaNReward:
+        def __call__(self, images, prompts):
+            return torch.full((images.shape[0],), float("nan"))
+
+    monkeypatch.setitem(REWARDS, "nan_test", lambda: NaNReward())
+    cfg = tiny_cfg(
+        tmp_path, "reward.weights={nan_test: 1.0}", "train.iterations=5", "train.max_consecutive_skips=3"
+    )
+    trainer = make_trainer(cfg)
+    before = [p.detach().clone() for p in trainer.params]
+    # two optimizer steps per iteration: 2 skips after iteration 1, 4 >= 3 after iteration 2
+    with pytest.raises(TrainingAborted, match="4 consecutive optimizer steps had a non-finite"):
+        trainer.fit()
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))  # no update went through
+    assert trainer.metrics[-1]["skipped_steps"] == 2 and trainer.iteration == 2
+    assert (tmp_path / "checkpoint.pt").is_file()
