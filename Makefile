@@ -14,8 +14,9 @@ export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
+SCALE ?= world
 
-.PHONY: help venv test lint format bench clean
+.PHONY: help venv test lint format bench pretrain clean theorem table1
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -43,6 +44,15 @@ format: $(STAMP) ## Auto-format with ruff
 bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image backbones -> results/bench_group_backward.csv
 	$(PY) experiments/bench_group_backward.py --out results/bench_group_backward.csv
 
+pretrain: $(STAMP) ## Train + cache the offline world (text encoder, rewards, tiny Flux / Qwen-Image) -> cache/world, results/world.md
+	$(PY) experiments/pretrain.py
+
 clean: ## Remove caches and run directories (keeps .venv and results/)
 	rm -rf runs .pytest_cache .ruff_cache
 	find . -name __pycache__ -prune -exec rm -rf {} +
+
+theorem: $(STAMP) ## Theorem 1 numerically: JAGG error vs nonlinearity, curvature, W -> results/theorem1.csv, paper_figures/theorem1.png
+	$(PY) experiments/theorem1.py
+
+table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoints, 2 backbones x 2 algorithms -> results/table1.{csv,md,tex}
+	$(PY) experiments/table1.py --scale $(SCALE)

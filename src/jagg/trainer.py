@@ -32,7 +32,7 @@ from torch import Tensor
 from jagg.algorithms import ALGORITHMS
 from jagg.backbones import Backbone, TextCond
 from jagg.common import atomic_write_text
-from jagg.config import Config
+from jagg.config import BackwardConfig, Config
 from jagg.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
 from jagg.rewards import Reward, WeightedRewards, build_reward
 from jagg.sampling import Trajectory, sample_trajectory
@@ -71,6 +71,7 @@ class Rollout:
     rewards: Tensor  # (N,) weighted total
     components: dict[str, Tensor]  # per-reward scores (N,)
     advantages: Tensor  # (N,)
+    timing: dict[str, float]  # time_sample_s, time_reward_s
 
 
 def _iteration_generator(seed: int, it: int, stream: int = 0) -> torch.Generator:
@@ -145,6 +146,7 @@ class Trainer:
     @torch.no_grad()
     def rollout(self, it: int) -> Rollout:
         """Sample N = prompts x images trajectories in train micro-batches, score them, compute advantages."""
+        t_start = time.perf_counter()
         t, a = self.cfg.train, self.cfg.algorithm
         gen = _iteration_generator(t.seed, it)
         picks = torch.randint(len(self.comp.train_prompts), (t.prompts_per_iter,), generator=gen)
@@ -176,6 +178,7 @@ class Trainer:
             chunks[0].kinds,
         )
         trained = self.algorithm.trained_steps(list(kinds), len(prompts), gen)
+        t_sampled = time.perf_counter()
         images = self.comp.decode(traj.final.float()).cpu()
         rewards = self.train_reward(images, prompts)
         scores = dict(self.train_reward.components)
@@ -185,7 +188,8 @@ class Trainer:
         adv = group_advantages(
             rewards, group_ids, std_mode=a.adv_std, unbiased=a.adv_unbiased, eps=a.adv_eps, clip=a.adv_clip
         )
-        return Rollout(prompts, cond, traj, trained, rewards, scores, adv)
+        timing = {"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled}
+        return Rollout(prompts, cond, traj, trained, rewards, scores, adv, timing)
 
     # ------------------------------------------------------------------ update
     def _step_loss(self, ro: Rollout, idx: slice, steps: Tensor, scale: float, ppo_log: list):
@@ -223,9 +227,12 @@ class Trainer:
 
         return x, s, step_loss
 
-    def update(self, ro: Rollout) -> dict:
-        """Backward over every micro-batch with the configured strategy; optimizer step every grad_accum."""
-        t, b = self.cfg.train, self.cfg.backward
+    def update(self, ro: Rollout, backward: BackwardConfig | None = None) -> dict:
+        """Backward over every micro-batch with the configured strategy; optimizer step every grad_accum.
+
+        ``backward`` overrides ``cfg.backward`` (used by the side-by-side timing driver).
+        """
+        t, b = self.cfg.train, backward or self.cfg.backward
         n = len(ro.prompts)
         starts = list(range(0, n, t.train_batch_size))
         ppo_log: list = []
@@ -353,6 +360,7 @@ class Trainer:
         for name, score in ro.components.items():
             row[f"reward_{name}_mean"], row[f"reward_{name}_std"] = score.mean().item(), score.std().item()
         row.update(upd)
+        row.update(ro.timing)
         row.update(
             time_rollout_s=t1 - t0,
             time_update_s=t2 - t1,

@@ -1,0 +1,256 @@
+"""Table 1: wall-clock per training iteration, exact vs JAGG vs the endpoints ablation, side by side.
+
+For every backbone x algorithm, one trainer samples a rollout per iteration and then runs the update once per
+strategy on that same rollout, the strategy order rotating between iterations (updates are applied in turn;
+the cost of an update does not depend on the weights). Reported per strategy: median seconds per iteration and
+per phase (sampling, reward, update; forward and backward inside the update), forward/backward passes per
+sample, peak memory held by autograd for backward, the reduction vs exact, and the reduction predicted by pass
+counting from the measured per-pass costs (forward with grad and backward from the exact update, forward
+without grad from the rollout). A second table sweeps W and jagg_frac.
+
+    python experiments/table1.py [--scale world|paper] [--iterations N] [--quick]
+    -> results/table1.csv, results/table1.md, results/table1.tex, results/table1_sweep.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from jagg.common import atomic_write_text, run_metadata, set_threads, write_table
+from jagg.components import build_components
+from jagg.config import BackwardConfig, load_config
+from jagg.profiling import SavedActivationMeter
+from jagg.trainer import Trainer
+
+SETUPS = [
+    ("flux", "dancegrpo"),
+    ("flux", "flowgrpo_fast"),
+    ("qwenimage", "dancegrpo"),
+    ("qwenimage", "flowgrpo_fast"),
+]
+PAPER = {  # PAPER.md: reduction of wall-clock per training step (DanceGRPO) / update phase (Flow-GRPO-Fast)
+    ("flux", "dancegrpo"): "-18.2% per step (279 s -> 228 s)",
+    ("qwenimage", "dancegrpo"): "-17.3% per step (835 s -> 691 s)",
+    ("flux", "flowgrpo_fast"): "-29.9% to -30.0% update phase",
+    ("qwenimage", "flowgrpo_fast"): "-29.9% to -30.0% update phase",
+}
+QUICK = [
+    "model.source=tiny",
+    "reward.weights={jpeg: 1.0}",
+    "reward.eval=[jpeg]",
+    "train.prompts_per_iter=2",
+    "train.images_per_prompt=2",
+    "train.train_batch_size=4",
+    "sampling.num_steps=6",
+    "algorithm.sde_window_range=[0, 4]",
+]
+
+
+def strategies_for(cfg) -> list[BackwardConfig]:
+    b = cfg.backward
+    return [
+        BackwardConfig("exact", b.group_size, b.jagg_frac),
+        BackwardConfig("jagg", b.group_size, b.jagg_frac),
+        BackwardConfig("endpoints", b.group_size, b.jagg_frac),
+    ]
+
+
+def time_strategies(
+    trainer: Trainer, strategies: list[BackwardConfig], iterations: int
+) -> dict[str, list[dict]]:
+    """Per strategy, one row per iteration: rollout phases (shared) + that strategy's update."""
+    rows: dict[str, list[dict]] = {s_key(s): [] for s in strategies}
+    trainer.update(trainer.rollout(10_000), strategies[0])  # warm-up, not recorded
+    for it in range(iterations):
+        ro = trainer.rollout(it)
+        k = it % len(strategies)
+        for s in strategies[k:] + strategies[:k]:
+            t0 = time.perf_counter()
+            upd = trainer.update(ro, s)
+            upd["time_update_s"] = time.perf_counter() - t0
+            rows[s_key(s)].append({**ro.timing, **upd, "n": len(ro.prompts)})
+    return rows
+
+
+def s_key(s: BackwardConfig) -> str:
+    return f"{s.strategy}/W{s.group_size}/f{s.jagg_frac:g}"
+
+
+def peak_activation_mb(trainer: Trainer, s: BackwardConfig) -> float:
+    ro = trainer.rollout(20_000)
+    with SavedActivationMeter() as meter:
+        trainer.update(ro, s)
+    return meter.peak_mb
+
+
+def summarise(
+    setup: tuple[str, str], trainer: Trainer, rows: dict[str, list[dict]], strategies
+) -> list[dict]:
+    """Medians per strategy, reductions vs exact, and the pass-counting prediction."""
+
+    def med(key: str, k: str) -> float:
+        return statistics.median(r[k] for r in rows[key])
+
+    exact = s_key(strategies[0])
+    r0 = rows[exact][0]
+    default = (trainer.cfg.backward.group_size, trainer.cfg.backward.jagg_frac)
+    n_roll_fwd = (len(trainer.sigmas) - 1) * -(-r0["n"] // trainer.cfg.train.train_batch_size)
+    f_grad = med(exact, "time_forward_s") / r0["forward_passes"]
+    bwd = med(exact, "time_backward_s") / r0["backward_passes"]
+    f_nograd = med(exact, "time_sample_s") / n_roll_fwd
+    other = med(exact, "time_update_s") - med(exact, "time_forward_s") - med(exact, "time_backward_s")
+    rollout = med(exact, "time_sample_s") + med(exact, "time_reward_s")
+    out = []
+    for s in strategies:
+        key, r = s_key(s), rows[s_key(s)][0]
+        n_nograd = r["forward_passes"] - r["forward_passes_with_grad"]
+        ideal_update = (
+            other + r["forward_passes_with_grad"] * f_grad + n_nograd * f_nograd + r["backward_passes"] * bwd
+        )
+        upd, upd_exact = med(key, "time_update_s"), med(exact, "time_update_s")
+        it_s = rollout + upd
+        it_exact = rollout + upd_exact
+        red_update, ideal_red_update = 1 - upd / upd_exact, 1 - ideal_update / upd_exact
+        out.append(
+            dict(
+                backbone=setup[0],
+                algorithm=setup[1],
+                strategy=s.strategy,
+                W=s.group_size,
+                jagg_frac=s.jagg_frac,
+                iter_s=it_s,
+                sample_s=med(key, "time_sample_s"),
+                reward_s=med(key, "time_reward_s"),
+                update_s=upd,
+                update_fwd_s=med(key, "time_forward_s"),
+                update_bwd_s=med(key, "time_backward_s"),
+                fwd_per_sample=r["forward_passes"] * trainer.cfg.train.train_batch_size / r["n"],
+                bwd_per_sample=r["backward_passes"] * trainer.cfg.train.train_batch_size / r["n"],
+                peak_activation_mb=peak_activation_mb(trainer, s),
+                reduction_iter_pct=100 * (1 - it_s / it_exact),
+                reduction_update_pct=100 * red_update,
+                ideal_reduction_update_pct=100 * ideal_red_update,
+                ideal_reduction_iter_pct=100 * (upd_exact - ideal_update) / it_exact,
+                measured_over_ideal=(red_update / ideal_red_update) if ideal_red_update > 0 else float("nan"),
+                paper=PAPER.get(setup, "")
+                if (s.strategy, s.group_size, s.jagg_frac) == ("jagg",) + default
+                else "",
+                iterations=len(rows[key]),
+            )
+        )
+    return out
+
+
+def to_markdown(rows: list[dict], meta: dict) -> str:
+    cols = [
+        ("backbone", "{}"),
+        ("algorithm", "{}"),
+        ("strategy", "{}"),
+        ("W", "{}"),
+        ("jagg_frac", "{:g}"),
+        ("iter_s", "{:.2f}"),
+        ("sample_s", "{:.2f}"),
+        ("reward_s", "{:.2f}"),
+        ("update_s", "{:.2f}"),
+        ("update_fwd_s", "{:.2f}"),
+        ("update_bwd_s", "{:.2f}"),
+        ("bwd_per_sample", "{:g}"),
+        ("peak_activation_mb", "{:.1f}"),
+        ("reduction_iter_pct", "{:+.1f}%"),
+        ("reduction_update_pct", "{:+.1f}%"),
+        ("ideal_reduction_update_pct", "{:+.1f}%"),
+        ("paper", "{}"),
+    ]
+    lines = [
+        "# Table 1: wall-clock per training iteration (medians; reductions vs exact, positive = faster)",
+        "",
+        f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}, seed {meta['seed']}, "
+        f"{meta['iterations']} timed iterations per setup, strategies interleaved on the same rollouts.",
+        f"Command: `{meta['command']}`",
+        "",
+        "| " + " | ".join(c for c, _ in cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_latex(rows: list[dict]) -> str:
+    body = [
+        f"{r['backbone']} & {r['algorithm'].replace('_', '-')} & {r['strategy']} & {r['iter_s']:.2f} & "
+        f"{r['update_s']:.2f} & {r['bwd_per_sample']:g} & {r['reduction_iter_pct']:+.1f}\\% & "
+        f"{r['reduction_update_pct']:+.1f}\\% & {r['ideal_reduction_update_pct']:+.1f}\\% \\\\"
+        for r in rows
+    ]
+    return (
+        "\\begin{tabular}{lllrrrrrr}\n\\toprule\nbackbone & algorithm & strategy & s/iter & update s & bwd/sample & "
+        "$\\Delta$iter & $\\Delta$update & ideal $\\Delta$update \\\\\n\\midrule\n"
+        + "\n".join(body)
+        + "\n\\bottomrule\n\\end{tabular}\n"
+    )
+
+
+def sweep_strategies(cfg) -> list[BackwardConfig]:
+    ws = sorted({2, 3, 4, cfg.backward.group_size})
+    return [BackwardConfig("exact", 2, 0.0)] + [BackwardConfig("jagg", w, f) for w in ws for f in (0.6, 1.0)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", default="world", choices=["world", "paper"])
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--sweep-iterations", type=int, default=3)
+    ap.add_argument("--out", default="results/table1.csv")
+    ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
+    ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
+    args = ap.parse_args(argv)
+    set_threads(1)
+    extra = (QUICK if args.quick else []) + args.overrides
+    if args.quick:
+        args.iterations, args.sweep_iterations = 2, 1
+    rows, sweep_rows, cfg = [], [], None
+    for backbone, algo in SETUPS:
+        cfg = load_config(f"configs/{args.scale}/{backbone}_{algo}.yaml", extra)
+        trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
+        strategies = strategies_for(cfg)
+        timed = time_strategies(trainer, strategies, args.iterations)
+        rows += summarise((backbone, algo), trainer, timed, strategies)
+        print(to_markdown(rows[-3:], _meta(args, argv, cfg)).split("\n", 6)[-1], flush=True)
+        if (backbone, algo) == SETUPS[0]:
+            sweep = sweep_strategies(cfg)
+            timed = time_strategies(trainer, sweep, args.sweep_iterations)
+            sweep_rows += summarise((backbone, algo), trainer, timed, sweep)
+    meta = _meta(args, argv, cfg)
+    write_table(rows, args.out, meta)
+    write_table(sweep_rows, Path(args.out).with_name("table1_sweep.csv"), meta)
+    out = Path(args.out)
+    atomic_write_text(
+        out.with_suffix(".md"),
+        to_markdown(rows, meta)
+        + "\n## W / jagg_frac sweep\n\n"
+        + to_markdown(sweep_rows, meta).split("\n", 5)[-1].replace("| paper |", "| |"),
+    )
+    atomic_write_text(out.with_suffix(".tex"), to_latex(rows))
+    print(out.with_suffix(".md").read_text())
+    print(
+        f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.tex')}, {out.with_name('table1_sweep.csv')}"
+    )
+
+
+def _meta(args, argv, cfg) -> dict:
+    return run_metadata(
+        command="python experiments/table1.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        seed=cfg.train.seed,
+        iterations=args.iterations,
+        config=cfg.to_dict(),
+        scale=args.scale,
+    )
+
+
+if __name__ == "__main__":
+    main()
