@@ -46,7 +46,7 @@ POSITIONS: dict[str, tuple[float, float]] = {
 }
 SHAPES = ("circle", "square", "triangle", "diamond")
 BACKGROUND = (0.12, 0.12, 0.13)
-_PROMPT_RE = re.compile(r"^a (\w+) (\w+) (?:on|at) the (\w+)$")
+_PROMPT_RE = re.compile(r"^an? (\w+) (\w+) (?:on|at) the (\w+)$")
 
 
 class Attributes(NamedTuple):
@@ -86,12 +86,15 @@ class WorldConfig:
 
 
 def prompt_of(color: str, shape: str, position: str) -> str:
-    """The canonical prompt: "a red circle on the left" / "a red circle at the top"."""
+    """The canonical prompt: "a red circle on the left", "an orange square at the top"."""
+    article = "an" if color[0] in "aeiou" else "a"
     prep = "on" if position in ("left", "right") else "at"
-    return f"a {color} {shape} {prep} the {position}"
+    return f"{article} {color} {shape} {prep} the {position}"
 
 
-def _alpha_mask(shape: str, cx: float, cy: float, r: float, angle: float, size: int, ss: int = 4) -> np.ndarray:
+def _alpha_mask(
+    shape: str, cx: float, cy: float, r: float, angle: float, size: int, ss: int = 4
+) -> np.ndarray:
     """Anti-aliased coverage (H, W) in [0, 1] of one shape; coordinates in output pixels."""
     img = Image.new("L", (size * ss, size * ss), 0)
     draw = ImageDraw.Draw(img)
@@ -100,7 +103,9 @@ def _alpha_mask(shape: str, cx: float, cy: float, r: float, angle: float, size: 
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
     else:
         # Regular polygons: (vertices, radius factor giving a similar area, base angle in degrees).
-        n, k, base = {"square": (4, 1.2, 45.0), "triangle": (3, 1.35, -90.0), "diamond": (4, 1.25, 0.0)}[shape]
+        n, k, base = {"square": (4, 1.2, 45.0), "triangle": (3, 1.35, -90.0), "diamond": (4, 1.25, 0.0)}[
+            shape
+        ]
         pts = []
         for i in range(n):
             a = math.radians(base + angle + 360.0 * i / n)
@@ -140,12 +145,12 @@ class World:
         return len(c.colors), len(c.shapes), len(c.positions)
 
     def parse(self, prompt: str) -> Attributes:
-        """"a red circle on the left" -> Attributes("red", "circle", "left"); ValueError if not in the world."""
+        """ "a red circle on the left" -> Attributes("red", "circle", "left"); ValueError if not in the world."""
         m = _PROMPT_RE.match(prompt.strip().lower())
         c = self.config
         if not m or m.group(1) not in c.colors or m.group(2) not in c.shapes or m.group(3) not in c.positions:
             raise ValueError(
-                f"prompt {prompt!r} is not in this world; expected 'a <colour> <shape> on/at the <position>' "
+                f"prompt {prompt!r} is not in this world; expected 'a(n) <colour> <shape> on/at the <position>' "
                 f"with colours {c.colors}, shapes {c.shapes}, positions {c.positions}"
             )
         return Attributes(m.group(1), m.group(2), m.group(3))

@@ -1,0 +1,107 @@
+"""Project-trained rewards of the embedded world (stand-ins for the paper's reward models).
+
+    clip  alignment, CLIPScore analogue: cosine(image, prompt) of a tiny contrastive model   (~[-1, 1])
+    pref  preference, HPSv2.1 / PickScore analogue: Bradley-Terry score of a model trained on
+          (faithful clean render > degraded variant) pairs; penalises the noisy-background hack     (logit)
+    attr  GenEval analogue: 1 if the attribute classifier reads the prompt's colour, shape and position
+          exactly, else 0 (``soft=True``: product of the three class probabilities)               ([0, 1])
+
+All follow the registry interface: ``reward(images (B,3,H,W) in [0,1], prompts) -> (B,) float32``, no grad.
+The registered factories load the weights cached by ``make pretrain`` (``jagg.world.pretrained``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from jagg.rewards import register_reward
+from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
+from jagg.world.scene import World
+from jagg.world.text import WordTokenizer
+
+
+class _WorldReward:
+    """Shared input checks and prompt tokenisation."""
+
+    def __init__(self, model: torch.nn.Module, world: World) -> None:
+        self.model = model.requires_grad_(False).eval()
+        self.world = world
+        self.tokenizer = WordTokenizer(world.words)
+
+    def _images(self, images: Tensor, prompts: list[str]) -> Tensor:
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
+        if images.shape[0] != len(prompts):
+            raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
+        if images.shape[-2:] != (self.world.size, self.world.size):
+            raise ValueError(f"world rewards expect {self.world.size}x{self.world.size} images")
+        return images.detach().float().cpu().clamp(0, 1)
+
+
+class ClipReward(_WorldReward):
+    """Cosine similarity of image and prompt embeddings."""
+
+    model: TinyCLIP
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
+        x = self._images(images, prompts)
+        return (self.model.encode_image(x) * self.model.encode_text(*self.tokenizer(prompts))).sum(-1)
+
+
+class PrefReward(_WorldReward):
+    """Preference-model score (higher = preferred)."""
+
+    model: PreferenceModel
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
+        return self.model(self._images(images, prompts), *self.tokenizer(prompts)).float()
+
+
+class AttrReward(_WorldReward):
+    """Exact attribute match (0/1), or the probability of the prompt's attributes when ``soft``."""
+
+    model: AttrClassifier
+
+    def __init__(self, model: AttrClassifier, world: World, soft: bool = False) -> None:
+        super().__init__(model, world)
+        self.soft = soft
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
+        labels = self.world.labels(prompts)  # (B, 3)
+        logits = self.model(self._images(images, prompts))
+        if self.soft:
+            logp = sum(lg.log_softmax(-1).gather(1, labels[:, k : k + 1]) for k, lg in enumerate(logits))
+            return logp.squeeze(1).exp()
+        pred = torch.stack([lg.argmax(-1) for lg in logits], dim=-1)
+        return pred.eq(labels).all(-1).float()
+
+
+def _load(name: str, cache_dir: str | Path | None):
+    from jagg.world.pretrained import load_module
+
+    return load_module(name, Path(cache_dir) if cache_dir else None), World()
+
+
+@register_reward("clip")
+def clip_reward(cache_dir: str | Path | None = None) -> ClipReward:
+    """Embedded-world CLIPScore analogue (needs ``make pretrain``)."""
+    return ClipReward(*_load("clip", cache_dir))
+
+
+@register_reward("pref")
+def pref_reward(cache_dir: str | Path | None = None) -> PrefReward:
+    """Embedded-world preference reward, HPSv2.1 / PickScore analogue (needs ``make pretrain``)."""
+    return PrefReward(*_load("pref", cache_dir))
+
+
+@register_reward("attr")
+def attr_reward(cache_dir: str | Path | None = None, soft: bool = False) -> AttrReward:
+    """Embedded-world GenEval-style exact attribute accuracy (needs ``make pretrain``)."""
+    model, world = _load("attr", cache_dir)
+    return AttrReward(model, world, soft=soft)

@@ -1,0 +1,191 @@
+"""Build (train + evaluate + cache) every world artefact that is missing or stale: what ``make pretrain`` runs.
+
+Evaluation always uses fresh seeds never seen in training ("held-out renders"); backbone sample quality is
+measured on the held-out *prompts* (compositions never seen by the generator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from jagg.rewards.jpeg import JpegReward
+from jagg.rewards.world import AttrReward, ClipReward, PrefReward
+from jagg.world.pretrained import (
+    ARTEFACTS,
+    BACKBONE_NAMES,
+    FLOW_TRAIN,
+    JUDGE_TRAIN,
+    JUDGES,
+    SAMPLE_SHIFT,
+    SAMPLE_STEPS,
+    default_cache_dir,
+    environment,
+    expected_config,
+    git_sha,
+    is_up_to_date,
+    load_module,
+    load_text_encoder,
+    new_module,
+    read_manifest,
+    save_artefact,
+)
+from jagg.world.scene import World
+from jagg.world.text import WordTokenizer
+from jagg.world.train import (
+    DEGRADATIONS,
+    attribute_accuracy,
+    clip_retrieval_accuracy,
+    preference_pairs,
+    render_pool,
+    sample_images,
+    train_attributes,
+    train_clip,
+    train_flow,
+    train_preference,
+)
+
+EVAL_SEED = 90_000
+EVAL_PER_PROMPT = 20  # judges: held-out renders per prompt
+SAMPLES_PER_PROMPT = 32  # backbones: samples per held-out prompt
+
+
+def _heldout_split(world: World, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: which world prompt indices belong to held-out prompts."""
+    held = set(world.heldout_prompts)
+    return torch.tensor([world.prompts[i] in held for i in labels.tolist()])
+
+
+def evaluate_judge(name: str, model, world: World) -> dict:
+    """Held-out accuracy of a judge on fresh-seed renders (pairs for ``pref``)."""
+    tok = WordTokenizer(world.words)
+    if name == "pref":
+        good, bad, pidx, kinds = preference_pairs(world, 3600, seed=EVAL_SEED)
+        ids, mask = tok([world.prompts[i] for i in pidx.tolist()])
+        with torch.no_grad():
+            win = (model(good, ids, mask) > model(bad, ids, mask)).float()
+        per = {k: win[[i for i, kk in enumerate(kinds) if kk == k]].mean().item() for k in DEGRADATIONS}
+        return {"pair_accuracy": win.mean().item(), "pair_accuracy_by_degradation": per}
+    images, labels = render_pool(world, world.prompts, EVAL_PER_PROMPT, seed=EVAL_SEED)
+    held = _heldout_split(world, labels)
+    if name in ("clip", "text_encoder"):
+        acc = clip_retrieval_accuracy(model, tok, world, images, labels)
+        acc_held = clip_retrieval_accuracy(model, tok, world, images[held], labels[held])
+        return {"top1_retrieval": acc, "top1_retrieval_heldout_prompts": acc_held}
+    prompts = [world.prompts[i] for i in labels.tolist()]
+    return {"attr_accuracy": attribute_accuracy(model, world, images, prompts)}
+
+
+def evaluate_backbone(backbone, text_encoder, world: World, rewards: dict, prompts: list[str]) -> dict:
+    """Attribute accuracy and mean rewards of ODE samples for ``prompts`` (SAMPLES_PER_PROMPT each)."""
+    reps = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
+    images = sample_images(backbone, text_encoder, world, reps, EVAL_SEED, SAMPLE_STEPS, SAMPLE_SHIFT)
+    out = {
+        "n_samples": len(reps),
+        "attr_accuracy": attribute_accuracy(rewards["attr"].model, world, images, reps),
+    }
+    out["mean_reward"] = {k: r(images, reps).mean().item() for k, r in rewards.items()}
+    return out
+
+
+def reference_rewards(world: World, rewards: dict, prompts: list[str]) -> dict:
+    """Mean rewards of clean renders of ``prompts``: the ceiling a perfect generator would reach."""
+    reps = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
+    images = world.render(reps, EVAL_SEED)
+    return {k: r(images, reps).mean().item() for k, r in rewards.items()}
+
+
+def world_rewards(cache_dir: Path, world: World) -> dict:
+    """The three project-trained rewards plus the weight-free JPEG compressibility."""
+    return {
+        "clip": ClipReward(load_module("clip", cache_dir), world),
+        "pref": PrefReward(load_module("pref", cache_dir), world),
+        "attr": AttrReward(load_module("attr", cache_dir), world),
+        "jpeg": JpegReward(),
+    }
+
+
+@torch.no_grad()
+def hack_probe(world: World, rewards: dict, prompts: list[str]) -> dict:
+    """Mean reward of clean renders vs the same renders with a noisy background or pixel noise.
+
+    The hack a pure alignment reward invites (REFERENCE.md section 7): ``clip`` barely moves, ``pref`` drops.
+    """
+    reps = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
+    images, alpha, _ = world.render_attributes(
+        [world.parse(p) for p in reps], np.random.default_rng(EVAL_SEED)
+    )
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    variants = {
+        "clean": images,
+        "noisy_background": images + 0.4 * (2 * torch.rand(images.shape, generator=gen) - 1) * (1 - alpha),
+        "pixel_noise_0.15": images + 0.15 * torch.randn(images.shape, generator=gen),
+    }
+    return {
+        v: {k: r(x.clamp(0, 1), reps).mean().item() for k, r in rewards.items()} for v, x in variants.items()
+    }
+
+
+def _manifest(name: str, stats: dict, metrics: dict) -> dict:
+    seed = (JUDGE_TRAIN.get(name) or FLOW_TRAIN[name]).seed
+    return {"name": name, "config": expected_config(name), "seed": seed, "git_sha": git_sha()} | (
+        environment() | stats | {"metrics": metrics}
+    )
+
+
+def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = print) -> dict:
+    """Train, evaluate and cache one artefact (its dependencies must already be cached)."""
+    world = World()
+    tok = WordTokenizer(world.words)
+    log(f"[pretrain] training {name} ...")
+    if name in JUDGES:
+        if name == "pref":
+            model, stats = train_preference(world, tok, JUDGE_TRAIN[name])
+        elif name == "attr":
+            model, stats = train_attributes(world, JUDGE_TRAIN[name])
+        else:  # text_encoder, clip: same recipe, different seeds and weights
+            model, stats = train_clip(world, tok, JUDGE_TRAIN[name])
+        metrics = evaluate_judge(name, model, world)
+        manifest = _manifest(name, stats, metrics)
+    else:
+        text_encoder = load_text_encoder(cache_dir)  # frozen, trained first
+        model = new_module(name, world)
+        stats = train_flow(model, text_encoder, world, FLOW_TRAIN[name], log=log)
+        rewards = world_rewards(cache_dir, world)
+        metrics = {
+            "sampler": {"steps": SAMPLE_STEPS, "shift": SAMPLE_SHIFT, "kinds": "ode"},
+            "heldout_prompts": evaluate_backbone(model, text_encoder, world, rewards, world.heldout_prompts),
+            "train_prompts": evaluate_backbone(model, text_encoder, world, rewards, world.train_prompts),
+        }
+        manifest = _manifest(name, stats, metrics)
+        manifest["depends_on"] = {"text_encoder": read_manifest("text_encoder", cache_dir)["sha256"]}
+    manifest = save_artefact(name, model, manifest, cache_dir)
+    log(f"[pretrain] {name}: {stats['train_seconds']:.0f} s, final loss {stats['final_loss']:.4f}, {metrics}")
+    return manifest
+
+
+def pretrain_all(cache_dir: Path | None = None, log: Callable[[str], None] = print) -> list[str]:
+    """Build every stale or missing artefact in dependency order; returns the names rebuilt ([] = no-op)."""
+    cache_dir = Path(cache_dir or default_cache_dir())
+    rebuilt = []
+    for name in ARTEFACTS:
+        # A rebuilt text encoder invalidates the backbones through their recorded sha256.
+        if is_up_to_date(name, cache_dir):
+            log(f"[pretrain] {name}: up to date ({cache_dir / name}.safetensors)")
+            continue
+        build_artefact(name, cache_dir, log)
+        rebuilt.append(name)
+    return rebuilt
+
+
+__all__ = [
+    "BACKBONE_NAMES",
+    "build_artefact",
+    "hack_probe",
+    "pretrain_all",
+    "reference_rewards",
+    "world_rewards",
+]

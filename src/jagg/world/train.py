@@ -1,0 +1,303 @@
+"""Training and evaluation of everything in the embedded world: judges (CLIP, preference, attributes) and
+the rectified-flow backbones.
+
+Every trainer is a deterministic function of its config (seeded data pools and torch generators, one thread)
+and returns a small dict of statistics that goes into the artefact manifest.
+
+Rectified-flow matching (Liu et al. 2022; Esser et al. 2024, SD3): x_sigma = (1 - sigma) x0 + sigma eps,
+target v = eps - x0 (REFERENCE.md section 1), sigma ~ logit-normal(0, 1) as in SD3.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from jagg.backbones import Backbone
+from jagg.sampling import sample_trajectory
+from jagg.sde import shifted_linear_sigmas
+from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
+from jagg.world.scene import Attributes, World
+from jagg.world.text import WordTokenizer, WorldTextEncoder
+
+
+# --------------------------------------------------------------------------- data
+def render_pool(world: World, prompts: list[str], per_prompt: int, seed: int) -> tuple[Tensor, Tensor]:
+    """``per_prompt`` renders of every prompt -> images (N, 3, H, W) and world prompt indices (N,)."""
+    reps = [p for p in prompts for _ in range(per_prompt)]
+    idx = torch.tensor([world.prompt_index[p] for p in reps])
+    return world.render(reps, seed), idx
+
+
+def box_blur(images: Tensor) -> Tensor:
+    """3x3 mean filter with replicate padding, (B, 3, H, W)."""
+    return F.avg_pool2d(F.pad(images, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
+
+
+def augment(images: Tensor, gen: torch.Generator, max_noise: float = 0.06, p_blur: float = 0.3) -> Tensor:
+    """Mild robustness augmentation for the judges: Gaussian noise sigma ~ U(0, max_noise), random 3x3 blur."""
+    b = images.shape[0]
+    sigma = torch.rand(b, 1, 1, 1, generator=gen) * max_noise
+    blur = torch.rand(b, 1, 1, 1, generator=gen) < p_blur
+    x = torch.where(blur, box_blur(images), images)
+    return (x + sigma * torch.randn(images.shape, generator=gen)).clamp(0, 1)
+
+
+DEGRADATIONS = ("position", "color", "shape", "noise", "noisy_background", "blur", "faded", "empty", "extra")
+
+
+def preference_pairs(world: World, n: int, seed: int) -> tuple[Tensor, Tensor, Tensor, list[str]]:
+    """``n`` (preferred, rejected) pairs: a faithful clean render vs a degraded one for the same prompt.
+
+    Degradations cycle through ``DEGRADATIONS``: a misplaced / wrong-colour / wrong-shape object, pixel noise,
+    a noisy background (the hack a pure alignment reward invites), blur, low contrast, an empty scene, and a
+    distracting extra object. Returns good, bad (n, 3, H, W), prompt indices (n,) and the degradation names.
+    """
+    rng = np.random.default_rng(seed)
+    c = world.config
+    prompts = [world.prompts[i] for i in rng.integers(0, len(world.prompts), n)]
+    kinds = [DEGRADATIONS[i % len(DEGRADATIONS)] for i in range(n)]
+    good_attrs = [world.parse(p) for p in prompts]
+    good, alpha, bg = world.render_attributes(good_attrs, rng)
+
+    def other(values: tuple[str, ...], current: str) -> str:
+        return str(rng.choice([v for v in values if v != current]))
+
+    bad_attrs: list[Attributes | None] = []
+    for a, k in zip(good_attrs, kinds, strict=True):
+        if k == "position":
+            bad_attrs.append(a._replace(position=other(c.positions, a.position)))
+        elif k == "color":
+            bad_attrs.append(a._replace(color=other(c.colors, a.color)))
+        elif k == "shape":
+            bad_attrs.append(a._replace(shape=other(c.shapes, a.shape)))
+        elif k == "extra":  # a second, different object elsewhere
+            bad_attrs.append(
+                Attributes(other(c.colors, a.color), other(c.shapes, a.shape), other(c.positions, a.position))
+            )
+        else:
+            bad_attrs.append(None)
+    rerender, alpha2, bg2 = world.render_attributes(bad_attrs, rng)
+    gen = torch.Generator().manual_seed(seed)
+    bad = good.clone()
+    for i, k in enumerate(kinds):
+        x, a, b = good[i], alpha[i], bg[i]
+        u = float(rng.uniform())
+        if k in ("position", "color", "shape", "empty"):
+            bad[i] = rerender[i]
+        elif k == "extra":  # composite the second object over the faithful render
+            bad[i] = x * (1 - alpha2[i]) + (rerender[i] - bg2[i] * (1 - alpha2[i]))
+        elif k == "noise":
+            bad[i] = x + (0.08 + 0.3 * u) * torch.randn(x.shape, generator=gen)
+        elif k == "noisy_background":
+            noise = (0.15 + 0.5 * u) * (2 * torch.rand(x.shape, generator=gen) - 1)
+            bad[i] = x + noise * (1 - a)
+        elif k == "blur":
+            bad[i] = box_blur(box_blur(x[None]))[0] if u < 0.5 else box_blur(x[None])[0]
+        elif k == "faded":
+            bad[i] = b + (x - b) * (0.25 + 0.3 * u)
+    idx = torch.tensor([world.prompt_index[p] for p in prompts])
+    return good, bad.clamp(0, 1), idx, kinds
+
+
+# --------------------------------------------------------------------------- optimisation
+def fit(
+    params,
+    loss_fn: Callable[[int], Tensor],
+    steps: int,
+    lr: float,
+    warmup: int = 50,
+    weight_decay: float = 0.0,
+    log: Callable[[str], None] | None = None,
+    log_every: int = 200,
+) -> dict:
+    """AdamW with linear warmup and cosine decay to 0, grad-norm clip 1. Returns final loss and seconds."""
+    params = [p for p in params if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)),
+    )
+    t0, recent = time.perf_counter(), []
+    for step in range(steps):
+        loss = loss_fn(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        recent = (recent + [loss.item()])[-50:]
+        if log and (step + 1) % log_every == 0:
+            log(f"  step {step + 1}/{steps}  loss {np.mean(recent):.4f}  {time.perf_counter() - t0:.0f} s")
+    return {
+        "final_loss": float(np.mean(recent)) if recent else float("nan"),
+        "train_seconds": time.perf_counter() - t0,
+    }
+
+
+@dataclass(frozen=True)
+class JudgeTrainConfig:
+    """Steps and data of one judge (CLIP, preference or attribute model)."""
+
+    steps: int = 600
+    batch: int = 128
+    lr: float = 2e-3
+    per_prompt: int = 60  # renders per prompt in the training pool (CLIP, attributes)
+    pairs: int = 18000  # preference pairs in the training pool
+    seed: int = 0
+
+
+def train_clip(world: World, tokenizer: WordTokenizer, cfg: JudgeTrainConfig) -> tuple[TinyCLIP, dict]:
+    """Image -> prompt InfoNCE over all world prompts (CLIP's image-side loss with the full prompt set as
+    negatives; the in-batch text side is redundant when every prompt is in every softmax)."""
+    torch.manual_seed(cfg.seed)
+    model = TinyCLIP(len(tokenizer), max_len=tokenizer.max_len)
+    images, labels = render_pool(world, world.prompts, cfg.per_prompt, seed=10_000 + cfg.seed)
+    ids, mask = tokenizer(world.prompts)
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def loss_fn(_step: int) -> Tensor:
+        j = torch.randint(0, len(images), (cfg.batch,), generator=gen)
+        img = model.encode_image(augment(images[j], gen))  # (B, E)
+        txt = model.encode_text(ids, mask)  # (P, E)
+        return F.cross_entropy(model.logit_scale.exp() * img @ txt.T, labels[j])
+
+    stats = fit(model.parameters(), loss_fn, cfg.steps, cfg.lr)
+    return model.eval(), stats
+
+
+def train_preference(
+    world: World, tokenizer: WordTokenizer, cfg: JudgeTrainConfig
+) -> tuple[PreferenceModel, dict]:
+    """Bradley-Terry loss -log sigmoid(s(good) - s(bad)) on ``preference_pairs``, plus the CLIP image->prompt
+    InfoNCE on the preferred images (HPSv2 / PickScore start from a contrastively trained CLIP; here both
+    objectives are trained jointly from scratch)."""
+    torch.manual_seed(cfg.seed)
+    model = PreferenceModel(len(tokenizer), max_len=tokenizer.max_len)
+    good, bad, pidx, _ = preference_pairs(world, cfg.pairs, seed=20_000 + cfg.seed)
+    ids, mask = tokenizer(world.prompts)
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def loss_fn(_step: int) -> Tensor:
+        j = torch.randint(0, len(good), (cfg.batch,), generator=gen)
+        img, quality = model.features(torch.cat([good[j], bad[j]]))  # (2B, E), (2B,)
+        txt = model.encode_text(ids, mask)  # (P, E)
+        logits = model.logit_scale.exp() * img @ txt.T  # (2B, P)
+        score = logits.gather(1, pidx[j].repeat(2)[:, None]).squeeze(1) + quality
+        bt = -F.logsigmoid(score[: cfg.batch] - score[cfg.batch :]).mean()
+        return bt + F.cross_entropy(logits[: cfg.batch], pidx[j])
+
+    stats = fit(model.parameters(), loss_fn, cfg.steps, cfg.lr)
+    return model.eval(), stats
+
+
+def train_attributes(world: World, cfg: JudgeTrainConfig) -> tuple[AttrClassifier, dict]:
+    """Sum of three cross-entropies (colour, shape, position) on augmented renders with known labels."""
+    torch.manual_seed(cfg.seed)
+    model = AttrClassifier(world.num_classes)
+    images, pidx = render_pool(world, world.prompts, cfg.per_prompt, seed=30_000 + cfg.seed)
+    labels = world.labels(world.prompts)[pidx]  # (N, 3)
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def loss_fn(_step: int) -> Tensor:
+        j = torch.randint(0, len(images), (cfg.batch,), generator=gen)
+        logits = model(augment(images[j], gen))
+        return sum(F.cross_entropy(lg, labels[j, k]) for k, lg in enumerate(logits))
+
+    stats = fit(model.parameters(), loss_fn, cfg.steps, cfg.lr)
+    return model.eval(), stats
+
+
+# --------------------------------------------------------------------------- flow backbones
+@dataclass(frozen=True)
+class FlowTrainConfig:
+    """Rectified-flow pretraining of a backbone on the training prompts."""
+
+    steps: int = 800
+    batch: int = 64
+    lr: float = 1e-3
+    warmup: int = 50
+    per_prompt: int = 200
+    seed: int = 0
+
+
+def flow_matching_loss(backbone: Backbone, x0: Tensor, cond, gen: torch.Generator) -> Tensor:
+    """E ||v(x_sigma, sigma) - (eps - x0)||^2 with sigma ~ logit-normal(0, 1)."""
+    b = x0.shape[0]
+    eps = torch.randn(x0.shape, generator=gen)
+    sigma = torch.sigmoid(torch.randn(b, generator=gen))  # (B,)
+    s = sigma.view(b, 1, 1, 1)
+    x_t = (1 - s) * x0 + s * eps
+    return F.mse_loss(backbone.velocity(x_t, sigma, cond), eps - x0)
+
+
+def train_flow(
+    backbone: Backbone,
+    text_encoder: WorldTextEncoder,
+    world: World,
+    cfg: FlowTrainConfig,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Train ``backbone`` in place on renders of ``world.train_prompts``; returns final loss and seconds."""
+    torch.manual_seed(cfg.seed)
+    images, pidx = render_pool(world, world.train_prompts, cfg.per_prompt, seed=40_000 + cfg.seed)
+    latents = world.encode(images)
+    cond_all = text_encoder.encode_prompts(world.prompts)  # frozen: encode each prompt once
+    gen = torch.Generator().manual_seed(cfg.seed)
+    backbone.train()
+
+    def loss_fn(_step: int) -> Tensor:
+        j = torch.randint(0, len(latents), (cfg.batch,), generator=gen)
+        return flow_matching_loss(backbone, latents[j], cond_all.select(pidx[j]), gen)
+
+    stats = fit(backbone.parameters(), loss_fn, cfg.steps, cfg.lr, warmup=cfg.warmup, log=log)
+    backbone.eval()
+    return stats
+
+
+@torch.no_grad()
+def sample_images(
+    backbone: Backbone,
+    text_encoder: WorldTextEncoder,
+    world: World,
+    prompts: list[str],
+    seed: int,
+    steps: int = 16,
+    shift: float = 3.0,
+    chunk: int = 256,
+) -> Tensor:
+    """ODE samples (B, 3, H, W) in [0, 1] via ``sample_trajectory`` on ``shifted_linear_sigmas(steps, shift)``."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(len(prompts), world.latent_channels, world.size, world.size, generator=gen)
+    sigmas = shifted_linear_sigmas(steps, shift)
+    out = []
+    for i in range(0, len(prompts), chunk):
+        cond = text_encoder.encode_prompts(prompts[i : i + chunk])
+        traj = sample_trajectory(backbone.bind(cond), noise[i : i + chunk], sigmas, ["ode"] * steps)
+        out.append(world.decode(traj.final))
+    return torch.cat(out)
+
+
+# --------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def clip_retrieval_accuracy(model: TinyCLIP, tokenizer: WordTokenizer, world: World, images, labels) -> float:
+    """Top-1 accuracy of picking the right prompt among all world prompts."""
+    txt = model.encode_text(*tokenizer(world.prompts))
+    return (model.encode_image(images) @ txt.T).argmax(-1).eq(labels).float().mean().item()
+
+
+@torch.no_grad()
+def attribute_accuracy(model: AttrClassifier, world: World, images: Tensor, prompts: list[str]) -> dict:
+    """Exact match (all three attributes right) and per-attribute accuracy."""
+    hit = model.predict(images).eq(world.labels(prompts))  # (B, 3)
+    names = ("color", "shape", "position")
+    return {"exact": hit.all(-1).float().mean().item()} | {
+        n: hit[:, k].float().mean().item() for k, n in enumerate(names)
+    }
