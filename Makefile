@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test lint format bench pretrain clean theorem table1
+.PHONY: help venv test lint format bench pretrain clean theorem table1 cosine curves figures all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -56,3 +56,14 @@ theorem: $(STAMP) ## Theorem 1 numerically: JAGG error vs nonlinearity, curvatur
 
 table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoints, 2 backbones x 2 algorithms -> results/table1.{csv,md,tex}
 	$(PY) experiments/table1.py --scale $(SCALE)
+
+cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact) -> results/cosine.{csv,md}, paper_figures/cosine_per_group.png
+	$(PY) experiments/cosine.py
+
+curves: $(STAMP) pretrain ## Reward curves, exact / JAGG / ablations x seeds (QUICK=1: a few iterations) -> results/curves/, paper_figures/reward_curves.png
+	$(PY) experiments/curves.py $(if $(QUICK),--quick,)
+
+figures: $(STAMP) ## Regenerate every table and figure from results/ alone (no training)
+	$(PY) experiments/figures.py
+
+all: table1 cosine curves theorem bench figures ## Everything (pretraining included), then every figure

@@ -84,3 +84,14 @@ def write_table(rows: list[dict], path: str | Path, meta: dict) -> None:
     path = Path(path)
     atomic_write_text(path, pd.DataFrame(rows).to_csv(index=False))
     atomic_write_text(path.with_suffix(".meta.json"), json.dumps(meta, indent=2, default=str) + "\n")
+
+
+def markdown_table(df, floatfmt: str = "{:.4f}") -> str:
+    """A pandas DataFrame as a GitHub Markdown table (no extra dependency)."""
+
+    def fmt(v) -> str:
+        return floatfmt.format(v) if isinstance(v, float) else str(v)
+
+    head = "| " + " | ".join(map(str, df.columns)) + " |"
+    rows = ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, "|" + "---|" * len(df.columns), *rows])

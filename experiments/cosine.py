@@ -1,0 +1,270 @@
+"""Gradient quality per group: cosine(JAGG group gradient, exact group gradient) along the trajectory.
+
+On trained backbones and held-out prompts: sample all-SDE DanceGRPO rollouts, score them, take the GRPO
+per-step losses of every step but the last, cut the steps into consecutive groups of W, and for each group
+compare the gradient of each two-endpoint strategy (jagg, endpoints, uniform) with the exact per-step
+gradient: cosine similarity and relative norm error ||g - g_exact|| / ||g_exact||. Settings stress the
+linearity assumption: W up to the whole trajectory, few sampling steps, high noise, both together, and the
+backbone after a short RL fine-tune. (Larger images are not included: the world backbones and rewards are
+trained at one image size, so a larger latent would be out of distribution for the reward models too.) A recommended jagg_frac per backbone is derived
+as the fraction of leading groups whose median JAGG cosine is at least a threshold.
+
+    python experiments/cosine.py [--quick] [--threshold 0.9]
+    -> results/cosine.csv, results/cosine.md, paper_figures/cosine_per_group.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from jagg.common import atomic_write_text, markdown_table, run_metadata, set_threads, write_table
+from jagg.components import build_components
+from jagg.config import load_config
+from jagg.strategies import group_backward
+from jagg.trainer import Trainer
+
+BACKBONES = ("flux", "qwenimage")
+COMPARED = ("jagg", "endpoints", "uniform")
+# name -> (config overrides, group sizes). The first is the reference setting.
+SETTINGS: dict[str, tuple[list[str], list[int]]] = {
+    "default": ([], [2, 3, 4, 9]),
+    "few_steps": (["sampling.num_steps=5"], [4]),
+    "high_noise": (["algorithm.noise_level=1.0"], [3]),
+    "few_steps_high_noise": (["sampling.num_steps=5", "algorithm.noise_level=1.0"], [4]),
+    "after_rl": ([], [3]),
+}
+QUICK = [
+    "model.source=tiny",
+    "reward.weights={jpeg: 1.0}",
+    "reward.eval=[jpeg]",
+    "train.images_per_prompt=2",
+    "train.prompts_per_iter=2",
+    "train.train_batch_size=4",
+]
+
+
+def _flat_grad(params) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def group_rows(trainer: Trainer, it: int, w: int, meta: dict) -> list[dict]:
+    """One rollout; per group of W consecutive steps: each strategy's gradient vs the exact one."""
+    ro = trainer.rollout(it)
+    n_steps = len(trainer.sigmas) - 1
+    steps = torch.arange(n_steps - 1).expand(len(ro.prompts), n_steps - 1)  # all steps but the last
+    x, s, step_loss = trainer._step_loss(ro, slice(None), steps, 1.0, [])
+    velocity = trainer.velocity(ro.cond)
+    rows = []
+    for g, start in enumerate(range(0, n_steps - 1, w)):
+        idx = list(range(start, min(start + w, n_steps - 1)))
+        if len(idx) < 2:
+            continue
+        grads = {}
+        for strategy in ("exact", *COMPARED):
+            trainer.backbone.zero_grad(set_to_none=True)
+            group_backward(velocity, x[idx], s[idx], lambda j, v, idx=idx: step_loss(idx[j], v), strategy)
+            grads[strategy] = _flat_grad(trainer.params).double()
+        ref = grads["exact"]
+        for strategy in COMPARED:
+            rows.append(
+                dict(
+                    **meta,
+                    W=w,
+                    group=g,
+                    group_len=len(idx),
+                    step_start=idx[0],
+                    sigma_start=float(trainer.sigmas[idx[0]]),
+                    sigma_end=float(trainer.sigmas[idx[-1]]),
+                    iteration=it,
+                    strategy=strategy,
+                    cosine=torch.nn.functional.cosine_similarity(grads[strategy], ref, dim=0).item(),
+                    rel_norm_err=((grads[strategy] - ref).norm() / ref.norm()).item(),
+                )
+            )
+    trainer.backbone.zero_grad(set_to_none=True)
+    return rows
+
+
+def rl_finetune(trainer: Trainer, iterations: int) -> None:
+    """A short GRPO run (the config's strategy) so the after_rl setting measures a policy moved by RL."""
+    for it in range(iterations):
+        trainer.update(trainer.rollout(50_000 + it))
+
+
+def measure(backbone: str, setting: str, args, extra: list[str]) -> list[dict]:
+    overrides, ws = SETTINGS[setting]
+    cfg = load_config(
+        "configs/world/flux_dancegrpo.yaml",
+        [
+            f"model.backbone={backbone}",
+            "train.images_per_prompt=4",
+            "train.prompts_per_iter=2",
+            "train.train_batch_size=8",
+            *overrides,
+            *extra,
+        ],
+    )
+    trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/cosine"))
+    trainer.comp.train_prompts = trainer.comp.eval_prompts  # score held-out prompts
+    if setting == "after_rl":
+        rl_finetune(trainer, args.rl_iterations)
+    rows = []
+    for w in ws:
+        for seed in range(args.seeds):
+            meta = dict(
+                backbone=backbone,
+                setting=setting,
+                num_steps=cfg.sampling.num_steps,
+                noise_level=cfg.algorithm.noise_level,
+                latent_size=cfg.sampling.latent_size,
+                seed=seed,
+            )
+            rows += group_rows(trainer, 1000 * seed + w, w, meta)
+    return rows
+
+
+def recommend(df, threshold: float, w: int = 3) -> dict[str, float]:
+    """jagg_frac per backbone: leading groups (default setting, W) with median JAGG cosine >= threshold."""
+    out = {}
+    sub = df[(df.setting == "default") & (w == df.W) & (df.strategy == "jagg")]
+    for backbone, d in sub.groupby("backbone"):
+        med = d.groupby("group").cosine.median().sort_index()
+        lead = 0
+        for c in med:
+            if c < threshold:
+                break
+            lead += 1
+        out[backbone] = lead / len(med)
+    return out
+
+
+def plot(csv: Path, png: Path) -> None:
+    """cosine vs group (sigma at the group's first step), one panel per setting, from the CSV only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    panels = [
+        ("default", 3),
+        ("default", 9),
+        ("few_steps", None),
+        ("high_noise", None),
+        ("few_steps_high_noise", None),
+        ("after_rl", None),
+    ]
+    panels = [(s, w) for s, w in panels if s in set(df.setting) and (w is None or w in set(df.W))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, (setting, w) in zip(axes[0], panels, strict=True):
+        d = df[df.setting == setting]
+        d = d[(w if w is not None else d.W.iloc[0]) == d.W]
+        for (backbone, strategy), e in d.groupby(["backbone", "strategy"]):
+            m = e.groupby("group").agg(
+                sigma=("sigma_start", "mean"),
+                cos=("cosine", "median"),
+                lo=("cosine", "min"),
+                hi=("cosine", "max"),
+            )
+            style = {"jagg": "-", "endpoints": ":", "uniform": "--"}[strategy]
+            color = {"flux": "C0", "qwenimage": "C3"}.get(backbone, "C2")
+            ax.plot(m.index, m.cos, style, color=color, marker="o", ms=3, label=f"{backbone} {strategy}")
+            if strategy == "jagg":
+                ax.fill_between(m.index, m.lo, m.hi, color=color, alpha=0.15)
+        ax.set_title(f"{setting}, W={int(d.W.iloc[0])}", fontsize=9)
+        ax.set_xlabel("group (0 = highest noise)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("cosine to exact group gradient")
+    axes[0][-1].legend(fontsize=6, loc="lower left")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def to_markdown(df, rec: dict, threshold: float, meta: dict) -> str:
+    summary = (
+        df[df.strategy == "jagg"]
+        .groupby(["backbone", "setting", "W", "group"])
+        .agg(
+            sigma_start=("sigma_start", "mean"),
+            cosine_median=("cosine", "median"),
+            cosine_min=("cosine", "min"),
+            rel_err_median=("rel_norm_err", "median"),
+        )
+        .reset_index()
+    )
+    abl = (
+        df.groupby(["backbone", "setting", "W", "strategy"]).cosine.median().unstack("strategy").reset_index()
+    )
+    lines = [
+        "# Gradient quality per group: cosine(JAGG, exact)",
+        "",
+        f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}, "
+        f"seeds {meta['seeds']}. Command: `{meta['command']}`",
+        "",
+        f"Recommended jagg_frac (leading groups, default setting, W=3, median cosine >= {threshold}): "
+        + ", ".join(f"{k}: {v:.2f}" for k, v in rec.items()),
+        "",
+        "## JAGG per group",
+        "",
+        markdown_table(summary),
+        "",
+        "## Median cosine over all groups, per strategy",
+        "",
+        markdown_table(abl),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render(csv: Path, png: Path) -> None:
+    """Markdown summary (with the recommended jagg_frac) and the figure from the CSV + metadata only."""
+    import json
+
+    import pandas as pd
+
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    df = pd.read_csv(csv)
+    threshold = meta["config"]["threshold"]
+    atomic_write_text(csv.with_suffix(".md"), to_markdown(df, recommend(df, threshold), threshold, meta))
+    plot(csv, png)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/cosine.csv")
+    ap.add_argument("--figure", default="paper_figures/cosine_per_group.png")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--rl-iterations", type=int, default=15)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
+    args = ap.parse_args(argv)
+    set_threads(1)
+    extra = QUICK if args.quick else []
+    if args.quick:
+        args.seeds, args.rl_iterations = 1, 1
+    rows = []
+    for backbone in BACKBONES:
+        for setting in args.settings:
+            rows += measure(backbone, setting, args, extra)
+            print(f"{backbone} {setting}: {len(rows)} rows", flush=True)
+    meta = run_metadata(
+        command="python experiments/cosine.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        seeds=args.seeds,
+        seed="per row",
+        config=vars(args),
+    )
+    write_table(rows, args.out, meta)
+    render(Path(args.out), Path(args.figure))
+    print(Path(args.out).with_suffix(".md").read_text())
+    print(f"wrote {args.out}, {Path(args.out).with_suffix('.md')}, {args.figure}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Every experiment driver in a seconds-scale smoke mode, then `figures` regenerating from results alone."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import cosine  # noqa: E402
+import curves  # noqa: E402
+import figures  # noqa: E402
+import table1  # noqa: E402
+import theorem1  # noqa: E402
+
+TINY = ["model.source=tiny", "reward.weights={jpeg: 1.0}", "reward.eval=[jpeg]"]
+
+
+def _meta_ok(csv: Path) -> dict:
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    assert {"git_sha", "hardware", "versions", "seed", "config"} <= set(meta)
+    return meta
+
+
+def test_drivers_quick_then_figures(tmp_path):
+    res, figs = tmp_path / "results", tmp_path / "figures"
+
+    theorem1.main(["--quick", "--out", str(res / "theorem1.csv"), "--figure", str(figs / "theorem1.png")])
+    th = pd.read_csv(res / "theorem1.csv")
+    linear = th[(th.sweep == "W") & (th.W > 2)]
+    assert (linear.jagg_rel_err < 1e-10).all() and (linear.endpoints_rel_err > 1e-3).all()  # Theorem 1
+    nonlinear = th[(th.sweep == "nonlinear") & (th.gamma > 0)]
+    assert (nonlinear.jagg_rel_err > 1e-8).all()
+    _meta_ok(res / "theorem1.csv")
+
+    table1.main(["--quick", "--out", str(res / "table1.csv"), "--figure", str(figs / "t1.png")])
+    t1 = pd.read_csv(res / "table1.csv")
+    assert len(t1) == 12 and set(t1.strategy) == {"exact", "jagg", "endpoints"}
+    # pass counts are deterministic: JAGG never needs more backward passes than exact
+    for _, g in t1.groupby(["backbone", "algorithm"]):
+        by = g.set_index("strategy")
+        assert by.loc["jagg", "bwd_per_sample"] <= by.loc["exact", "bwd_per_sample"]
+    assert (res / "table1.tex").read_text().startswith("\\begin{tabular}")
+    _meta_ok(res / "table1.csv")
+
+    cosine.main(["--quick", "--settings", "default", "few_steps", "--out", str(res / "cosine.csv"),
+                 "--figure", str(figs / "cos.png")])
+    cs = pd.read_csv(res / "cosine.csv")
+    w2 = cs[(cs.W == 2) & (cs.strategy == "jagg")]
+    assert (w2.cosine > 1 - 1e-9).all()  # W = 2 is exact for any model
+    assert "Recommended jagg_frac" in (res / "cosine.md").read_text()
+
+    curves.main(["--quick", "--seeds", "1", "--strategies", "exact", "jagg", "--runs", str(tmp_path / "runs"),
+                 "--out", str(res / "curves"), "--figure", str(figs / "curves.png"), *TINY])
+    assert {p.name for p in (res / "curves").glob("*.csv")} == {"exact_seed0.csv", "jagg_seed0.csv"}
+    assert "Final held-out rewards" in (res / "curves" / "summary.md").read_text()
+
+    for f in figs.glob("*.png"):
+        f.unlink()
+    figures.main(["--results", str(res), "--figures", str(figs)])
+    assert {p.name for p in figs.glob("*.png")} == {
+        "theorem1.png", "table1_update_reduction.png", "cosine_per_group.png", "reward_curves.png"
+    }
