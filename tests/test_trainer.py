@@ -130,3 +130,43 @@ def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypat
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))  # no update went through
     assert trainer.metrics[-1]["skipped_steps"] == 2 and trainer.iteration == 2
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+def test_gradient_checkpointing_gives_identical_training(tmp_path):
+    """Checkpointing recomputes activations; the metrics of an iteration must not change."""
+    runs = []
+    for gc in (False, True):
+        cfg = tiny_cfg(
+            tmp_path / str(gc), f"model.gradient_checkpointing={str(gc).lower()}", "train.iterations=1"
+        )
+        trainer = make_trainer(cfg)
+        (m,) = trainer.fit()
+        runs.append(
+            (
+                {k: v for k, v in m.items() if not k.startswith(TIME_KEYS)},
+                [p.detach().clone() for p in trainer.params],
+            )
+        )
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_ema_tracks_parameters_and_is_used_for_eval(tmp_path):
+    cfg = tiny_cfg(tmp_path, "optim.ema_decay=0.5", "train.iterations=2", "log.eval_every=2")
+    trainer = make_trainer(cfg)
+    init = [p.detach().clone() for p in trainer.params]
+    trainer.fit()
+    # EMA lies strictly between the initial and the current weights for a parameter that moved
+    moved = [(e, i, p) for e, i, p in zip(trainer.ema, init, trainer.params) if not torch.equal(i, p)]
+    assert moved
+    e, i, p = moved[0]
+    assert not torch.equal(e, p) and not torch.equal(e, i)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["ema"] is not None and len(ckpt["ema"]) == len(trainer.params)
+
+
+def test_bf16_autocast_smoke(tmp_path):
+    cfg = tiny_cfg(tmp_path, "train.precision=bf16", "train.iterations=1")
+    (m,) = make_trainer(cfg).fit()
+    assert m["onpolicy_ratio_max_dev"] == 0.0  # stored samples are scored in float32 both times
+    assert torch.isfinite(torch.tensor(m["loss"]))
