@@ -51,6 +51,7 @@ from jagg.world.train import (
 EVAL_SEED = 90_000
 EVAL_PER_PROMPT = 20  # judges: held-out renders per prompt
 SAMPLES_PER_PROMPT = 32  # backbones: samples per held-out prompt
+SAMPLES_PER_TRAIN_PROMPT = 8  # backbones: samples per training prompt (5x more prompts)
 
 
 def _heldout_split(world: World, labels: torch.Tensor) -> torch.Tensor:
@@ -79,9 +80,11 @@ def evaluate_judge(name: str, model, world: World) -> dict:
     return {"attr_accuracy": attribute_accuracy(model, world, images, prompts)}
 
 
-def evaluate_backbone(backbone, text_encoder, world: World, rewards: dict, prompts: list[str]) -> dict:
-    """Attribute accuracy and mean rewards of ODE samples for ``prompts`` (SAMPLES_PER_PROMPT each)."""
-    reps = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
+def evaluate_backbone(
+    backbone, text_encoder, world: World, rewards: dict, prompts: list[str], per_prompt: int
+) -> dict:
+    """Attribute accuracy and mean rewards of ``per_prompt`` ODE samples for each of ``prompts``."""
+    reps = [p for p in prompts for _ in range(per_prompt)]
     images = sample_images(backbone, text_encoder, world, reps, EVAL_SEED, SAMPLE_STEPS, SAMPLE_SHIFT)
     out = {
         "n_samples": len(reps),
@@ -157,8 +160,12 @@ def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = prin
         rewards = world_rewards(cache_dir, world)
         metrics = {
             "sampler": {"steps": SAMPLE_STEPS, "shift": SAMPLE_SHIFT, "kinds": "ode"},
-            "heldout_prompts": evaluate_backbone(model, text_encoder, world, rewards, world.heldout_prompts),
-            "train_prompts": evaluate_backbone(model, text_encoder, world, rewards, world.train_prompts),
+            "heldout_prompts": evaluate_backbone(
+                model, text_encoder, world, rewards, world.heldout_prompts, SAMPLES_PER_PROMPT
+            ),
+            "train_prompts": evaluate_backbone(
+                model, text_encoder, world, rewards, world.train_prompts, SAMPLES_PER_TRAIN_PROMPT
+            ),
         }
         manifest = _manifest(name, stats, metrics)
         manifest["depends_on"] = {"text_encoder": read_manifest("text_encoder", cache_dir)["sha256"]}

@@ -48,8 +48,8 @@ JUDGE_TRAIN = {
     "attr": JudgeTrainConfig(steps=500, seed=4),
 }
 FLOW_TRAIN = {
-    "flux": FlowTrainConfig(steps=800, seed=5),
-    "qwenimage": FlowTrainConfig(steps=800, seed=6),
+    "flux": FlowTrainConfig(steps=450, seed=5),
+    "qwenimage": FlowTrainConfig(steps=500, seed=6),
 }
 # Evaluation sampler of the manifests and the report (DanceGRPO-style schedule, all ODE).
 SAMPLE_STEPS, SAMPLE_SHIFT = 16, 3.0
