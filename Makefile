@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test lint format bench pretrain clean theorem table1 cosine curves figures all
+.PHONY: help venv test test-dist lint format bench pretrain clean theorem table1 cosine curves figures all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -32,6 +32,9 @@ venv: $(STAMP) ## Create .venv with the pinned dependencies (done automatically 
 
 test: $(STAMP) ## Run the test suite (creates .venv if missing)
 	$(PY) -m pytest -q
+
+test-dist: $(STAMP) ## 2-process FSDP2 tests on CPU (gloo): group backward, trainer, torchrun CLI
+	$(PY) -m pytest -q tests/test_distributed.py tests/test_distributed_trainer.py
 
 lint: $(STAMP) ## ruff check + format check
 	$(PY) -m ruff check src tests experiments

@@ -38,6 +38,10 @@ class ModelConfig:
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 0.0
     lora_targets: list[str] = field(default_factory=list)  # empty = backbone default
+    negative_prompt: str = (
+        " "  # Qwen-Image true CFG (used when true_cfg_scale > 1), as the Qwen-Image pipeline
+    )
+    max_sequence_length: int = 512  # text tokens: Flux T5 padding length, Qwen-Image truncation
 
 
 @dataclass
@@ -46,6 +50,7 @@ class SamplingConfig:
     shift: float = 3.0  # shifted-linear schedule (DanceGRPO); real models use their scheduler
     latent_size: int = 16  # latent height = width (must be even: 2x2 packing)
     eval_num_steps: int = 16
+    schedule: str = "shift"  # shift (shifted linear, DanceGRPO) | scheduler (the model's diffusers scheduler)
 
 
 @dataclass
@@ -98,6 +103,19 @@ class TrainConfig:
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"pref": 1.0})
     eval: list[str] = field(default_factory=lambda: ["pref", "clip", "attr"])
+    kwargs: dict[str, dict] = field(default_factory=dict)  # reward name -> constructor kwargs
+
+
+@dataclass
+class DataConfig:
+    """Prompts and text-embedding cache for model.source=pretrained (the world sources use the world's own)."""
+
+    train_prompts: str = "hpdv2_train"  # local file or a name in jagg.prompts.PROMPT_DATASETS
+    eval_prompts: str = "hpdv2_test"
+    train_limit: int | None = None  # first N prompts (None = all)
+    eval_limit: int | None = None
+    embedding_cache: str | None = None  # directory of per-prompt embedding files (shared by all ranks)
+    precompute_embeddings: bool = False  # encode every prompt up front, then free the text encoders
 
 
 @dataclass
@@ -119,6 +137,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
@@ -242,6 +261,21 @@ def validate(cfg: Config) -> None:
     )
     _require(m.source != "pretrained" or bool(m.path), "model.path is required when model.source=pretrained")
     _require(m.lora_rank >= 0, f"model.lora_rank must be >= 0, got {m.lora_rank}")
+    _require(
+        m.lora_rank == 0 or m.lora_alpha > 0,
+        f"model.lora_alpha must be > 0 when model.lora_rank > 0, got {m.lora_alpha}",
+    )
+    _require(m.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {m.true_cfg_scale}")
+    _require(
+        m.max_sequence_length >= 1, f"model.max_sequence_length must be >= 1, got {m.max_sequence_length}"
+    )
+    _require(
+        s.schedule in ("shift", "scheduler"), f"sampling.schedule must be shift|scheduler, got {s.schedule!r}"
+    )
+    _require(
+        s.schedule == "shift" or m.source == "pretrained",
+        f"sampling.schedule=scheduler needs model.source=pretrained (a diffusers scheduler), got {m.source!r}",
+    )
     _require(s.num_steps >= 2, f"sampling.num_steps must be >= 2, got {s.num_steps}")
     _require(s.eval_num_steps >= 1, f"sampling.eval_num_steps must be >= 1, got {s.eval_num_steps}")
     _require(s.shift > 0, f"sampling.shift must be > 0, got {s.shift}")
@@ -304,6 +338,39 @@ def validate(cfg: Config) -> None:
         _require(
             not unknown, f"{key}: unknown reward {unknown[0] if unknown else ''!r}; known: {sorted(REWARDS)}"
         )
+    named = set(cfg.reward.weights) | set(cfg.reward.eval)
+    extra = sorted(set(cfg.reward.kwargs) - named)
+    _require(
+        not extra, f"reward.kwargs: {extra[0] if extra else ''!r} is not a reward in reward.weights/eval"
+    )
+    _validate_data(cfg)
     for key in ("eval_every", "checkpoint_every", "grid_every"):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
+
+
+def _validate_data(cfg: Config) -> None:
+    d = cfg.data
+    for key in ("train_limit", "eval_limit"):
+        v = getattr(d, key)
+        _require(v is None or v >= 1, f"data.{key} must be >= 1 or null, got {v}")
+    for key in ("train_prompts", "eval_prompts"):
+        _require(
+            bool(getattr(d, key)), f"data.{key} must name a prompt file or dataset, got {getattr(d, key)!r}"
+        )
+    _require(
+        cfg.model.source == "pretrained" or dataclasses.asdict(d) == dataclasses.asdict(DataConfig()),
+        f"data.* is used only with model.source=pretrained (world/tiny use the world's prompts), "
+        f"got model.source={cfg.model.source!r}",
+    )
+
+
+def validate_world_size(cfg: Config, world_size: int) -> None:
+    """Multi-process runs split the global batch into whole micro-batches per rank (same count everywhere)."""
+    t = cfg.train
+    n = t.prompts_per_iter * t.images_per_prompt
+    _require(
+        world_size == 1 or n % (world_size * t.train_batch_size) == 0,
+        f"train.prompts_per_iter * train.images_per_prompt = {n} must be a multiple of "
+        f"world_size * train.train_batch_size = {world_size} * {t.train_batch_size} for multi-process runs",
+    )

@@ -18,6 +18,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -147,3 +148,99 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
             g = p.grad
             out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
+
+
+# --------------------------------------------------------------------------- rank plumbing for the trainer
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job. World size 1 (no process group) makes every helper an identity."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def current(cls) -> DistInfo:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def share(self, n: int) -> slice:
+        """This rank's contiguous block of ``n`` global items (``n`` divisible by the world size)."""
+        k = n // self.world_size
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's equally shaped ``x`` along dim 0, in rank order (on x's device)."""
+        if not self.enabled:
+            return x
+        local = x.detach().to(self._comm_device()).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(x.device)
+
+    def reduce_scalars(self, values: dict[str, float], op: str = "mean") -> dict[str, float]:
+        """Mean / max / sum of per-rank floats (one all-reduce); identity on one process."""
+        if not self.enabled or not values:
+            return dict(values)
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "mean":
+            t /= self.world_size
+        return dict(zip(values, t.tolist()))
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (an FSDP2-sharded parameter, its gradient or its optimizer state)."""
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The unsharded tensor (all-gather for a DTensor: call on every rank); plain tensors pass through."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like ``like`` (a DTensor: this rank's shard, via ``distribute_tensor``; call on every
+    rank), on ``like``'s device and dtype."""
+    full = full.to(device=like.device, dtype=like.dtype)
+    if not is_sharded(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements)
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every sharded state tensor gathered to a full CPU tensor."""
+    sd = optimizer.state_dict()
+    state = {
+        pid: {k: full_tensor(v).cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+        for pid, st in sd["state"].items()
+    }
+    return {**sd, "state": state}
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, params: list, sd: dict) -> None:
+    """Inverse of ``full_optimizer_state`` for the single parameter group over ``params``."""
+    state = {}
+    for pid, st in sd["state"].items():
+        p = params[int(pid)]
+        state[pid] = {
+            k: shard_like(v, p) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in st.items()
+        }
+    optimizer.load_state_dict({**sd, "state": state})

@@ -2,13 +2,18 @@
 
     --resume     continue the run in log.run_dir from its checkpoint
     --overwrite  replace an existing run directory
+    --dry-run    validate the config and print the plan (steps, groups, passes, memory); no weights, no writes
 Invalid configs exit with status 2 and one line naming the key, before anything is written.
+
+Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
+nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics, checkpoints and grids.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -48,10 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="YAML config (see configs/)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (offline, no weights)")
+    ap.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", 1)),
+        help="ranks assumed by --dry-run (default: $WORLD_SIZE or 1)",
+    )
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            return _dry_run(cfg, args.world_size)
     except ConfigError as err:
         _fail(str(err))
     run_dir = Path(cfg.log.run_dir)
@@ -65,28 +79,63 @@ def main(argv: list[str] | None = None) -> int:
 
     set_threads(1)
     from jagg.components import build_components
+    from jagg.config import validate_world_size
+    from jagg.distributed import DistInfo, init_distributed
+    from jagg.hub import WeightsUnavailableError
     from jagg.trainer import Trainer, TrainingAborted
     from jagg.world import ArtefactError
 
+    init_distributed()
+    info = DistInfo.current()
+    info.barrier()  # every rank has checked run_dir before rank 0 touches it
     try:
+        validate_world_size(cfg, info.world_size)
         comp = build_components(cfg)
-    except (ConfigError, ArtefactError) as err:
+    except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
         _fail(str(err))
-    if args.overwrite and not args.resume and run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=sys.argv if argv is None else argv)
-    atomic_write_text(run_dir / "run.json", json.dumps(meta, indent=2, default=str) + "\n")
+    if info.is_main:
+        if args.overwrite and not args.resume and run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        argv_used = sys.argv if argv is None else argv
+        meta = run_metadata(
+            config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=info.world_size
+        )
+        atomic_write_text(run_dir / "run.json", json.dumps(meta, indent=2, default=str) + "\n")
+    info.barrier()
 
     trainer = Trainer(cfg, comp, run_dir)
     if args.resume:
         trainer.load_checkpoint()
     try:
-        trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration))
+        trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
     except TrainingAborted as err:
         _fail(str(err), code=3)
-    print(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {ckpt}")
+    if info.is_main:
+        print(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {ckpt}")
+    _shutdown()
     return 0
+
+
+def _dry_run(cfg, world_size: int) -> int:
+    """Validate against ``world_size`` and print the plan (``jagg.plan``); reads no weights, writes nothing."""
+    from jagg.config import validate_world_size
+    from jagg.plan import build_plan
+
+    if world_size < 1:
+        _fail(f"--world-size must be >= 1, got {world_size}")
+    validate_world_size(cfg, world_size)
+    print(f"dry run: config valid; plan for world size {world_size}")
+    print(build_plan(cfg, world_size))
+    return 0
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

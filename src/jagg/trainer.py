@@ -11,6 +11,13 @@ surrogate on the SDE log-prob of the stored next latent, scaled by 1 / (grad_acc
 use the same micro-batches, so before the first optimizer step of an iteration every ratio is exactly 1.
 Every random draw of iteration ``it`` comes from a generator seeded by (seed, it), which makes a resumed run
 reproduce the uninterrupted one.
+
+Multi-process (torchrun, FSDP2): every rank draws the same prompts, noise, SDE windows and trained steps for the
+whole global batch and keeps its contiguous share (micro-batch k of the global batch is sampled with the SDE
+seed (seed_it + k) wherever it runs, so the rollouts equal a single-process run's). Rewards are gathered
+before the group advantages, so a prompt group may span ranks. The backbone is sharded per block after LoRA
+is applied; the backward strategies are unchanged (FSDP2 reduce-scatters on each backward). Only rank 0
+writes metrics, checkpoints and sample grids; ``train.grad_accum`` counts micro-batches per rank.
 """
 
 from __future__ import annotations
@@ -32,7 +39,15 @@ from torch import Tensor
 from jagg.algorithms import ALGORITHMS
 from jagg.backbones import Backbone, TextCond
 from jagg.common import atomic_write_text
-from jagg.config import BackwardConfig, Config
+from jagg.config import BackwardConfig, Config, validate_world_size
+from jagg.distributed import (
+    DistInfo,
+    full_optimizer_state,
+    full_tensor,
+    load_full_optimizer_state,
+    shard_backbone,
+    shard_like,
+)
 from jagg.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
 from jagg.rewards import Reward, WeightedRewards, build_reward
 from jagg.sampling import Trajectory, sample_trajectory
@@ -64,13 +79,13 @@ class Components:
 class Rollout:
     """One iteration's samples. N = prompts_per_iter * images_per_prompt."""
 
-    prompts: list[str]  # (N,)
-    cond: TextCond  # N rows
-    traj: Trajectory  # latents (S + 1, N, C, H, W), log_probs (S, N)
-    trained: Tensor  # (N, T) trained step indices per sample, ascending
-    rewards: Tensor  # (N,) weighted total
-    components: dict[str, Tensor]  # per-reward scores (N,)
-    advantages: Tensor  # (N,)
+    prompts: list[str]  # (n,) this rank's share (n = N / world size)
+    cond: TextCond  # n rows
+    traj: Trajectory  # latents (S + 1, n, C, H, W), log_probs (S, n)
+    trained: Tensor  # (n, T) trained step indices per sample, ascending
+    rewards: Tensor  # (N,) weighted total, global batch (all ranks)
+    components: dict[str, Tensor]  # per-reward scores (N,), global batch
+    advantages: Tensor  # (n,) this rank's share
     timing: dict[str, float]  # time_sample_s, time_reward_s
 
 
@@ -88,21 +103,33 @@ class Trainer:
     def __init__(self, cfg: Config, comp: Components, run_dir: str | Path) -> None:
         self.cfg, self.comp, self.run_dir = cfg, comp, Path(run_dir)
         t = cfg.train
+        self.dist = DistInfo.current()
+        validate_world_size(cfg, self.dist.world_size)
         self.device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
         self.dtype = DTYPES[t.precision]
         param_dtype = torch.float32 if t.precision == "bf16" else self.dtype  # bf16 = autocast, fp32 master
-        self.backbone = comp.backbone.to(self.device, param_dtype)
+        backbone = comp.backbone
+        if cfg.model.lora_rank > 0:  # before sharding and before the optimizer sees the parameters
+            self._apply_lora(backbone)
+        # Multi-process: cast on the host; fully_shard then moves only this rank's shard to the device.
+        if self.dist.enabled:
+            self.backbone = backbone.to(dtype=param_dtype)
+        else:
+            self.backbone = backbone.to(self.device, param_dtype)
         if cfg.model.gradient_checkpointing:
             self.backbone.transformer.enable_gradient_checkpointing()
+        self.reference = None
+        if cfg.algorithm.kl_beta > 0:  # an unsharded frozen copy (small models; KL is off at paper scale)
+            self.reference = copy.deepcopy(self.backbone).requires_grad_(False).to(self.device)
+        if self.dist.enabled:
+            shard_backbone(self.backbone, mp_policy=self._mixed_precision())
+            self.backbone.to(self.device)  # buffers and unsharded leftovers (no-op for the shards)
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
         self.ema = [p.detach().clone() for p in self.params] if o.ema_decay > 0 else None
-        self.reference = None
-        if cfg.algorithm.kl_beta > 0:
-            self.reference = copy.deepcopy(self.backbone).requires_grad_(False)
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
         s = cfg.sampling
         self.sigmas = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(s.num_steps, s.shift)
@@ -112,14 +139,48 @@ class Trainer:
             else shifted_linear_sigmas(s.eval_num_steps, s.shift)
         )
         self.train_reward = WeightedRewards(
-            {n: build_reward(n) for n in cfg.reward.weights}, dict(cfg.reward.weights)
+            {n: self._build_reward(n) for n in cfg.reward.weights}, dict(cfg.reward.weights)
         )
         self.eval_rewards: dict[str, Reward] = {
-            n: self.train_reward.rewards.get(n) or build_reward(n) for n in cfg.reward.eval
+            n: self.train_reward.rewards.get(n) or self._build_reward(n) for n in cfg.reward.eval
         }
         self.iteration = 0
         self.consecutive_skips = 0
         self.metrics: list[dict] = []
+
+    # ------------------------------------------------------------------ setup helpers
+    def _apply_lora(self, backbone: Backbone) -> None:
+        """peft LoRA on the transformer (rank, alpha, targets from model.*); same init on every rank."""
+        from jagg.lora import DEFAULT_TARGETS, apply_lora
+
+        m = self.cfg.model
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.train.seed)
+            targets = m.lora_targets or DEFAULT_TARGETS[m.backbone]
+            apply_lora(backbone, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets)
+
+    def _mixed_precision(self):
+        """FSDP2 policy: bf16 compute and all-gathers, fp32 gradient reduction, when train.precision=bf16."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.dtype != torch.bfloat16:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def _build_reward(self, name: str) -> Reward:
+        """``build_reward`` with reward.kwargs[name]; real rewards also get the training device on GPU."""
+        import inspect
+
+        from jagg.rewards import REWARDS, _import_builtin_rewards
+
+        kwargs = dict(self.cfg.reward.kwargs.get(name, {}))
+        _import_builtin_rewards()
+        factory = REWARDS.get(name)
+        if factory is not None and self.device.type == "cuda" and "device" not in kwargs:
+            params = inspect.signature(factory).parameters.values()
+            if any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in params):
+                kwargs["device"] = self.device
+        return build_reward(name, **kwargs)
 
     # ------------------------------------------------------------------ model calls
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -148,19 +209,21 @@ class Trainer:
         """Sample N = prompts x images trajectories in train micro-batches, score them, compute advantages."""
         t_start = time.perf_counter()
         t, a = self.cfg.train, self.cfg.algorithm
-        gen = _iteration_generator(t.seed, it)
+        gen = _iteration_generator(t.seed, it)  # identical draws on every rank
         picks = torch.randint(len(self.comp.train_prompts), (t.prompts_per_iter,), generator=gen)
-        prompts = [self.comp.train_prompts[i] for i in picks for _ in range(t.images_per_prompt)]
+        all_prompts = [self.comp.train_prompts[i] for i in picks for _ in range(t.images_per_prompt)]
         group_ids = torch.arange(t.prompts_per_iter).repeat_interleave(t.images_per_prompt)
+        mine = self.dist.share(len(all_prompts))  # this rank's samples of the global batch
+        prompts = all_prompts[mine]
         cond = self.comp.text_encoder.encode_prompts(prompts)
         kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
-        noise = self._noise(len(prompts), gen)
-        sde_gen = torch.Generator(device=self.device).manual_seed(
-            int(torch.randint(2**62, (1,), generator=gen))
-        )
+        noise = self._noise(len(all_prompts), gen)[mine]
+        sde_seed = int(torch.randint(2**62, (1,), generator=gen))
         chunks = []
         for start in range(0, len(prompts), t.train_batch_size):
             idx = slice(start, start + t.train_batch_size)
+            chunk = (mine.start + start) // t.train_batch_size  # global micro-batch index
+            sde_gen = torch.Generator(device=self.device).manual_seed(sde_seed + chunk)
             chunks.append(
                 sample_trajectory(
                     self.velocity(cond.select(idx)),
@@ -177,7 +240,7 @@ class Trainer:
             chunks[0].sigmas,
             chunks[0].kinds,
         )
-        trained = self.algorithm.trained_steps(list(kinds), len(prompts), gen)
+        trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()
         images = self.comp.decode(traj.final.float()).cpu()
         rewards = self.train_reward(images, prompts)
@@ -185,9 +248,11 @@ class Trainer:
         for name, fn in self.eval_rewards.items():  # e.g. attribute accuracy of the training samples
             if name not in scores:
                 scores[name] = fn(images, prompts).float()
+        rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
+        scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
         adv = group_advantages(
             rewards, group_ids, std_mode=a.adv_std, unbiased=a.adv_unbiased, eps=a.adv_eps, clip=a.adv_clip
-        )
+        )[mine]
         timing = {"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled}
         return Rollout(prompts, cond, traj, trained, rewards, scores, adv, timing)
 
@@ -262,14 +327,21 @@ class Trainer:
                 skipped += int(not ok)
                 stepped += 1
         losses = [loss for loss, _ in ppo_log]
+        means = self.dist.reduce_scalars(
+            {
+                "loss": float(np.mean(losses)),
+                "clip_frac": float(np.mean([st.clip_frac for _, st in ppo_log])),
+                "approx_kl": float(np.mean([st.approx_kl for _, st in ppo_log])),
+            }
+        )
         return {
-            "loss": float(np.mean(losses)),
+            "loss": means["loss"],
             "grad_norm": float(np.nanmean(grad_norms))
             if any(map(math.isfinite, grad_norms))
             else float("nan"),
-            "clip_frac": float(np.mean([st.clip_frac for _, st in ppo_log])),
-            "approx_kl": float(np.mean([st.approx_kl for _, st in ppo_log])),
-            "onpolicy_ratio_max_dev": onpolicy_dev,
+            "clip_frac": means["clip_frac"],
+            "approx_kl": means["approx_kl"],
+            "onpolicy_ratio_max_dev": self.dist.reduce_scalars({"d": onpolicy_dev}, "max")["d"],
             "optimizer_steps": stepped,
             "skipped_steps": skipped,
             "forward_passes": total.forward_passes,
@@ -283,7 +355,8 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
+        norm = float(full_tensor(norm))  # global norm (a DTensor under FSDP2): same on every rank
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.consecutive_skips += 1
@@ -301,13 +374,20 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, it: int) -> tuple[dict, Tensor]:
-        """ODE samples on held-out prompts (fixed noise), scored by every eval reward (EMA weights if any)."""
+        """ODE samples on held-out prompts (fixed noise), scored by every eval reward (EMA weights if any).
+
+        Multi-process: each rank samples an equal share (padded by repeating its last prompt, so every rank
+        runs the same number of sharded forwards); scores are gathered, images are rank 0's share.
+        """
         lg = self.cfg.log
         prompts = [
             p for p in self.comp.eval_prompts[: lg.eval_prompts] for _ in range(lg.eval_images_per_prompt)
         ]
         gen = _iteration_generator(self.cfg.train.seed, -1)  # the same noise at every evaluation
         noise = self._noise(len(prompts), gen)
+        rows = self._eval_rows(len(prompts))
+        idx = [i if i >= 0 else -i - 1 for i in rows]  # padding rows repeat a real one
+        prompts, noise = [prompts[i] for i in idx], noise[idx]
         cond = self.comp.text_encoder.encode_prompts(prompts)
         sig = self.eval_sigmas.to(self.device)
         with self._ema_weights():
@@ -321,12 +401,22 @@ class Trainer:
                 for i in range(0, len(prompts), 32)
             ]
         images = self.comp.decode(torch.cat(finals).float()).cpu()
+        keep = self.dist.gather_cat(torch.tensor(rows)) >= 0  # drop the padding rows
         out = {}
         for name, fn in self.eval_rewards.items():
-            score = fn(images, prompts).float()
+            score = self.dist.gather_cat(fn(images, prompts).float().cpu())[keep]
             out[f"eval_{name}_mean"] = score.mean().item()
             out[f"eval_{name}_std"] = score.std().item() if len(score) > 1 else 0.0
-        return out, images
+        return out, images[torch.tensor(rows) >= 0]
+
+    def _eval_rows(self, n: int) -> list[int]:
+        """This rank's eval sample indices, padded to ceil(n / world) with -(index + 1) markers."""
+        w, r = self.dist.world_size, self.dist.rank
+        if w == 1:
+            return list(range(n))
+        per = math.ceil(n / w)
+        real = list(range(r * per, min(n, (r + 1) * per)))
+        return real + [-(real[-1] + 1) if real else -n] * (per - len(real))
 
     def _ema_weights(self):
         trainer = self
@@ -376,12 +466,16 @@ class Trainer:
         return self.run_dir / "checkpoint.pt"
 
     def save_checkpoint(self) -> None:
-        """Atomically write trainable weights, optimizer, EMA, RNG states, iteration and metrics."""
+        """Atomically write trainable weights, optimizer, EMA, RNG states, iteration and metrics.
+
+        Sharded tensors are gathered to full ones (a collective: every rank calls this); rank 0 writes.
+        """
+        dist_on = self.dist.enabled
         state = {
             "iteration": self.iteration,
-            "trainable": [p.detach().cpu() for p in self.params],
-            "optimizer": self.optimizer.state_dict(),
-            "ema": self.ema,
+            "trainable": [full_tensor(p.detach()).cpu() for p in self.params],
+            "optimizer": full_optimizer_state(self.optimizer) if dist_on else self.optimizer.state_dict(),
+            "ema": [full_tensor(e).cpu() for e in self.ema] if dist_on and self.ema else self.ema,
             "consecutive_skips": self.consecutive_skips,
             "metrics": self.metrics,
             "rng": {
@@ -391,17 +485,23 @@ class Trainer:
             },
             "config": self.cfg.to_dict(),
         }
-        tmp = self.checkpoint_path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.checkpoint_path)
+        if self.dist.is_main:
+            tmp = self.checkpoint_path.with_suffix(".pt.tmp")
+            torch.save(state, tmp)
+            tmp.replace(self.checkpoint_path)
+        self.dist.barrier()
 
     def load_checkpoint(self) -> None:
         state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
         with torch.no_grad():
             for p, saved in zip(self.params, state["trainable"], strict=True):
-                p.copy_(saved.to(p.device, p.dtype))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.ema = [e.to(self.device) for e in state["ema"]] if state["ema"] is not None else None
+                p.copy_(shard_like(saved, p))
+        if self.dist.enabled:
+            load_full_optimizer_state(self.optimizer, self.params, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        ema = state["ema"]
+        self.ema = [shard_like(e, p) for e, p in zip(ema, self.params)] if ema is not None else None
         self.iteration, self.consecutive_skips = state["iteration"], state["consecutive_skips"]
         self.metrics = state["metrics"]
         torch.set_rng_state(state["rng"]["torch"])
@@ -410,13 +510,17 @@ class Trainer:
         self._write_metrics()
 
     def _write_metrics(self) -> None:
-        atomic_write_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.metrics))
+        if self.dist.is_main:
+            atomic_write_text(
+                self.run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.metrics)
+            )
 
     # ------------------------------------------------------------------ main loop
     def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
         """Train from ``self.iteration`` to ``train.iterations``; evaluates, logs and checkpoints on the way."""
         lg, t = self.cfg.log, self.cfg.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.iteration == 0 and lg.eval_every:
             self._evaluate_and_log(0, {"iteration": 0})
         while self.iteration < t.iterations:
@@ -444,13 +548,14 @@ class Trainer:
         row.update(ev)
         self._log(row)
         grid_every = self.cfg.log.grid_every
-        if grid_every == 0 or it % grid_every == 0:
+        if self.dist.is_main and (grid_every == 0 or it % grid_every == 0):
             save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
 
     def _log(self, row: dict) -> None:
         self.metrics.append(row)
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.dist.is_main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 def save_grid(images: Tensor, path: Path, nrow: int = 8) -> None:

@@ -12,11 +12,16 @@ Text encoders and the VAE are not loaded here.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from jagg.backbones import BACKBONES, Backbone
 from jagg.hub import load_or_explain
+
+if TYPE_CHECKING:
+    from jagg.config import Config
+    from jagg.trainer import Components
 
 # name -> default hub id (the paper's backbones)
 PRETRAINED_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "qwenimage": "Qwen/Qwen-Image"}
@@ -88,3 +93,125 @@ def set_gradient_checkpointing(backbone: Backbone, enabled: bool = True) -> None
         backbone.transformer.enable_gradient_checkpointing()
     else:
         backbone.transformer.disable_gradient_checkpointing()
+
+
+# --------------------------------------------------------------------------- whole pipelines
+# pipeline subfolder -> (module, class) of the text encoders / tokenizers / VAE, as in the diffusers
+# model_index.json of FLUX.1-dev and Qwen-Image. Tokenizers load through AutoTokenizer.
+PIPELINE_PARTS = {
+    "flux": {
+        "text_encoder": ("transformers", "CLIPTextModel"),
+        "tokenizer": ("transformers", "AutoTokenizer"),
+        "text_encoder_2": ("transformers", "T5EncoderModel"),
+        "tokenizer_2": ("transformers", "AutoTokenizer"),
+        "vae": ("diffusers", "AutoencoderKL"),
+    },
+    "qwenimage": {
+        "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
+        "tokenizer": ("transformers", "AutoTokenizer"),
+        "vae": ("diffusers", "AutoencoderKLQwenImage"),
+    },
+}
+
+
+def load_part(name: str, sub: str, name_or_path: str | None = None, *, dtype: torch.dtype = torch.bfloat16):
+    """One pipeline component (``sub`` of ``PIPELINE_PARTS[name]``) from a hub id or a local pipeline folder."""
+    import importlib
+
+    module, cls_name = PIPELINE_PARTS[name][sub]
+    cls = getattr(importlib.import_module(module), cls_name)
+    repo = name_or_path or PRETRAINED_IDS[name]
+
+    def load(p: str, local: bool):
+        kw = {} if sub.startswith("tokenizer") else {"torch_dtype": dtype}
+        return cls.from_pretrained(p, subfolder=sub, local_files_only=local, **kw)
+
+    how = _HOW if name == "flux" else ""
+    return load_or_explain(load, repo, what=f"{name} {sub}", how=how)
+
+
+def load_text_encoder(cfg: Config, device: torch.device, dtype: torch.dtype):
+    """The backbone's real text encoder(s) as ``encode_prompts(list[str]) -> TextCond``."""
+    from jagg.pipelines import FluxTextEncoder, QwenImageTextEncoder
+
+    m = cfg.model
+    part = lambda sub: load_part(m.backbone, sub, m.path, dtype=dtype)  # noqa: E731
+    if m.backbone == "flux":
+        return FluxTextEncoder(
+            part("text_encoder"),
+            part("tokenizer"),
+            part("text_encoder_2"),
+            part("tokenizer_2"),
+            max_sequence_length=m.max_sequence_length,
+            device=device,
+        )
+    return QwenImageTextEncoder(
+        part("text_encoder"),
+        part("tokenizer"),
+        max_sequence_length=m.max_sequence_length,
+        negative_prompt=m.negative_prompt if m.true_cfg_scale > 1 else None,
+        device=device,
+    )
+
+
+def pretrained_schedules(cfg: Config) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(train, eval) sigmas from the pipeline's scheduler (``sampling.schedule=scheduler``), else (None, None)
+    so the trainer uses the shifted linear schedule. Image sequence length = (latent_size / 2)^2 tokens."""
+    from jagg.sde import diffusers_sigmas
+
+    s = cfg.sampling
+    if s.schedule != "scheduler":
+        return None, None
+    sched = load_scheduler_config(cfg.model.path or cfg.model.backbone)
+    seq_len = (s.latent_size // 2) ** 2
+    return diffusers_sigmas(sched, s.num_steps, seq_len), diffusers_sigmas(sched, s.eval_num_steps, seq_len)
+
+
+def build_pretrained_components(cfg: Config) -> Components:
+    """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
+
+    Weights load in bf16 when ``train.precision=bf16`` (else fp32); text encoders and VAE go to the training
+    device, the transformer stays on CPU for the trainer to place (and shard). With
+    ``data.precompute_embeddings`` every train/eval prompt is encoded first (rank-strided into
+    ``data.embedding_cache`` when set) and the text encoders are freed.
+    """
+    from jagg.config import ConfigError
+    from jagg.distributed import DistInfo
+    from jagg.pipelines import CachedTextEncoder, VaeDecoder
+    from jagg.prompts import load_prompts
+    from jagg.trainer import Components
+
+    m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
+    device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
+    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    adapter = (
+        {"guidance_scale": m.guidance_scale} if m.backbone == "flux" else {"true_cfg_scale": m.true_cfg_scale}
+    )
+    backbone = load_backbone(m.backbone, m.path, dtype=dtype, **adapter)
+    decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=dtype), device=device)
+    if decoder.vae.config.get("latent_channels", decoder.vae.config.get("z_dim")) != backbone.latent_channels:
+        raise ConfigError(f"model.path={m.path}: VAE latent channels do not match the transformer's")
+    namespace = (
+        f"{m.backbone}|{m.path}|{m.max_sequence_length}|{m.negative_prompt if m.true_cfg_scale > 1 else ''}"
+    )
+    text = CachedTextEncoder(
+        load_text_encoder(cfg, device, dtype), cache_dir=d.embedding_cache, namespace=namespace
+    )
+    train = load_prompts(d.train_prompts, limit=d.train_limit)
+    evals = load_prompts(d.eval_prompts, limit=d.eval_limit)
+    if d.precompute_embeddings:
+        info = DistInfo.current()
+        text.precompute(list(train.prompts) + list(evals.prompts), info.rank, info.world_size)
+        info.barrier()
+        text.release()
+    sigmas, eval_sigmas = pretrained_schedules(cfg)
+    return Components(
+        backbone=backbone,
+        text_encoder=text,
+        decode=decoder,
+        train_prompts=list(train.prompts),
+        eval_prompts=list(evals.prompts),
+        latent_shape=(backbone.latent_channels, s.latent_size, s.latent_size),
+        sigmas=sigmas,
+        eval_sigmas=eval_sigmas,
+    )
