@@ -170,3 +170,11 @@ def test_bf16_autocast_smoke(tmp_path):
     (m,) = make_trainer(cfg).fit()
     assert m["onpolicy_ratio_max_dev"] == 0.0  # stored samples are scored in float32 both times
     assert torch.isfinite(torch.tensor(m["loss"]))
+
+
+def test_init_same_noise_shares_the_initial_latent_within_a_prompt_group(tmp_path):
+    cfg = tiny_cfg(tmp_path, "algorithm.init_same_noise=true")
+    ro = make_trainer(cfg).rollout(0)
+    x_t = ro.traj.latents[0]  # (N, C, H, W), 2 prompts x 3 images
+    assert torch.equal(x_t[0], x_t[1]) and torch.equal(x_t[0], x_t[2]) and not torch.equal(x_t[0], x_t[3])
+    assert not torch.equal(ro.traj.final[0], ro.traj.final[1])  # the SDE noise still differs

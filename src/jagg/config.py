@@ -61,6 +61,7 @@ class AlgorithmConfig:
     timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
     sde_window_range: list[int] = field(default_factory=lambda: [0, 3])  # window start drawn in [lo, hi)
+    init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
     adv_eps: float = 1e-8

@@ -217,7 +217,10 @@ class Trainer:
         prompts = all_prompts[mine]
         cond = self.comp.text_encoder.encode_prompts(prompts)
         kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
-        noise = self._noise(len(all_prompts), gen)[mine]
+        if a.init_same_noise:  # DanceGRPO's init_same_noise: one x_T per prompt, images differ by SDE noise
+            noise = self._noise(t.prompts_per_iter, gen).repeat_interleave(t.images_per_prompt, dim=0)[mine]
+        else:
+            noise = self._noise(len(all_prompts), gen)[mine]
         sde_seed = int(torch.randint(2**62, (1,), generator=gen))
         chunks = []
         for start in range(0, len(prompts), t.train_batch_size):
