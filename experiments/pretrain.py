@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from jagg.common import git_sha
 from jagg.world import World, default_cache_dir, load_pretrained
 from jagg.world.build import (
     EVAL_SEED,
@@ -30,7 +31,6 @@ from jagg.world.pretrained import (
     SAMPLE_SHIFT,
     SAMPLE_STEPS,
     environment,
-    git_sha,
     read_manifest,
 )
 from jagg.world.train import sample_images

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from jagg.common import git_sha
 from jagg.rewards.jpeg import JpegReward
 from jagg.rewards.world import AttrReward, ClipReward, PrefReward
 from jagg.world.pretrained import (
@@ -25,7 +26,6 @@ from jagg.world.pretrained import (
     default_cache_dir,
     environment,
     expected_config,
-    git_sha,
     is_up_to_date,
     load_module,
     load_text_encoder,

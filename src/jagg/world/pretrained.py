@@ -16,18 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
-import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import diffusers
-import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
 from jagg.backbones import BACKBONES, Backbone, tiny_flux_config, tiny_qwenimage_config
+from jagg.common import hardware, versions
 from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
 from jagg.world.scene import World, WorldConfig
 from jagg.world.text import WordTokenizer, WorldTextEncoder
@@ -119,27 +116,9 @@ def text_encoder_from_clip(clip: TinyCLIP, world: World) -> WorldTextEncoder:
 
 
 # --------------------------------------------------------------------------- manifests
-def git_sha() -> str:
-    """HEAD commit, with ``-dirty`` if tracked files differ; ``unknown`` outside a git checkout."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO_ROOT).returncode != 0
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def environment() -> dict:
-    """Versions and hardware recorded with every artefact and result."""
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "hardware": f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
-        f"torch threads {torch.get_num_threads()}",
-    }
+    """Versions and hardware recorded with every artefact and result (``jagg.common``)."""
+    return {**versions(), "hardware": hardware()}
 
 
 def sha256(path: Path) -> str:
