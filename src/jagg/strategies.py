@@ -16,6 +16,7 @@ Steps whose row is all zeros need no forward at all, so the endpoints ablation a
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,18 +69,12 @@ class _Timer:
 
     def __enter__(self) -> _Timer:
         _sync()
-        self._t0 = _now()
+        self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         _sync()
-        self.total += _now() - self._t0
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
+        self.total += time.perf_counter() - self._t0
 
 
 def _sync() -> None:
