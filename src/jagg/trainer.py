@@ -29,6 +29,7 @@ import random
 import resource
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -421,22 +422,22 @@ class Trainer:
         real = list(range(r * per, min(n, (r + 1) * per)))
         return real + [-(real[-1] + 1) if real else -n] * (per - len(real))
 
+    @contextmanager
     def _ema_weights(self):
-        trainer = self
-
-        class _Swap:
-            def __enter__(self):
-                if trainer.ema is not None:
-                    self.saved = [p.detach().clone() for p in trainer.params]
-                    for p, e in zip(trainer.params, trainer.ema):
-                        p.data.copy_(e)
-
-            def __exit__(self, *exc):
-                if trainer.ema is not None:
-                    for p, s in zip(trainer.params, self.saved):
-                        p.data.copy_(s)
-
-        return _Swap()
+        """Temporarily load the EMA weights (no-op without EMA); the trained weights come back after."""
+        if self.ema is None:
+            yield
+            return
+        saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, e in zip(self.params, self.ema):
+                p.copy_(e)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
 
     # ------------------------------------------------------------------ one iteration
     def train_iteration(self, it: int) -> dict:
