@@ -157,7 +157,10 @@ def recommend(df, threshold: float, w: int = 3) -> dict[str, float]:
 
 
 def plot(csv: Path, png: Path) -> None:
-    """cosine vs group (sigma at the group's first step), one panel per setting, from the CSV only."""
+    """(a) cosine per group along the trajectory (W = 3 settings); (b) median cosine per setting and W.
+
+    Reads the CSV only.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,36 +168,56 @@ def plot(csv: Path, png: Path) -> None:
     import pandas as pd
 
     df = pd.read_csv(csv)
-    panels = [
-        ("default", 3),
-        ("default", 9),
-        ("few_steps", None),
-        ("high_noise", None),
-        ("few_steps_high_noise", None),
-        ("after_rl", None),
-    ]
-    panels = [(s, w) for s, w in panels if s in set(df.setting) and (w is None or w in set(df.W))]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), sharey=True, squeeze=False)
-    for ax, (setting, w) in zip(axes[0], panels, strict=True):
-        d = df[df.setting == setting]
-        d = d[(w if w is not None else d.W.iloc[0]) == d.W]
-        for (backbone, strategy), e in d.groupby(["backbone", "strategy"]):
-            m = e.groupby("group").agg(
-                sigma=("sigma_start", "mean"),
-                cos=("cosine", "median"),
-                lo=("cosine", "min"),
-                hi=("cosine", "max"),
-            )
-            style = {"jagg": "-", "endpoints": ":", "uniform": "--"}[strategy]
-            color = {"flux": "C0", "qwenimage": "C3"}.get(backbone, "C2")
-            ax.plot(m.index, m.cos, style, color=color, marker="o", ms=3, label=f"{backbone} {strategy}")
-            if strategy == "jagg":
-                ax.fill_between(m.index, m.lo, m.hi, color=color, alpha=0.15)
-        ax.set_title(f"{setting}, W={int(d.W.iloc[0])}", fontsize=9)
-        ax.set_xlabel("group (0 = highest noise)")
+    colors = {"flux": "C0", "qwenimage": "C3"}
+    styles = {"jagg": "-", "endpoints": ":", "uniform": "--"}
+    fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.6]})
+    per_group = df[(df.W == 3) & (df.setting == "default")]
+    for (backbone, strategy), e in per_group.groupby(["backbone", "strategy"]):
+        m = e.groupby("group").agg(cos=("cosine", "median"), lo=("cosine", "min"), hi=("cosine", "max"))
+        ax_a.plot(
+            m.index,
+            m.cos,
+            styles[strategy],
+            color=colors.get(backbone, "C2"),
+            marker="o",
+            ms=3,
+            label=f"{backbone} {strategy}",
+        )
+        ax_a.fill_between(m.index, m.lo, m.hi, color=colors.get(backbone, "C2"), alpha=0.12)
+    ax_a.set(
+        title="(a) per group, default setting, W=3",
+        xlabel="group (0 = highest noise)",
+        ylabel="cosine to the exact group gradient",
+    )
+    ax_a.legend(fontsize=7)
+    summary = df.groupby(["setting", "W", "backbone", "strategy"]).cosine.median().reset_index()
+    keys = summary[["setting", "W"]].drop_duplicates().sort_values(["setting", "W"]).values.tolist()
+    bars = [(b, s) for b in sorted(df.backbone.unique()) for s in ("jagg", "uniform", "endpoints")]
+    width = 0.8 / len(bars)
+    for k, (backbone, strategy) in enumerate(bars):
+        vals = [
+            summary[
+                (summary.setting == st)
+                & (summary.W == w)  # noqa: SIM300
+                & (summary.backbone == backbone)
+                & (summary.strategy == strategy)
+            ].cosine.mean()
+            for st, w in keys
+        ]
+        alpha = {"jagg": 1.0, "uniform": 0.6, "endpoints": 0.3}[strategy]
+        ax_b.bar(
+            [i + (k - len(bars) / 2) * width for i in range(len(keys))],
+            vals,
+            width,
+            color=colors.get(backbone, "C2"),
+            alpha=alpha,
+            label=f"{backbone} {strategy}",
+        )
+    ax_b.set_xticks(range(len(keys)), [f"{st}\nW={w}" for st, w in keys], fontsize=7)
+    ax_b.set(title="(b) median over groups and seeds, per setting", ylim=(0.5, 1.01))
+    ax_b.legend(fontsize=6, ncol=2, loc="lower left")
+    for ax in (ax_a, ax_b):
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("cosine to exact group gradient")
-    axes[0][-1].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
