@@ -143,7 +143,7 @@ def render(csv_dir: Path, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/world/flux_dancegrpo.yaml")
+    ap.add_argument("--config", default="configs/world/curves_flux_flowgrpo_fast.yaml")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
