@@ -45,15 +45,40 @@ def test_drivers_quick_then_figures(tmp_path):
     assert (res / "table1.tex").read_text().startswith("\\begin{tabular}")
     _meta_ok(res / "table1.csv")
 
-    cosine.main(["--quick", "--settings", "default", "few_steps", "--out", str(res / "cosine.csv"),
-                 "--figure", str(figs / "cos.png")])
+    cosine.main(
+        [
+            "--quick",
+            "--settings",
+            "default",
+            "few_steps",
+            "--out",
+            str(res / "cosine.csv"),
+            "--figure",
+            str(figs / "cos.png"),
+        ]
+    )
     cs = pd.read_csv(res / "cosine.csv")
     w2 = cs[(cs.W == 2) & (cs.strategy == "jagg")]
     assert (w2.cosine > 1 - 1e-9).all()  # W = 2 is exact for any model
     assert "Recommended jagg_frac" in (res / "cosine.md").read_text()
 
-    curves.main(["--quick", "--seeds", "1", "--strategies", "exact", "jagg", "--runs", str(tmp_path / "runs"),
-                 "--out", str(res / "curves"), "--figure", str(figs / "curves.png"), *TINY])
+    curves.main(
+        [
+            "--quick",
+            "--seeds",
+            "1",
+            "--strategies",
+            "exact",
+            "jagg",
+            "--runs",
+            str(tmp_path / "runs"),
+            "--out",
+            str(res / "curves"),
+            "--figure",
+            str(figs / "curves.png"),
+            *TINY,
+        ]
+    )
     assert {p.name for p in (res / "curves").glob("*.csv")} == {"exact_seed0.csv", "jagg_seed0.csv"}
     assert "Final held-out rewards" in (res / "curves" / "summary.md").read_text()
 
@@ -61,5 +86,8 @@ def test_drivers_quick_then_figures(tmp_path):
         f.unlink()
     figures.main(["--results", str(res), "--figures", str(figs)])
     assert {p.name for p in figs.glob("*.png")} == {
-        "theorem1.png", "table1_update_reduction.png", "cosine_per_group.png", "reward_curves.png"
+        "theorem1.png",
+        "table1_update_reduction.png",
+        "cosine_per_group.png",
+        "reward_curves.png",
     }
