@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from jagg.backbones import TextCond, build_tiny_backbone
-from jagg.common import atomic_write_text, run_metadata, set_threads, write_table
+from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.grpo import clipped_ppo_loss
 from jagg.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.strategies import group_backward
@@ -189,8 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         for w in args.group_sizes:
             rows += bench_one(name, w, args.repeats, args.batch, args.size, args.seed)
     meta = run_metadata(
-        command="python experiments/bench_group_backward.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        command=command_line("experiments/bench_group_backward.py", argv),
         seed=args.seed,
         config=vars(args),
         sizes=BENCH_SIZES,

@@ -16,12 +16,18 @@ as the fraction of leading groups whose median JAGG cosine is at least a thresho
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-from jagg.common import atomic_write_text, markdown_table, run_metadata, set_threads, write_table
+from jagg.common import (
+    atomic_write_text,
+    command_line,
+    markdown_table,
+    run_metadata,
+    set_threads,
+    write_table,
+)
 from jagg.components import build_components
 from jagg.config import load_config
 from jagg.strategies import group_backward
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += measure(backbone, setting, args, extra)
             print(f"{backbone} {setting}: {len(rows)} rows", flush=True)
     meta = run_metadata(
-        command="python experiments/cosine.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command=command_line("experiments/cosine.py", argv),
         seeds=args.seeds,
         seed="per row",
         config=vars(args),

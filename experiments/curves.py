@@ -19,7 +19,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jagg.common import atomic_write_text, markdown_table, run_metadata, set_threads, write_table
+from jagg.common import (
+    atomic_write_text,
+    command_line,
+    markdown_table,
+    run_metadata,
+    set_threads,
+    write_table,
+)
 
 STRATEGIES = ("exact", "jagg", "endpoints", "uniform")
 QUICK = [
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         dirs = list(pool.map(lambda j: run_one(args.config, j[0], j[1], runs, extra), jobs))
     out = Path(args.out)
     meta = run_metadata(
-        command="python experiments/curves.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command=command_line("experiments/curves.py", argv),
         config=args.config,
         overrides=extra,
         seed=list(range(args.seeds)),

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from jagg.common import atomic_write_text, run_metadata, set_threads, write_table
+from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.components import build_components
 from jagg.config import BackwardConfig, load_config
 from jagg.profiling import SavedActivationMeter
@@ -314,7 +313,7 @@ def plot(rows: list[dict], png: Path) -> None:
 
 def _meta(args, argv, cfg) -> dict:
     return run_metadata(
-        command="python experiments/table1.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command=command_line("experiments/table1.py", argv),
         seed=cfg.train.seed,
         iterations=args.iterations,
         config=cfg.to_dict(),

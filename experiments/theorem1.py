@@ -11,13 +11,12 @@ Three sweeps on one group of W steps with a realistic GRPO step loss (SDE log-pr
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from jagg.common import run_metadata, set_threads, write_table
+from jagg.common import command_line, run_metadata, set_threads, write_table
 from jagg.grpo import clipped_ppo_loss
 from jagg.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.strategies import group_backward, t_weights
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(1)
     rows = run(args.quick)
     meta = run_metadata(
-        command="python experiments/theorem1.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command=command_line("experiments/theorem1.py", argv),
         seed="0..4 (per row)",
         config=vars(args),
         dtype="float64",

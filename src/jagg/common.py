@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -56,6 +57,11 @@ def versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             out[pkg] = "missing"
     return out
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """How a driver was invoked, ``python <script> <args>``; ``argv`` None means this process's arguments."""
+    return " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)])
 
 
 def run_metadata(**extra) -> dict:
