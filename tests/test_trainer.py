@@ -178,3 +178,21 @@ def test_init_same_noise_shares_the_initial_latent_within_a_prompt_group(tmp_pat
     x_t = ro.traj.latents[0]  # (N, C, H, W), 2 prompts x 3 images
     assert torch.equal(x_t[0], x_t[1]) and torch.equal(x_t[0], x_t[2]) and not torch.equal(x_t[0], x_t[3])
     assert not torch.equal(ro.traj.final[0], ro.traj.final[1])  # the SDE noise still differs
+
+
+def test_dancegrpo_outputs_the_last_steps_x0_prediction(tmp_path):
+    """DanceGRPO decodes ``pred_original = x - sigma v`` of the last step, not its noisy sample: the last step
+    is deterministic (log-prob 0), never trained, and every earlier step is stochastic."""
+    cfg = tiny_cfg(tmp_path)
+    trainer = make_trainer(cfg)
+    ro = trainer.rollout(0)
+    traj, sigmas = ro.traj, trainer.sigmas
+    assert traj.kinds == ("dance",) * 5 + ("ode",)
+    x_last = traj.latents[-2]
+    with torch.no_grad():
+        v = trainer.velocity(ro.cond)(x_last, sigmas[-2])
+    pred_original = x_last.double() - sigmas[-2] * v.double()
+    torch.testing.assert_close(traj.final.double(), pred_original, rtol=1e-6, atol=1e-6)
+    assert torch.all(traj.log_probs[-1] == 0) and torch.all(traj.log_probs[:-1] != 0)
+    steps = trainer.algorithm.trained_steps(list(traj.kinds), 64, torch.Generator().manual_seed(0))
+    assert steps.max() < len(traj.kinds) - 1

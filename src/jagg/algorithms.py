@@ -1,7 +1,9 @@
 """GRPO algorithms differ only in which sampling steps are stochastic and which are trained.
 
-    dancegrpo      all steps SDE (eta); per sample a random ``timestep_fraction`` of the first S-1 steps
-                   is trained (DanceGRPO, XueZeyue/DanceGRPO: the last step is never trained)
+    dancegrpo      steps 0..S-2 SDE (eta); per sample a random ``timestep_fraction`` of them is trained. The
+                   last step is deterministic and never trained: DanceGRPO (XueZeyue/DanceGRPO) decodes the
+                   last step's x0 prediction ``x - sigma v`` rather than its noisy sample, and with
+                   sigma_S = 0 that prediction *is* the Euler ODE step, so its noise never reaches the image
     flowgrpo       all steps SDE; the first int(0.99 S) steps trained in order (Flow-GRPO, yifan123/flow_grpo)
     flowgrpo_fast  one window of ``sde_window_size`` SDE steps drawn inside ``sde_window_range`` per rollout,
                    ODE before and after it; only the window is trained (Flow-GRPO-Fast)
@@ -54,7 +56,8 @@ class DanceGRPO(Algorithm):
             )
 
     def step_kinds(self, num_steps: int, gen: torch.Generator) -> list[str]:
-        return [self.cfg.sde_kind] * num_steps
+        # The last step outputs DanceGRPO's ``pred_original`` (= the ODE step to sigma = 0), see above.
+        return [self.cfg.sde_kind] * (num_steps - 1) + ["ode"]
 
     def trained_steps(self, kinds: list[str], batch: int, gen: torch.Generator) -> Tensor:
         n, t = len(kinds) - 1, self.num_trained(self.cfg, len(kinds))
