@@ -1,7 +1,7 @@
 """Gradient quality per group: cosine(JAGG group gradient, exact group gradient) along the trajectory.
 
-On trained backbones and held-out prompts: sample all-SDE DanceGRPO rollouts, score them, take the GRPO
-per-step losses of every step but the last, cut the steps into consecutive groups of W, and for each group
+On trained backbones and held-out prompts: sample DanceGRPO rollouts (SDE but the last step), score them,
+take the GRPO per-step losses of every step but the last, cut the steps into consecutive groups of W, and for each group
 compare the gradient of each two-endpoint strategy (jagg, endpoints, uniform) with the exact per-step
 gradient: cosine similarity and relative norm error ||g - g_exact|| / ||g_exact||. Settings stress the
 linearity assumption: W up to the whole trajectory, few sampling steps, high noise, both together, and the

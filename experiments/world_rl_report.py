@@ -5,22 +5,25 @@ python experiments/world_rl_report.py [--run runs/world/flux_dancegrpo]
 
 The figure stacks the held-out sample grid of the first evaluation (iteration 0, the base model) above the
 one of the last evaluation (same prompts, same fixed noise, ODE sampling); the markdown file gets the eval
-numbers per evaluation iteration, cumulative training wall time, the command, git SHA and hardware.
+numbers per evaluation iteration, cumulative training wall time, a paired per-sample before/after comparison
+(mean change, its standard error, sign test), the command, git SHA and hardware.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
 def eval_rows(run: Path) -> list[dict]:
+    """The metrics rows that carry an evaluation, with the training wall time accumulated up to them."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out, elapsed = [], 0.0
     for r in rows:
         elapsed += r.get("time_iteration_s", 0.0)
-        if "eval_pref_mean" in r:
+        if any(k.startswith("eval_") for k in r):
             out.append({**r, "train_elapsed_s": elapsed})
     return out
 
@@ -46,21 +49,68 @@ def figure(run: Path, path: Path) -> tuple[Path, Path]:
     return first, last
 
 
-def markdown(run: Path) -> str:
-    meta = json.loads((run / "run.json").read_text())
+def sign_test_p(wins: int, losses: int) -> float:
+    """Exact two-sided sign test (McNemar for paired binary outcomes): P(as extreme | p = 1/2), ties dropped."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def paired_change(run: Path) -> list[str]:
+    """Per-sample paired comparison of the last evaluation with the first (same prompts, same noise).
+
+    For every eval reward: mean change +- its standard error over samples and the sign test over samples that
+    changed (for ``attr``, samples fixed vs broken). Needs the ``samples/eval_*.json`` files the trainer writes.
+    """
+    files = sorted((run / "samples").glob("eval_*.json"))
+    if len(files) < 2:
+        return []
+    first, last = (json.loads(f.read_text()) for f in (files[0], files[-1]))
     lines = [
-        "| iteration | train wall s | eval pref | eval clip | eval attr | train pref | train attr |",
+        f"Paired change, {files[-1].stem} vs {files[0].stem} (same held-out prompts and noise, per sample):",
+        "",
+        "| reward | before | after | change | SE | samples up / down | sign-test p |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in eval_rows(run):
-        tp, ta = r.get("reward_pref_mean"), r.get("reward_attr_mean")
+    for name in (k for k in first if k != "prompts" and k in last):
+        a, b = first[name], last[name]
+        d = [y - x for x, y in zip(a, b)]
+        n, mean = len(d), sum(d) / len(d)
+        se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+        up, down = sum(x > 0 for x in d), sum(x < 0 for x in d)
         lines.append(
-            f"| {r['iteration']} | {r['train_elapsed_s']:.0f} | {r['eval_pref_mean']:.2f} | "
-            f"{r['eval_clip_mean']:.3f} | {r['eval_attr_mean']:.3f} | "
-            f"{'-' if tp is None else f'{tp:.2f}'} | {'-' if ta is None else f'{ta:.3f}'} |"
+            f"| {name} | {sum(a) / n:.3f} | {sum(b) / n:.3f} | {mean:+.3f} | {se:.3f} | {up} / {down} | "
+            f"{sign_test_p(up, down):.2g} |"
         )
+    return lines + [""]
+
+
+def markdown(run: Path) -> str:
+    meta = json.loads((run / "run.json").read_text())
+    rows = eval_rows(run)
+    names = [
+        k[len("eval_") : -len("_mean")] for k in rows[0] if k.startswith("eval_") and k.endswith("_mean")
+    ]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [
+        "| iteration | train wall s | "
+        + " | ".join(f"eval {n}" for n in names)
+        + " | "
+        + " | ".join(f"train {n}" for n in names)
+        + " |",
+        "|---|---|" + "---|" * (2 * len(names)),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['iteration']} | {r['train_elapsed_s']:.0f} | "
+            + " | ".join(fmt(r.get(f"eval_{n}_mean")) for n in names)
+            + " | "
+            + " | ".join(fmt(r.get(f"reward_{n}_mean")) for n in names)
+            + " |"
+        )
+    lines += ["", *paired_change(run)]
     lines += [
-        "",
         f"command: `{' '.join(meta.get('argv', []))}`; git {meta['git_sha']}; {meta['hardware']}; "
         f"torch {meta['versions']['torch']}",
     ]

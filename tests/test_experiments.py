@@ -91,3 +91,35 @@ def test_drivers_quick_then_figures(tmp_path):
         "cosine_per_group.png",
         "reward_curves.png",
     }
+
+
+def test_world_rl_report_pairs_first_and_last_evaluation(tmp_path):
+    import world_rl_report
+    from jagg.train import main as train_main
+
+    run = tmp_path / "run"
+    over = ["train.iterations=2", "train.prompts_per_iter=2", "train.images_per_prompt=2"]
+    over += [
+        "train.train_batch_size=2",
+        "train.grad_accum=2",
+        "sampling.num_steps=4",
+        "sampling.eval_num_steps=2",
+    ]
+    over += ["log.eval_every=2", "log.eval_prompts=3", "log.eval_images_per_prompt=2", f"log.run_dir={run}"]
+    assert train_main(["--config", "configs/world/flux_dancegrpo.yaml", *TINY, *over]) == 0
+    first = json.loads((run / "samples" / "eval_00000.json").read_text())
+    assert len(first["prompts"]) == len(first["jpeg"]) == 6  # 3 prompts x 2 images, one score each
+
+    md = tmp_path / "report.md"
+    world_rl_report.main(["--run", str(run), "--figure", str(tmp_path / "grid.png"), "--markdown", str(md)])
+    text = md.read_text()
+    assert "eval_00002 vs eval_00000" in text and "| jpeg |" in text
+    assert (tmp_path / "grid.png").is_file()
+
+
+def test_sign_test_is_the_exact_binomial_tail():
+    from world_rl_report import sign_test_p
+
+    assert sign_test_p(0, 0) == 1.0 and sign_test_p(5, 5) == 1.0
+    assert sign_test_p(10, 0) == sign_test_p(0, 10) == 2 / 2**10
+    assert abs(sign_test_p(8, 2) - 2 * (1 + 10 + 45) / 1024) < 1e-15

@@ -1,8 +1,8 @@
 """Trajectory sampling: run a velocity field down a sigma schedule, recording what GRPO needs.
 
 Each step uses ``jagg.sde.sde_step_with_logprob`` with its own kind ("ode" for deterministic steps, an SDE
-kind where the algorithm explores), so DanceGRPO (SDE but the last step), Flow-GRPO-Fast (an SDE window, ODE elsewhere) and
-evaluation (all ODE) are one function with different ``kinds``.
+kind where the algorithm explores), so DanceGRPO (SDE but the last step), Flow-GRPO-Fast (an SDE window,
+ODE elsewhere) and evaluation (all ODE) are one function with different ``kinds``.
 """
 
 from __future__ import annotations

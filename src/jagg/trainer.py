@@ -377,8 +377,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, it: int) -> tuple[dict, Tensor]:
+    def evaluate(self, it: int) -> tuple[dict, Tensor, dict]:
         """ODE samples on held-out prompts (fixed noise), scored by every eval reward (EMA weights if any).
+
+        Returns the metrics row (mean / std per reward), rank 0's images and the per-sample scores
+        ``{"prompts": [...], reward: [...]}``; the noise is the same at every evaluation, so per-sample
+        scores of two evaluations are paired (``experiments/world_rl_report.py`` uses that).
 
         Multi-process: each rank samples an equal share (padded by repeating its last prompt, so every rank
         runs the same number of sharded forwards); scores are gathered, images are rank 0's share.
@@ -406,12 +410,22 @@ class Trainer:
             ]
         images = self.comp.decode(torch.cat(finals).float()).cpu()
         keep = self.dist.gather_cat(torch.tensor(rows)) >= 0  # drop the padding rows
-        out = {}
+        out, per_sample = (
+            {},
+            {
+                "prompts": [
+                    p
+                    for p in self.comp.eval_prompts[: lg.eval_prompts]
+                    for _ in range(lg.eval_images_per_prompt)
+                ]
+            },
+        )
         for name, fn in self.eval_rewards.items():
             score = self.dist.gather_cat(fn(images, prompts).float().cpu())[keep]
             out[f"eval_{name}_mean"] = score.mean().item()
             out[f"eval_{name}_std"] = score.std().item() if len(score) > 1 else 0.0
-        return out, images[torch.tensor(rows) >= 0]
+            per_sample[name] = score.tolist()
+        return out, images[torch.tensor(rows) >= 0], per_sample
 
     def _eval_rows(self, n: int) -> list[int]:
         """This rank's eval sample indices, padded to ceil(n / world) with -(index + 1) markers."""
@@ -548,9 +562,11 @@ class Trainer:
         return self.metrics
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
-        ev, images = self.evaluate(it)
+        ev, images, per_sample = self.evaluate(it)
         row.update(ev)
         self._log(row)
+        if self.dist.is_main:
+            atomic_write_text(self.run_dir / "samples" / f"eval_{it:05d}.json", json.dumps(per_sample))
         grid_every = self.cfg.log.grid_every
         if self.dist.is_main and (grid_every == 0 or it % grid_every == 0):
             save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
