@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test test-dist lint format bench pretrain clean theorem table1 cosine curves figures all
+.PHONY: help venv test test-dist lint format bench pretrain clean theorem table1 cosine curves world-rl figures all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -66,7 +66,11 @@ cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact) -> 
 curves: $(STAMP) pretrain ## Reward curves, exact / JAGG / ablations x seeds (QUICK=1: a few iterations) -> results/curves/, paper_figures/reward_curves.png
 	$(PY) experiments/curves.py $(if $(QUICK),--quick,)
 
+world-rl: $(STAMP) pretrain ## DanceGRPO + JAGG on the world, 180 iterations (~13 min): before/after -> results/world_rl_eval.md, paper_figures/world_rl_before_after.png
+	$(PY) -m jagg.train --config configs/world/flux_dancegrpo.yaml --overwrite
+	$(PY) experiments/world_rl_report.py --run runs/world/flux_dancegrpo --markdown results/world_rl_eval.md
+
 figures: $(STAMP) ## Regenerate every table and figure from results/ alone (no training)
 	$(PY) experiments/figures.py
 
-all: table1 cosine curves theorem bench figures ## Everything (pretraining included), then every figure
+all: table1 cosine curves world-rl theorem bench figures ## Everything (pretraining included), then every figure

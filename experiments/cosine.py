@@ -43,9 +43,10 @@ SETTINGS: dict[str, tuple[list[str], list[int]]] = {
     "few_steps_high_noise": (["sampling.num_steps=5", "algorithm.noise_level=1.0"], [4]),
     "after_rl": ([], [3]),
 }
-# The gradient-geometry experiment pins a plain DanceGRPO loss (pref reward, per-group advantages, no KL), so its
-# numbers do not move when the training recipe in configs/world/base.yaml is re-tuned.
+# The gradient-geometry experiment pins a plain DanceGRPO loss (the paper-scale eta 0.3, pref reward, per-group
+# advantages, no KL), so its numbers do not move when the world training recipe (configs/world/) is re-tuned.
 PINNED = [
+    "algorithm.noise_level=0.3",
     "reward.weights={pref: 1.0}",
     "algorithm.kl_beta=0.0",
     "algorithm.adv_std=group",

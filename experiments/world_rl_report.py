@@ -16,6 +16,8 @@ import json
 import math
 from pathlib import Path
 
+from jagg.common import atomic_write_text
+
 
 def eval_rows(run: Path) -> list[dict]:
     """The metrics rows that carry an evaluation, with the training wall time accumulated up to them."""
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"figure: {first.name} vs {last.name} -> {args.figure}")
     text = markdown(run)
     if args.markdown:
-        Path(args.markdown).write_text(text)
+        atomic_write_text(args.markdown, text)
     print(text)
 
 

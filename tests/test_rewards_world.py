@@ -70,9 +70,10 @@ def test_jpeg_prefers_flat_images():
 
 def test_registry_has_world_rewards_and_weighted_sum(tmp_path, world, batch):
     build_reward("jpeg")  # triggers the lazy registration
-    assert {"clip", "pref", "attr", "jpeg"} <= set(REWARDS)
-    with pytest.raises(ArtefactError, match="run `make pretrain`"):
-        build_reward("pref", cache_dir=tmp_path)
+    assert {"clip", "pref", "attr", "attr_soft", "jpeg"} <= set(REWARDS)
+    for name in ("pref", "attr_soft"):
+        with pytest.raises(ArtefactError, match="run `make pretrain`"):
+            build_reward(name, cache_dir=tmp_path)
     total = build_rewards({"jpeg": 2.0})
     images, prompts = batch
     assert torch.allclose(total(images, prompts), 2 * total.components["jpeg"])

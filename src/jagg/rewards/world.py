@@ -5,6 +5,8 @@
           (faithful clean render > degraded variant) pairs; penalises the noisy-background hack     (logit)
     attr  GenEval analogue: 1 if the attribute classifier reads the prompt's colour, shape and position
           exactly, else 0 (``soft=True``: product of the three class probabilities)               ([0, 1])
+    attr_soft  the same classifier's product of the three class probabilities: a dense training
+          signal (every sample in a group is ranked, not only right / wrong); ``attr`` stays the metric ([0, 1])
 
 All follow the registry interface: ``reward(images (B,3,H,W) in [0,1], prompts) -> (B,) float32``, no grad.
 The registered factories load the weights cached by ``make pretrain`` (``jagg.world.pretrained``).
@@ -105,3 +107,10 @@ def attr_reward(cache_dir: str | Path | None = None, soft: bool = False) -> Attr
     """Embedded-world GenEval-style exact attribute accuracy (needs ``make pretrain``)."""
     model, world = _load("attr", cache_dir)
     return AttrReward(model, world, soft=soft)
+
+
+@register_reward("attr_soft")
+def attr_soft_reward(cache_dir: str | Path | None = None) -> AttrReward:
+    """Embedded-world soft attribute score: probability of the prompt's colour x shape x position."""
+    model, world = _load("attr", cache_dir)
+    return AttrReward(model, world, soft=True)
