@@ -30,22 +30,48 @@ def eval_rows(run: Path) -> list[dict]:
     return out
 
 
+def _mark_attr(img, scores: list[float], ncol: int = 8, scale: int = 4, pad: int = 2):
+    """Underline every tile of a ``jagg.trainer.save_grid`` grid green (attr correct) or red (wrong)."""
+    from PIL import ImageDraw
+
+    n = len(scores)
+    tile = img.width // (scale * min(ncol, n)) - pad  # un-scaled tile size
+    draw = ImageDraw.Draw(img)
+    for i, ok in enumerate(scores):
+        r, q = divmod(i, ncol)
+        x, y = (q * (tile + pad) + 1) * scale, (r * (tile + pad) + 1) * scale + tile * scale
+        draw.rectangle(
+            [x, y, x + tile * scale - 1, y + scale - 2], fill=(40, 170, 60) if ok else (210, 40, 40)
+        )
+    return img
+
+
 def figure(run: Path, path: Path) -> tuple[Path, Path]:
+    """Base-model grid and last grid side by side, one held-out prompt per row; tiles underlined green / red
+    by the ``attr`` metric when the per-sample eval scores are there."""
     from PIL import Image, ImageDraw
 
     grids = sorted((run / "samples").glob("iter_*.png"))
     first, last = grids[0], grids[-1]
     imgs = [Image.open(p).convert("RGB") for p in (first, last)]
+    scores = [run / "samples" / f"eval_{p.stem.split('_')[1]}.json" for p in (first, last)]
+    scores = [json.loads(f.read_text()) if f.is_file() else None for f in scores]
+    for img, sc in zip(imgs, scores):
+        if sc and "attr" in sc:
+            _mark_attr(img, sc["attr"])
     labels = [f"before: {first.stem} (base model)", f"after: {last.stem} (GRPO)"]
-    w = max(i.width for i in imgs)
-    band = 24
-    canvas = Image.new("RGB", (w, sum(i.height + band for i in imgs)), "white")
-    y = 0
+    prompts = scores[0]["prompts"] if scores[0] else []
+    row_h = imgs[0].height // max(1, -(-len(prompts) // 8)) if prompts else 0
+    left, band, gap = (170 if prompts else 0), 24, 16
+    w, h = imgs[0].width, max(i.height for i in imgs)
+    canvas = Image.new("RGB", (left + 2 * w + gap, h + band), "white")
     draw = ImageDraw.Draw(canvas)
-    for img, label in zip(imgs, labels):
-        draw.text((4, y + 6), label, fill="black")
-        canvas.paste(img, (0, y + band))
-        y += img.height + band
+    for k, (img, label) in enumerate(zip(imgs, labels)):
+        x = left + k * (w + gap)
+        draw.text((x + 4, 6), label, fill="black")
+        canvas.paste(img, (x, band))
+    for r, prompt in enumerate(prompts[::8]):
+        draw.text((4, band + r * row_h + row_h // 2 - 6), prompt, fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(path)
     return first, last

@@ -123,3 +123,17 @@ def test_sign_test_is_the_exact_binomial_tail():
     assert sign_test_p(0, 0) == 1.0 and sign_test_p(5, 5) == 1.0
     assert sign_test_p(10, 0) == sign_test_p(0, 10) == 2 / 2**10
     assert abs(sign_test_p(8, 2) - 2 * (1 + 10 + 45) / 1024) < 1e-15
+
+
+def test_attr_underlines_land_under_each_grid_tile(tmp_path):
+    import torch
+    from PIL import Image
+
+    from jagg.trainer import save_grid
+    from world_rl_report import _mark_attr
+
+    save_grid(torch.zeros(10, 3, 16, 16), tmp_path / "g.png")  # 8 + 2 tiles, two rows
+    img = _mark_attr(Image.open(tmp_path / "g.png").convert("RGB"), [1.0] * 9 + [0.0])
+    below = lambda r, q: img.getpixel(((q * 18 + 1) * 4 + 10, (r * 18 + 17) * 4))  # noqa: E731
+    assert below(0, 0) == below(1, 0) == (40, 170, 60) and below(1, 1) == (210, 40, 40)
+    assert img.getpixel(((1 * 18 + 1) * 4 + 10, (0 * 18 + 1) * 4 + 10)) == (0, 0, 0)  # tile itself untouched
