@@ -138,8 +138,11 @@ def markdown(run: Path) -> str:
             + " |"
         )
     lines += ["", *paired_change(run)]
+    argv = list(meta.get("argv", []))
+    if argv and argv[0].endswith("jagg/train.py"):  # recorded as sys.argv of `python -m jagg.train`
+        argv[0] = "python -m jagg.train"
     lines += [
-        f"command: `{' '.join(meta.get('argv', []))}`; git {meta['git_sha']}; {meta['hardware']}; "
+        f"command: `{' '.join(argv)}`; git {meta['git_sha']}; {meta['hardware']}; "
         f"torch {meta['versions']['torch']}",
     ]
     return "\n".join(lines) + "\n"
