@@ -3,8 +3,9 @@
 python experiments/world_rl_report.py [--run runs/world/flux_dancegrpo]
     [--figure paper_figures/world_rl_before_after.png] [--markdown results/world_rl_eval.md]
 
-The figure stacks the held-out sample grid of the first evaluation (iteration 0, the base model) above the
-one of the last evaluation (same prompts, same fixed noise, ODE sampling); the markdown file gets the eval
+The figure puts the held-out sample grid of the first evaluation (iteration 0, the base model) next to the
+one of the last evaluation (same prompts, same fixed noise, ODE sampling), a prompt per row, every tile
+underlined green / red by the ``attr`` metric when it was evaluated; the markdown file gets the eval
 numbers per evaluation iteration, cumulative training wall time, a paired per-sample before/after comparison
 (mean change, its standard error, sign test), the command, git SHA and hardware.
 """

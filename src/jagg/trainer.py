@@ -388,14 +388,14 @@ class Trainer:
         runs the same number of sharded forwards); scores are gathered, images are rank 0's share.
         """
         lg = self.cfg.log
-        prompts = [
+        all_prompts = [
             p for p in self.comp.eval_prompts[: lg.eval_prompts] for _ in range(lg.eval_images_per_prompt)
         ]
         gen = _iteration_generator(self.cfg.train.seed, -1)  # the same noise at every evaluation
-        noise = self._noise(len(prompts), gen)
-        rows = self._eval_rows(len(prompts))
+        noise = self._noise(len(all_prompts), gen)
+        rows = self._eval_rows(len(all_prompts))
         idx = [i if i >= 0 else -i - 1 for i in rows]  # padding rows repeat a real one
-        prompts, noise = [prompts[i] for i in idx], noise[idx]
+        prompts, noise = [all_prompts[i] for i in idx], noise[idx]  # this rank's share
         cond = self.comp.text_encoder.encode_prompts(prompts)
         sig = self.eval_sigmas.to(self.device)
         with self._ema_weights():
@@ -410,16 +410,7 @@ class Trainer:
             ]
         images = self.comp.decode(torch.cat(finals).float()).cpu()
         keep = self.dist.gather_cat(torch.tensor(rows)) >= 0  # drop the padding rows
-        out, per_sample = (
-            {},
-            {
-                "prompts": [
-                    p
-                    for p in self.comp.eval_prompts[: lg.eval_prompts]
-                    for _ in range(lg.eval_images_per_prompt)
-                ]
-            },
-        )
+        out, per_sample = {}, {"prompts": all_prompts}
         for name, fn in self.eval_rewards.items():
             score = self.dist.gather_cat(fn(images, prompts).float().cpu())[keep]
             out[f"eval_{name}_mean"] = score.mean().item()

@@ -4,9 +4,9 @@
     pref  preference, HPSv2.1 / PickScore analogue: Bradley-Terry score of a model trained on
           (faithful clean render > degraded variant) pairs; penalises the noisy-background hack     (logit)
     attr  GenEval analogue: 1 if the attribute classifier reads the prompt's colour, shape and position
-          exactly, else 0 (``soft=True``: product of the three class probabilities)               ([0, 1])
-    attr_soft  the same classifier's product of the three class probabilities: a dense training
-          signal (every sample in a group is ranked, not only right / wrong); ``attr`` stays the metric ([0, 1])
+          exactly, else 0                                                                          ({0, 1})
+    attr_soft  the same classifier's probability of the prompt's colour x shape x position: a dense training
+          signal (every image of a group is ranked, not only right / wrong); ``attr`` stays the metric ([0, 1])
 
 All follow the registry interface: ``reward(images (B,3,H,W) in [0,1], prompts) -> (B,) float32``, no grad.
 The registered factories load the weights cached by ``make pretrain`` (``jagg.world.pretrained``).
