@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 from jagg.common import atomic_write_text
+from jagg.trainer import GRID_COLS, GRID_PAD, GRID_ZOOM, grid_cell
 
 
 def eval_rows(run: Path) -> list[dict]:
@@ -31,19 +32,17 @@ def eval_rows(run: Path) -> list[dict]:
     return out
 
 
-def _mark_attr(img, scores: list[float], ncol: int = 8, scale: int = 4, pad: int = 2):
+def _mark_attr(img, scores: list[float]):
     """Underline every tile of a ``jagg.trainer.save_grid`` grid green (attr correct) or red (wrong)."""
     from PIL import ImageDraw
 
-    n = len(scores)
-    tile = img.width // (scale * min(ncol, n)) - pad  # un-scaled tile size
+    z = GRID_ZOOM
+    tile = img.width // (z * min(GRID_COLS, len(scores))) - GRID_PAD  # square tiles, before the zoom
     draw = ImageDraw.Draw(img)
     for i, ok in enumerate(scores):
-        r, q = divmod(i, ncol)
-        x, y = (q * (tile + pad) + 1) * scale, (r * (tile + pad) + 1) * scale + tile * scale
-        draw.rectangle(
-            [x, y, x + tile * scale - 1, y + scale - 2], fill=(40, 170, 60) if ok else (210, 40, 40)
-        )
+        y, x = grid_cell(i, tile, tile)
+        y, x = (y + tile) * z, x * z  # the padding strip just below the tile
+        draw.rectangle([x, y, x + tile * z - 1, y + z - 2], fill=(40, 170, 60) if ok else (210, 40, 40))
     return img
 
 
@@ -62,7 +61,7 @@ def figure(run: Path, path: Path) -> tuple[Path, Path]:
             _mark_attr(img, sc["attr"])
     labels = [f"before: {first.stem} (base model)", f"after: {last.stem} (GRPO)"]
     prompts = scores[0]["prompts"] if scores[0] else []
-    row_h = imgs[0].height // max(1, -(-len(prompts) // 8)) if prompts else 0
+    row_h = imgs[0].height // max(1, -(-len(prompts) // GRID_COLS)) if prompts else 0
     left, band, gap = (170 if prompts else 0), 24, 16
     w, h = imgs[0].width, max(i.height for i in imgs)
     canvas = Image.new("RGB", (left + 2 * w + gap, h + band), "white")
@@ -71,7 +70,7 @@ def figure(run: Path, path: Path) -> tuple[Path, Path]:
         x = left + k * (w + gap)
         draw.text((x + 4, 6), label, fill="black")
         canvas.paste(img, (x, band))
-    for r, prompt in enumerate(prompts[::8]):
+    for r, prompt in enumerate(prompts[::GRID_COLS]):  # the first image of every grid row
         draw.text((4, band + r * row_h + row_h // 2 - 6), prompt, fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(path)

@@ -112,5 +112,4 @@ def attr_reward(cache_dir: str | Path | None = None, soft: bool = False) -> Attr
 @register_reward("attr_soft")
 def attr_soft_reward(cache_dir: str | Path | None = None) -> AttrReward:
     """Embedded-world soft attribute score: probability of the prompt's colour x shape x position."""
-    model, world = _load("attr", cache_dir)
-    return AttrReward(model, world, soft=True)
+    return attr_reward(cache_dir, soft=True)
