@@ -18,3 +18,11 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def world():
+    """The embedded world's scene generator (prompts, renders, labels); shared by the world tests."""
+    from jagg.world import World
+
+    return World()

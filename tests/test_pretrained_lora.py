@@ -11,7 +11,6 @@ from jagg.hub import WeightsUnavailableError
 from jagg.lora import apply_lora, load_trainable, save_trainable, trainable_parameters, trainable_state_dict
 from jagg.sde import diffusers_sigmas
 
-torch.set_num_threads(1)
 BACKBONES = ["flux", "qwenimage"]
 # A FLUX.1-dev-like scheduler config (dynamic shift; REFERENCE.md section 2).
 FLUX_SCHEDULER = dict(

@@ -26,7 +26,6 @@ from jagg.rewards.real import (
     clip_preprocess,
 )
 
-torch.set_num_threads(1)
 IMG = 32  # tiny models' input size
 PROMPTS = ["a red circle on the left", "a photo of a cat", "an astronaut riding a horse", "x"]
 

@@ -13,17 +13,10 @@ import torch
 from jagg.rewards import REWARDS, build_reward, build_rewards
 from jagg.rewards.jpeg import jpeg_kilobytes
 from jagg.rewards.world import AttrReward, ClipReward, PrefReward
-from jagg.world import ArtefactError, World
+from jagg.world import ArtefactError
 from jagg.world.pretrained import new_module
 from jagg.world.text import WordTokenizer
 from jagg.world.train import JudgeTrainConfig, train_attributes, train_preference
-
-torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def world() -> World:
-    return World()
 
 
 @pytest.fixture(scope="module")

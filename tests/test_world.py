@@ -23,13 +23,6 @@ from jagg.world.pretrained import (
 )
 from jagg.world.train import FlowTrainConfig, preference_pairs, sample_images, train_flow
 
-torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def world() -> World:
-    return World()
-
 
 @pytest.fixture(scope="module")
 def text_encoder(world):
