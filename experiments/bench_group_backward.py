@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from jagg.backbones import TextCond, build_tiny_backbone
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.grpo import clipped_ppo_loss
-from jagg.sde import sde_step_with_logprob, shifted_linear_sigmas
-from jagg.strategies import group_backward
+from jagg.engine.grpo import clipped_ppo_loss
+from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.engine.strategies import group_backward
+from jagg.models import TextCond, build_tiny_backbone
 
 # A small but compute-bound size: ~0.6M parameters, 64 image tokens (16x16 latent of 16 channels).
 BENCH_SIZES = {

@@ -28,10 +28,10 @@ from jagg.common import (
     set_threads,
     write_table,
 )
-from jagg.components import build_components
 from jagg.config import load_config
-from jagg.strategies import group_backward
-from jagg.trainer import Trainer
+from jagg.engine.strategies import group_backward
+from jagg.loop.components import build_components
+from jagg.loop.trainer import Trainer
 
 BACKBONES = ("flux", "qwenimage")
 COMPARED = ("jagg", "endpoints", "uniform")

@@ -93,7 +93,7 @@ def write_report(
     previous = results / "world.json"
     if build_seconds is None and previous.exists():  # report-only rerun: keep the last build's wall time
         build_seconds = json.loads(previous.read_text()).get("make_pretrain_seconds_this_run")
-    rewards = world_rewards(cache, world)
+    rewards = world_rewards(cache)
     data = {
         "git_sha": git_sha(),
         "environment": environment(),

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.components import build_components
 from jagg.config import BackwardConfig, load_config
-from jagg.profiling import SavedActivationMeter
-from jagg.trainer import Trainer
+from jagg.engine.profiling import SavedActivationMeter
+from jagg.loop.components import build_components
+from jagg.loop.trainer import Trainer
 
 SETUPS = [
     ("flux", "dancegrpo"),
@@ -32,13 +32,15 @@ SETUPS = [
     ("qwenimage", "dancegrpo"),
     ("qwenimage", "flowgrpo_fast"),
 ]
-PAPER = {  # PAPER.md: reduction of wall-clock per training step (DanceGRPO) / update phase (Flow-GRPO-Fast)
+# The paper (arXiv 2607.17572), Table 1: reduction of wall-clock per training step (DanceGRPO) / update phase
+# (Flow-GRPO-Fast).
+PAPER = {
     ("flux", "dancegrpo"): "-18.2% per step (279 s -> 228 s)",
     ("qwenimage", "dancegrpo"): "-17.3% per step (835 s -> 691 s)",
     ("flux", "flowgrpo_fast"): "-29.9% to -30.0% update phase",
     ("qwenimage", "flowgrpo_fast"): "-29.9% to -30.0% update phase",
 }
-# On the embedded world, mirror the paper's step structure (REFERENCE.md section 5) so that the pass counts per
+# On the embedded world, mirror the paper's step structure (docs/references.md) so that the pass counts per
 # sample match the paper's setups: DanceGRPO Flux trains 9 of 15 steps, Qwen-Image 11 of 19 (W = 3, jagg_frac
 # 0.6 -> JAGG on the first 2 groups); Flow-GRPO-Fast trains a window of 3 (Flux) or 2 (Qwen-Image) steps.
 # The batch is pinned so the timing does not move when the training recipes are re-tuned, and so are the

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from jagg.common import command_line, run_metadata, set_threads, write_table
-from jagg.grpo import clipped_ppo_loss
-from jagg.sde import sde_step_with_logprob, shifted_linear_sigmas
-from jagg.strategies import group_backward, t_weights
+from jagg.engine.grpo import clipped_ppo_loss
+from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.engine.strategies import group_backward, t_weights
 
 SHAPE = (4, 4, 4)  # (C, H, W) latent
 D = 64

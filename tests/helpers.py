@@ -8,9 +8,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from jagg.backbones import TextCond, build_tiny_backbone
-from jagg.grpo import clipped_ppo_loss
-from jagg.sde import sde_step_with_logprob
+from jagg.engine.grpo import clipped_ppo_loss
+from jagg.engine.sde import sde_step_with_logprob
+from jagg.models import TextCond, build_tiny_backbone
 
 
 class MLPVelocity(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jagg.backbones import BACKBONES, TextCond, build_tiny_backbone, pack_2x2, unpack_2x2
-from jagg.backbones.qwenimage import QwenImageBackbone
+from jagg.models import BACKBONES, TextCond, build_tiny_backbone, pack_2x2, unpack_2x2
+from jagg.models.qwenimage import QwenImageBackbone
 
 
 def _cond(b, seed=0):

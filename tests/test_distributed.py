@@ -26,10 +26,10 @@ def _free_port() -> int:
 
 def _problem():
     """A group of W trained steps of a sampled DanceGRPO-style trajectory (identical on every rank)."""
-    from jagg.backbones import TextCond, build_tiny_backbone
-    from jagg.grpo import clipped_ppo_loss
-    from jagg.sampling import sample_trajectory
-    from jagg.sde import sde_step_with_logprob, shifted_linear_sigmas
+    from jagg.engine.grpo import clipped_ppo_loss
+    from jagg.engine.sampling import sample_trajectory
+    from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+    from jagg.models import TextCond, build_tiny_backbone
 
     model = build_tiny_backbone("flux", seed=0)
     g = torch.Generator().manual_seed(0)
@@ -63,8 +63,8 @@ def _problem():
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from jagg.distributed import CollectiveCounter, fsdp_units, full_grads, shard_backbone
-    from jagg.strategies import group_backward
+    from jagg.engine.strategies import group_backward
+    from jagg.scale.distributed import CollectiveCounter, fsdp_units, full_grads, shard_backbone
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)

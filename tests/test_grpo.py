@@ -1,11 +1,11 @@
-"""Group advantages and the clipped PPO loss (REFERENCE.md section 4)."""
+"""Group advantages and the clipped PPO loss (docs/conventions.md)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from jagg.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
+from jagg.engine.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
 
 
 def test_group_advantages_are_normalised_per_prompt():

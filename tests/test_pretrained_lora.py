@@ -5,14 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jagg.backbones import TextCond, build_tiny_backbone
-from jagg.backbones.pretrained import load_backbone, load_scheduler_config, set_gradient_checkpointing
-from jagg.hub import WeightsUnavailableError
-from jagg.lora import apply_lora, load_trainable, save_trainable, trainable_parameters, trainable_state_dict
-from jagg.sde import diffusers_sigmas
+from jagg.engine.sde import diffusers_sigmas
+from jagg.errors import WeightsUnavailableError
+from jagg.models import TextCond, build_tiny_backbone
+from jagg.scale.lora import (
+    apply_lora,
+    load_trainable,
+    save_trainable,
+    trainable_parameters,
+    trainable_state_dict,
+)
+from jagg.scale.pretrained import load_backbone, load_scheduler_config, set_gradient_checkpointing
 
 BACKBONES = ["flux", "qwenimage"]
-# A FLUX.1-dev-like scheduler config (dynamic shift; REFERENCE.md section 2).
+# A FLUX.1-dev-like scheduler config (dynamic shift; docs/conventions.md).
 FLUX_SCHEDULER = dict(
     num_train_timesteps=1000,
     shift=3.0,

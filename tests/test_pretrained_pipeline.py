@@ -1,8 +1,8 @@
 """model.source=pretrained end to end, offline: tiny random-init FLUX.1-dev / Qwen-Image pipelines of the real
 classes (transformer, VAE, text encoders, tokenizers, scheduler) saved with ``save_pretrained`` and loaded
-through the real code path (``jagg.backbones.pretrained.build_pretrained_components``) for 2 training iterations.
+through the real code path (``jagg.scale.pretrained.build_pretrained_components``) for 2 training iterations.
 
-Tokenizers: CLIP-L gets the real CLIP BPE (open_clip's bundled vocab, REFERENCE.md section 7); T5 and Qwen2.5-VL
+Tokenizers: CLIP-L gets the real CLIP BPE (open_clip's bundled vocab, docs/decisions.md); T5 and Qwen2.5-VL
 get a tiny byte-level BPE trained with the ``tokenizers`` library (their real vocabularies need the hub).
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jagg.backbones import build_tiny_backbone
-from jagg.components import build_components
 from jagg.config import load_config
-from jagg.pipelines import CachedTextEncoder, VaeDecoder
+from jagg.loop.components import build_components
+from jagg.loop.trainer import Trainer
+from jagg.models import build_tiny_backbone
 from jagg.rewards import REWARDS
-from jagg.trainer import Trainer
+from jagg.scale.pipelines import CachedTextEncoder, VaeDecoder
 
 PROMPTS = [
     "a red circle on the left",
@@ -49,7 +49,7 @@ def save_flux_pipeline(root) -> None:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from jagg.rewards.real import clip_bpe_tokenizer
+    from jagg.scale.rewards import clip_bpe_tokenizer
 
     torch.manual_seed(0)
     build_tiny_backbone("flux", seed=1).transformer.save_pretrained(root / "transformer")

@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from jagg.hub import WeightsUnavailableError
-from jagg.prompts import PROMPT_DATASETS, load_prompts, read_prompt_file
+from jagg.errors import WeightsUnavailableError
+from jagg.scale.prompts import PROMPT_DATASETS, load_prompts, read_prompt_file
 
 PROMPTS = ["a red circle on the left", "a photo of a cat", "a red circle on the left", "an owl, oil painting"]
 CATS = ["shapes", "photo", "shapes", "paintings"]

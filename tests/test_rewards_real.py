@@ -1,7 +1,7 @@
 """Real rewards (HPSv2.1, PickScore, CLIPScore) on tiny random-init models of the real classes, offline.
 
 The scoring and preprocessing code is the production code; only the weights are random. Real weights never
-load here (REFERENCE.md section 7); requesting them offline must fail fast with a clear message.
+load here (docs/decisions.md); requesting them offline must fail fast with a clear message.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from jagg.hub import WeightsUnavailableError
+from jagg.errors import WeightsUnavailableError
 from jagg.rewards import REWARDS, build_reward
-from jagg.rewards.real import (
+from jagg.scale.rewards import (
     CLIP_MEAN,
     CLIP_STD,
     CLIPScoreReward,
@@ -205,8 +205,9 @@ def test_missing_local_path_is_clear():
 def test_offline_fails_fast_fresh_process(tmp_path):
     """A fresh interpreter with HF_HUB_OFFLINE=1 and an empty cache: a clear error, well inside a timeout."""
     code = (
+        "import jagg.scale.rewards  # registers hpsv2, pickscore, clipscore\n"
+        "from jagg.errors import WeightsUnavailableError\n"
         "from jagg.rewards import build_reward\n"
-        "from jagg.hub import WeightsUnavailableError\n"
         "for n in ('hpsv2', 'pickscore', 'clipscore'):\n"
         "    try:\n        build_reward(n)\n    except WeightsUnavailableError as e:\n        print('OK', n, e)\n"
     )

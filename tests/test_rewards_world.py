@@ -12,9 +12,9 @@ import torch
 
 from jagg.rewards import REWARDS, build_reward, build_rewards
 from jagg.rewards.jpeg import jpeg_kilobytes
-from jagg.rewards.world import AttrReward, ClipReward, PrefReward
 from jagg.world import ArtefactError
 from jagg.world.pretrained import new_module
+from jagg.world.rewards import AttrReward, ClipReward, PrefReward
 from jagg.world.text import WordTokenizer
 from jagg.world.train import JudgeTrainConfig, train_attributes, train_preference
 
@@ -62,7 +62,7 @@ def test_jpeg_prefers_flat_images():
 
 
 def test_registry_has_world_rewards_and_weighted_sum(tmp_path, world, batch):
-    build_reward("jpeg")  # triggers the lazy registration
+    # registered by importing jagg.rewards.jpeg and jagg.world.rewards (above)
     assert {"clip", "pref", "attr", "attr_soft", "jpeg"} <= set(REWARDS)
     for name in ("pref", "attr_soft"):
         with pytest.raises(ArtefactError, match="run `make pretrain`"):

@@ -1,4 +1,4 @@
-"""SDE step, log-probs and schedules (REFERENCE.md sections 1-2)."""
+"""SDE step, log-probs and schedules (docs/conventions.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from jagg.sde import (
+from jagg.engine.sde import (
     diffusers_sigmas,
     diffusion_coefficient,
     sde_step_with_logprob,

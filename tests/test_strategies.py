@@ -1,6 +1,6 @@
 """Numerics and cost of the backward strategies (float64, tight tolerances).
 
-Invariants (PAPER.md): exact == plain autograd; JAGG == exact for W = 2 (any model) and for a velocity
+Invariants (the paper, arXiv 2607.17572; docs/method.md): exact == plain autograd; JAGG == exact for W = 2 (any model) and for a velocity
 linear in (z, t) on a straight path (Theorem 1); JAGG != exact for a nonlinear model at W >= 3;
 pass/call counts W/W for exact vs 2/1 for the two-endpoint strategies, counted with hooks.
 """
@@ -19,7 +19,7 @@ from helpers import (
     rel_err,
     straight_path_latents,
 )
-from jagg.strategies import (
+from jagg.engine.strategies import (
     STRATEGIES,
     group_backward,
     jagg_weights,

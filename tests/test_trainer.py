@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from jagg.components import build_components
 from jagg.config import load_config
+from jagg.engine.strategies import STRATEGIES
+from jagg.loop.components import build_components
+from jagg.loop.trainer import Trainer, TrainingAborted
 from jagg.rewards import REWARDS
-from jagg.strategies import STRATEGIES
-from jagg.trainer import Trainer, TrainingAborted
 
 TIME_KEYS = ("time_", "peak_memory")
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from jagg.backbones import TextCond, build_tiny_backbone
+from jagg.models import TextCond, build_tiny_backbone
 from jagg.world import ArtefactError, World, WorldConfig, check_artefact, load_pretrained
 from jagg.world.pretrained import (
     ARTEFACTS,

@@ -1,14 +1,23 @@
 """JAGG: Jacobian-Aggregated Group Gradient for GRPO fine-tuning of diffusion transformers.
 
-Public entry points:
-    sde_step_with_logprob   one SDE/ODE/CPS step and the log-prob of its sample   (jagg.sde)
-    group_advantages, clipped_ppo_loss                                          (jagg.grpo)
-    group_backward, trajectory_backward, plan_groups, STRATEGIES               (jagg.strategies)
+Public entry points (re-exported from the engine):
+    sde_step_with_logprob   one SDE/ODE/CPS step and the log-prob of its sample   (jagg.engine.sde)
+    group_advantages, clipped_ppo_loss                                          (jagg.engine.grpo)
+    group_backward, trajectory_backward, plan_groups, STRATEGIES               (jagg.engine.strategies)
+
+Layers, top first (a module imports only from its own package or from the layers below; see
+tests/test_architecture.py):
+    jagg.loop, jagg.train          the training loop, its composition root, checkpoints, grids, dry-run plan; CLI
+    jagg.world | jagg.scale        the embedded offline world | real models at paper scale
+    jagg.config                    config dataclasses, YAML loading, value checks
+    jagg.engine | jagg.models | jagg.rewards   SDE, GRPO loss, strategies, sampling, algorithms | backbone
+                                   adapters, Components | reward registry, weighted sums, JPEG rewards
+    jagg.errors | jagg.common      the user-facing errors | plumbing (threads, run metadata, atomic writes)
 """
 
-from jagg.grpo import clipped_ppo_loss, group_advantages
-from jagg.sde import SDEStep, sde_step_with_logprob, shifted_linear_sigmas
-from jagg.strategies import (
+from jagg.engine.grpo import clipped_ppo_loss, group_advantages
+from jagg.engine.sde import SDEStep, sde_step_with_logprob, shifted_linear_sigmas
+from jagg.engine.strategies import (
     STRATEGIES,
     GroupPlan,
     GroupStats,

@@ -14,7 +14,7 @@ import torch
 
 
 def set_threads(n: int = 1) -> None:
-    """One torch thread per process by default (2-core machines: OpenMP spin-wait, REFERENCE.md s.7)."""
+    """One torch thread per process by default (2-core machines: OpenMP spin-wait, docs/decisions.md)."""
     torch.set_num_threads(n)
 
 

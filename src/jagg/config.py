@@ -2,8 +2,12 @@
 
 A YAML file may name a parent with ``inherit: other.yaml`` (relative to itself); keys are merged recursively,
 so configs that differ only in, e.g., the backward strategy share one base file. Every error is a
-``ConfigError`` whose message names the key and what is allowed; the CLI turns it into one line on stderr
-and exit status 2 before anything is written.
+``ConfigError`` (``jagg.errors``) whose message names the key and what is allowed; the CLI turns it into one
+line on stderr and exit status 2 before anything is written.
+
+Layer: above the engine, the model adapters and the rewards, below the world / scale / loop. It imports only
+the engine (the names it checks against) and ``jagg.errors``, so loading a config imports neither diffusers nor
+the world; the reward names are checked by the composition root (``jagg.loop.components.check_config``).
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from typing import Any
 
 import yaml
 
-from jagg.sde import SDE_KINDS
-from jagg.strategies import STRATEGIES
+from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.sde import SDE_KINDS
+from jagg.engine.strategies import STRATEGIES
+from jagg.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message names the key and the allowed values."""
+# The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
+# (tests/test_architecture.py) checks that the two agree.
+BACKBONE_NAMES = ("flux", "qwenimage")
 
 
 @dataclass
@@ -111,7 +117,7 @@ class RewardConfig:
 class DataConfig:
     """Prompts and text-embedding cache for model.source=pretrained (the world sources use the world's own)."""
 
-    train_prompts: str = "hpdv2_train"  # local file or a name in jagg.prompts.PROMPT_DATASETS
+    train_prompts: str = "hpdv2_train"  # local file or a name in jagg.scale.prompts.PROMPT_DATASETS
     eval_prompts: str = "hpdv2_test"
     train_limit: int | None = None  # first N prompts (None = all)
     eval_limit: int | None = None
@@ -248,13 +254,15 @@ def _require(ok: bool, msg: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Range and consistency checks; each failure names the key and the allowed range."""
-    from jagg.algorithms import ALGORITHMS
-    from jagg.backbones import BACKBONES
+    """Range and consistency checks; each failure names the key and the allowed range.
 
+    Only what this layer can check from the engine's registries and static name tuples: reward names need
+    the full reward registry and are checked by the composition root (``jagg.loop.components.check_config``).
+    """
     m, s, a, b, o, t = cfg.model, cfg.sampling, cfg.algorithm, cfg.backward, cfg.optim, cfg.train
     _require(
-        m.backbone in BACKBONES, f"model.backbone must be one of {sorted(BACKBONES)}, got {m.backbone!r}"
+        m.backbone in BACKBONE_NAMES,
+        f"model.backbone must be one of {sorted(BACKBONE_NAMES)}, got {m.backbone!r}",
     )
     _require(
         m.source in ("world", "tiny", "pretrained"),
@@ -331,14 +339,6 @@ def validate(cfg: Config) -> None:
     )
     _require(t.device in ("cpu", "cuda", "auto"), f"train.device must be cpu|cuda|auto, got {t.device!r}")
     _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")
-    from jagg.rewards import REWARDS, _import_builtin_rewards
-
-    _import_builtin_rewards()
-    for key, names in (("reward.weights", list(cfg.reward.weights)), ("reward.eval", cfg.reward.eval)):
-        unknown = [n for n in names if n not in REWARDS]
-        _require(
-            not unknown, f"{key}: unknown reward {unknown[0] if unknown else ''!r}; known: {sorted(REWARDS)}"
-        )
     named = set(cfg.reward.weights) | set(cfg.reward.eval)
     extra = sorted(set(cfg.reward.kwargs) - named)
     _require(

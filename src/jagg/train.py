@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from jagg.common import atomic_write_text, run_metadata, set_threads
-from jagg.config import ConfigError, load_config
+from jagg.config import load_config, validate_world_size
+from jagg.errors import ArtefactError, ConfigError, WeightsUnavailableError
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -62,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
+    from jagg.loop.components import build_components, check_config  # the registries: world, diffusers
+
     try:
         cfg = load_config(args.config, args.overrides)
+        check_config(cfg)
         if args.dry_run:
             return _dry_run(cfg, args.world_size)
     except ConfigError as err:
@@ -78,12 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     set_threads(1)
-    from jagg.components import build_components
-    from jagg.config import validate_world_size
-    from jagg.distributed import DistInfo, init_distributed
-    from jagg.hub import WeightsUnavailableError
-    from jagg.trainer import Trainer, TrainingAborted
-    from jagg.world import ArtefactError
+    from jagg.loop.trainer import Trainer, TrainingAborted
+    from jagg.scale.distributed import DistInfo, init_distributed
 
     init_distributed()
     info = DistInfo.current()
@@ -118,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dry_run(cfg, world_size: int) -> int:
-    """Validate against ``world_size`` and print the plan (``jagg.plan``); reads no weights, writes nothing."""
-    from jagg.config import validate_world_size
-    from jagg.plan import build_plan
+    """Validate against ``world_size`` and print the plan (``jagg.loop.plan``); no weights read, nothing written."""
+    from jagg.loop.plan import build_plan
 
     if world_size < 1:
         _fail(f"--world-size must be >= 1, got {world_size}")

@@ -3,8 +3,13 @@
 Interface (shared by the embedded-default rewards and the real HPSv2.1 / PickScore / CLIPScore):
     reward(images, prompts) -> Tensor (B,) float32
     images: (B, 3, H, W) float in [0, 1] (decoded RGB); prompts: list of B strings.
-Rewards register themselves with ``@register_reward("name")``; ``build_rewards({"a": 1.0, "b": 0.5})``
-returns a weighted sum that also reports each component.
+Rewards register themselves with ``@register_reward("name")`` when their module is imported;
+``build_rewards({"a": 1.0, "b": 0.5})`` returns a weighted sum that also reports each component.
+
+Layer: beside the engine and the model adapters; from the package it may import only ``jagg.errors`` and
+``jagg.common``. Registered in this package: ``jpeg`` (``jagg.rewards.jpeg``). The embedded world's rewards
+(``jagg.world.rewards``) and the real ones (``jagg.scale.rewards``) live in the layers above and register
+when imported; the loop's composition root (``jagg.loop.rewards``) imports all three.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ def register_reward(name: str):
 
 def build_reward(name: str, **kwargs) -> Reward:
     """Instantiate a registered reward by name (clear error listing the known names)."""
-    _import_builtin_rewards()
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")
     return REWARDS[name](**kwargs)
@@ -67,15 +71,3 @@ def build_rewards(weights: dict[str, float], kwargs: dict[str, dict] | None = No
     """``{"pref": 1.0, "clip": 0.5}`` -> a ``WeightedRewards`` over freshly built rewards."""
     kwargs = kwargs or {}
     return WeightedRewards({n: build_reward(n, **kwargs.get(n, {})) for n in weights}, dict(weights))
-
-
-def _import_builtin_rewards() -> None:
-    """Import the modules that register rewards (kept lazy so heavy deps load only when used)."""
-    import importlib
-
-    for mod in ("jagg.rewards.jpeg", "jagg.rewards.world", "jagg.rewards.real"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as err:
-            if err.name != mod:  # a real missing dependency inside an existing module
-                raise

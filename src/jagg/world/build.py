@@ -14,7 +14,6 @@ import torch
 
 from jagg.common import git_sha
 from jagg.rewards.jpeg import JpegReward
-from jagg.rewards.world import AttrReward, ClipReward, PrefReward
 from jagg.world.pretrained import (
     ARTEFACTS,
     BACKBONE_NAMES,
@@ -27,12 +26,12 @@ from jagg.world.pretrained import (
     environment,
     expected_config,
     is_up_to_date,
-    load_module,
     load_text_encoder,
     new_module,
     read_manifest,
     save_artefact,
 )
+from jagg.world.rewards import attr_reward, clip_reward, pref_reward
 from jagg.world.scene import World
 from jagg.world.text import WordTokenizer
 from jagg.world.train import (
@@ -101,12 +100,13 @@ def reference_rewards(world: World, rewards: dict, prompts: list[str]) -> dict:
     return {k: r(images, reps).mean().item() for k, r in rewards.items()}
 
 
-def world_rewards(cache_dir: Path, world: World) -> dict:
-    """The three project-trained rewards plus the weight-free JPEG compressibility."""
+def world_rewards(cache_dir: Path) -> dict:
+    """The three project-trained rewards (built by their registered factories) plus the weight-free JPEG
+    compressibility."""
     return {
-        "clip": ClipReward(load_module("clip", cache_dir), world),
-        "pref": PrefReward(load_module("pref", cache_dir), world),
-        "attr": AttrReward(load_module("attr", cache_dir), world),
+        "clip": clip_reward(cache_dir),
+        "pref": pref_reward(cache_dir),
+        "attr": attr_reward(cache_dir),
         "jpeg": JpegReward(),
     }
 
@@ -115,7 +115,7 @@ def world_rewards(cache_dir: Path, world: World) -> dict:
 def hack_probe(world: World, rewards: dict, prompts: list[str]) -> dict:
     """Mean reward of clean renders vs the same renders with a noisy background or pixel noise.
 
-    The hack a pure alignment reward invites (REFERENCE.md section 7): ``clip`` barely moves, ``pref`` drops.
+    The hack a pure alignment reward invites (docs/decisions.md): ``clip`` barely moves, ``pref`` drops.
     """
     reps = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     images, alpha, _ = world.render_attributes(
@@ -157,7 +157,7 @@ def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = prin
         text_encoder = load_text_encoder(cache_dir)  # frozen, trained first
         model = new_module(name, world)
         stats = train_flow(model, text_encoder, world, FLOW_TRAIN[name], log=log)
-        rewards = world_rewards(cache_dir, world)
+        rewards = world_rewards(cache_dir)
         metrics = {
             "sampler": {"steps": SAMPLE_STEPS, "shift": SAMPLE_SHIFT, "kinds": "ode"},
             "heldout_prompts": evaluate_backbone(

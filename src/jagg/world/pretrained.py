@@ -23,8 +23,9 @@ from pathlib import Path
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from jagg.backbones import BACKBONES, Backbone, tiny_flux_config, tiny_qwenimage_config
 from jagg.common import hardware, versions
+from jagg.errors import ArtefactError
+from jagg.models import BACKBONES, Backbone, tiny_flux_config, tiny_qwenimage_config
 from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
 from jagg.world.scene import World, WorldConfig
 from jagg.world.text import WordTokenizer, WorldTextEncoder
@@ -50,10 +51,6 @@ FLOW_TRAIN = {
 }
 # Evaluation sampler of the manifests and the report (DanceGRPO-style schedule, all ODE).
 SAMPLE_STEPS, SAMPLE_SHIFT = 16, 3.0
-
-
-class ArtefactError(RuntimeError):
-    """A cached world artefact is missing or does not match the code's configuration."""
 
 
 def default_cache_dir() -> Path:
@@ -212,19 +209,6 @@ def load_pretrained(
         raise ValueError(f"world backbone must be one of {BACKBONE_NAMES}, got {name!r}")
     backbone = load_module(name, cache_dir, world_config).requires_grad_(True)
     return backbone, load_text_encoder(cache_dir, world_config)
-
-
-def load_world_rewards(cache_dir: Path | None = None, world_config: WorldConfig | None = None) -> dict:
-    """``{"clip": ..., "pref": ..., "attr": ...}``: the project-trained rewards (see ``jagg.rewards.world``)."""
-    from jagg.rewards.world import AttrReward, ClipReward, PrefReward
-
-    world = World(world_config)
-    kw = dict(cache_dir=cache_dir, world_config=world_config)
-    return {
-        "clip": ClipReward(load_module("clip", **kw), world),
-        "pref": PrefReward(load_module("pref", **kw), world),
-        "attr": AttrReward(load_module("attr", **kw), world),
-    }
 
 
 def is_up_to_date(name: str, cache_dir: Path | None = None) -> bool:

@@ -4,7 +4,7 @@ A prompt names one object, e.g. "a red circle on the left" or "a blue triangle a
 drawn as an anti-aliased alpha mask (PIL at 4x supersampling, box-downsampled) and composited over a dark
 background in torch, with small random jitter in position, size, rotation and colour. The true contents
 of every image are known, which is what makes GenEval-style exact attribute checks possible
-(REFERENCE.md section 6, "rule-based GenEval-style checks on a world whose true contents are known").
+(GenEval, Ghosh et al. 2023, checks generated objects by rules; here the true contents are known exactly).
 
 The generators work in pixel space: ``encode(images) = 2 * images - 1`` gives (B, 3, H, W) latents in
 [-1, 1]; H and W are even so the Flux / Qwen-Image 2x2 packing applies directly.

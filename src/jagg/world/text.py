@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jagg.backbones import TextCond
+from jagg.models import TextCond
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 

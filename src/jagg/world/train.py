@@ -5,7 +5,7 @@ Every trainer is a deterministic function of its config (seeded data pools and t
 and returns a small dict of statistics that goes into the artefact manifest.
 
 Rectified-flow matching (Liu et al. 2022; Esser et al. 2024, SD3): x_sigma = (1 - sigma) x0 + sigma eps,
-target v = eps - x0 (REFERENCE.md section 1), sigma ~ logit-normal(0, 1) as in SD3.
+target v = eps - x0 (docs/conventions.md), sigma ~ logit-normal(0, 1) as in SD3.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jagg.backbones import Backbone
-from jagg.sampling import sample_trajectory
-from jagg.sde import shifted_linear_sigmas
+from jagg.engine.sampling import sample_trajectory
+from jagg.engine.sde import shifted_linear_sigmas
+from jagg.models import Backbone
 from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
 from jagg.world.scene import Attributes, World
 from jagg.world.text import WordTokenizer, WorldTextEncoder

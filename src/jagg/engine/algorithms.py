@@ -8,7 +8,7 @@
     flowgrpo_fast  one window of ``sde_window_size`` SDE steps drawn inside ``sde_window_range`` per rollout,
                    ODE before and after it; only the window is trained (Flow-GRPO-Fast)
 
-For JAGG the trained steps are sorted by time and cut into consecutive groups of W (``jagg.strategies``);
+For JAGG the trained steps are sorted by time and cut into consecutive groups of W (``jagg.engine.strategies``);
 a Fast window is therefore one group when W >= the window size.
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from jagg.errors import ConfigError
 
 
 class Algorithm:
@@ -47,8 +49,6 @@ class DanceGRPO(Algorithm):
 
     @staticmethod
     def validate(cfg, num_steps: int) -> None:
-        from jagg.config import ConfigError
-
         if DanceGRPO.num_trained(cfg, num_steps) < 1:
             raise ConfigError(
                 f"algorithm.timestep_fraction={cfg.timestep_fraction} trains no step of {num_steps - 1}; "
@@ -81,8 +81,6 @@ class FlowGRPOFast(Algorithm):
 
     @staticmethod
     def validate(cfg, num_steps: int) -> None:
-        from jagg.config import ConfigError
-
         rng, size = cfg.sde_window_range, cfg.sde_window_size
         ok = len(rng) == 2 and size >= 1 and rng[0] >= 0 and rng[1] <= num_steps and rng[1] - rng[0] >= size
         if not ok:

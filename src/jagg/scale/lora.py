@@ -1,10 +1,10 @@
 """LoRA on a backbone's transformer (peft), and adapter-only parameters / checkpoints.
 
 Flow-GRPO trains Flux and Qwen-Image with LoRA r = 64, alpha = 128 on the attention projections
-(REFERENCE.md section 5); DanceGRPO fine-tunes fully. ``apply_lora`` freezes the base weights and injects
+(docs/references.md); DanceGRPO fine-tunes fully. ``apply_lora`` freezes the base weights and injects
 peft LoRA layers with ``peft.inject_adapter_in_model`` (what diffusers' ``add_adapter`` does), so the model
 keeps its class and the adapters (``Backbone``) and FSDP wrapping see the same module tree. Apply LoRA
-*before* ``jagg.distributed.shard_backbone``.
+*before* ``jagg.scale.distributed.shard_backbone``.
 """
 
 from __future__ import annotations

@@ -4,24 +4,26 @@ A diffusers pipeline repo stores the DiT under ``transformer/`` and the schedule
     transformer = FluxTransformer2DModel.from_pretrained(repo, subfolder="transformer", torch_dtype=bf16)
 (diffusers' FluxPipeline / QwenImagePipeline load it the same way). ``load_backbone`` wraps it in the same
 ``FluxBackbone`` / ``QwenImageBackbone`` the tiny test models use; ``load_scheduler_config`` returns the dict
-``jagg.sde.diffusers_sigmas`` turns into a schedule. Both accept a hub id or a local directory (a pipeline
-snapshot, or a bare transformer directory with its config.json) and fail fast offline (``jagg.hub``).
+``jagg.engine.sde.diffusers_sigmas`` turns into a schedule. Both accept a hub id or a local directory (a pipeline
+snapshot, or a bare transformer directory with its config.json) and fail fast offline (``jagg.scale.hub``).
 Text encoders and the VAE are not loaded here.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-from jagg.backbones import BACKBONES, Backbone
-from jagg.hub import load_or_explain
-
-if TYPE_CHECKING:
-    from jagg.config import Config
-    from jagg.trainer import Components
+from jagg.config import Config
+from jagg.engine.sde import diffusers_sigmas
+from jagg.errors import ConfigError
+from jagg.models import BACKBONES, Backbone, Components
+from jagg.scale.distributed import DistInfo
+from jagg.scale.hub import load_or_explain
+from jagg.scale.pipelines import CachedTextEncoder, FluxTextEncoder, QwenImageTextEncoder, VaeDecoder
+from jagg.scale.prompts import load_prompts
 
 # name -> default hub id (the paper's backbones)
 PRETRAINED_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "qwenimage": "Qwen/Qwen-Image"}
@@ -73,7 +75,7 @@ def load_backbone(
 def load_scheduler_config(name_or_path: str) -> dict:
     """The ``FlowMatchEulerDiscreteScheduler`` config dict of a pipeline repo (its ``scheduler/`` folder).
 
-    Pass the result to ``jagg.sde.diffusers_sigmas(config, num_steps, image_seq_len)``. Also accepts a hub
+    Pass the result to ``jagg.engine.sde.diffusers_sigmas(config, num_steps, image_seq_len)``. Also accepts a hub
     short name "flux" / "qwenimage" for the paper's models.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -116,8 +118,6 @@ PIPELINE_PARTS = {
 
 def load_part(name: str, sub: str, name_or_path: str | None = None, *, dtype: torch.dtype = torch.bfloat16):
     """One pipeline component (``sub`` of ``PIPELINE_PARTS[name]``) from a hub id or a local pipeline folder."""
-    import importlib
-
     module, cls_name = PIPELINE_PARTS[name][sub]
     cls = getattr(importlib.import_module(module), cls_name)
     repo = name_or_path or PRETRAINED_IDS[name]
@@ -132,8 +132,6 @@ def load_part(name: str, sub: str, name_or_path: str | None = None, *, dtype: to
 
 def load_text_encoder(cfg: Config, device: torch.device, dtype: torch.dtype):
     """The backbone's real text encoder(s) as ``encode_prompts(list[str]) -> TextCond``."""
-    from jagg.pipelines import FluxTextEncoder, QwenImageTextEncoder
-
     m = cfg.model
     part = lambda sub: load_part(m.backbone, sub, m.path, dtype=dtype)  # noqa: E731
     if m.backbone == "flux":
@@ -157,8 +155,6 @@ def load_text_encoder(cfg: Config, device: torch.device, dtype: torch.dtype):
 def pretrained_schedules(cfg: Config) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(train, eval) sigmas from the pipeline's scheduler (``sampling.schedule=scheduler``), else (None, None)
     so the trainer uses the shifted linear schedule. Image sequence length = (latent_size / 2)^2 tokens."""
-    from jagg.sde import diffusers_sigmas
-
     s = cfg.sampling
     if s.schedule != "scheduler":
         return None, None
@@ -175,12 +171,6 @@ def build_pretrained_components(cfg: Config) -> Components:
     ``data.precompute_embeddings`` every train/eval prompt is encoded first (rank-strided into
     ``data.embedding_cache`` when set) and the text encoders are freed.
     """
-    from jagg.config import ConfigError
-    from jagg.distributed import DistInfo
-    from jagg.pipelines import CachedTextEncoder, VaeDecoder
-    from jagg.prompts import load_prompts
-    from jagg.trainer import Components
-
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
     device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32

@@ -1,4 +1,4 @@
-"""Real preference / alignment rewards: HPSv2.1, PickScore, CLIPScore (REFERENCE.md section 6).
+"""Real preference / alignment rewards: HPSv2.1, PickScore, CLIPScore (docs/references.md).
 
 All three are CLIP models scoring cos(image embedding, text embedding), with different weights and scales:
     hpsv2      open_clip ViT-H-14 + HPS_v2.1_compressed.pt (hub repo xswu/HPSv2); reward = cos (~0.25-0.37).
@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jagg.hub import WeightsUnavailableError, hub_file, load_or_explain, unavailable_message
+from jagg.errors import WeightsUnavailableError
 from jagg.rewards import register_reward
+from jagg.scale.hub import hub_file, load_or_explain, unavailable_message
 
 # OpenAI CLIP normalisation; also used by the laion ViT-H-14 (HPSv2, PickScore processor) and CLIP-L.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -3,7 +3,7 @@
 ``shard_backbone`` applies ``torch.distributed.fsdp.fully_shard`` to every transformer block and then to the
 transformer itself (the root unit holds the embedders and the output head), the layout DanceGRPO's FSDP
 wrap policy and Flow-GRPO's Qwen-Image FSDP use per block. Each ``fully_shard`` unit is one "sharded group":
-after a backward FSDP2 reduce-scatters its gradients once. Hence (REFERENCE.md section 7):
+after a backward FSDP2 reduce-scatters its gradients once. Hence (docs/decisions.md):
     exact strategy  W backward calls per group   -> W reduce-scatters per unit
     JAGG            one joint backward over two forwards -> 1 reduce-scatter per unit
 (``tests/test_distributed.py`` counts them with ``CollectiveCounter``). Apply LoRA before sharding.

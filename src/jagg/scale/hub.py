@@ -18,12 +18,10 @@ from collections.abc import Callable
 from typing import TypeVar
 from urllib.parse import urlparse
 
+from jagg.errors import WeightsUnavailableError
+
 T = TypeVar("T")
 _TRUE = {"1", "true", "yes", "on"}
-
-
-class WeightsUnavailableError(RuntimeError):
-    """Requested weights (or data) are neither a local path nor in the hub cache, and cannot be fetched."""
 
 
 def hub_offline() -> bool:

@@ -1,4 +1,4 @@
-"""GRPO pieces: group-relative advantages and the clipped PPO per-step loss (REFERENCE.md section 4).
+"""GRPO pieces: group-relative advantages and the clipped PPO per-step loss (docs/conventions.md).
 
 Follows DanceGRPO (XueZeyue/DanceGRPO) and Flow-GRPO (yifan123/flow_grpo): advantages are normalised
 within the images of one prompt, clamped to [-clip, clip]; the per-step loss is the PPO clipped surrogate on

@@ -1,14 +1,15 @@
 """Backward strategies for one group of W consecutive trained steps: exact, JAGG and two ablations.
 
-The exact group gradient is  sum_j J_j^T s_j  with J_j = dv_j/dtheta and s_j = dL_j/dv_j. JAGG (PAPER.md)
-approximates J_j ~ (1 - alpha_j) J_0 + alpha_j J_{W-1},  alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}),
+The exact group gradient is  sum_j J_j^T s_j  with J_j = dv_j/dtheta and s_j = dL_j/dv_j. JAGG (the paper,
+arXiv 2607.17572; docs/method.md) approximates
+    J_j ~ (1 - alpha_j) J_0 + alpha_j J_{W-1},   alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}),
 which turns the sum into  J_0^T s_base + J_{W-1}^T s_corr  with
     s_base = sum_j (1 - alpha_j) s_j,   s_corr = sum_j alpha_j s_j,
 i.e. ONE joint ``torch.autograd.backward`` through the two endpoint forwards.
 
 JAGG and the ablations differ only in the (W, 2) matrix that maps per-step signals onto the two endpoints:
     jagg       [1 - alpha_j, alpha_j]                       (paper, Theorem 1: exact for linear v, and W = 2)
-    endpoints  [1, 0] for j = 0, [0, 1] for j = W-1, else 0 (PAPER.md reading (a): intermediate signals dropped)
+    endpoints  [1, 0] for j = 0, [0, 1] for j = W-1, else 0 (the paper's reading (a): intermediate signals dropped)
     uniform    [1/2, 1/2]                                   (aggregation without t-weights)
 Steps whose row is all zeros need no forward at all, so the endpoints ablation also skips those forwards.
 """

@@ -4,14 +4,18 @@ Every adapter takes latents in the natural layout (B, C, H, W) and times sigma i
 packs them the way its pipeline does, runs the transformer and unpacks the prediction. The SDE math and the
 backward strategies therefore never see a model-specific layout. The same adapter class serves the tiny
 random-init models of the tests, the embedded-default world models and the real Flux / Qwen-Image weights;
-only the transformer's config (or checkpoint) differs.
+only the transformer's config (or checkpoint) differs. ``Components`` is what a model source provides to the
+loop (backbone, text encoder, decoder, prompts, schedules).
+
+Layer: beside the engine and the rewards; from the package it may import only ``jagg.errors`` and
+``jagg.common``. ``jagg.config.BACKBONE_NAMES`` names the keys of ``BACKBONES`` without importing diffusers.
 """
 
 from __future__ import annotations
 
-from jagg.backbones.base import Backbone, TextCond, pack_2x2, unpack_2x2
-from jagg.backbones.flux import FluxBackbone, tiny_flux_config
-from jagg.backbones.qwenimage import QwenImageBackbone, tiny_qwenimage_config
+from jagg.models.base import Backbone, Components, TextCond, pack_2x2, unpack_2x2
+from jagg.models.flux import FluxBackbone, tiny_flux_config
+from jagg.models.qwenimage import QwenImageBackbone, tiny_qwenimage_config
 
 # name -> (adapter class, tiny-config factory). The registry the CLI and configs refer to.
 BACKBONES: dict[str, type[Backbone]] = {"flux": FluxBackbone, "qwenimage": QwenImageBackbone}
@@ -28,6 +32,7 @@ def build_tiny_backbone(name: str, seed: int = 0, **overrides) -> Backbone:
 __all__ = [
     "BACKBONES",
     "Backbone",
+    "Components",
     "FluxBackbone",
     "QwenImageBackbone",
     "TextCond",

@@ -1,6 +1,6 @@
 """Real text encoders, VAE decoders and a prompt-embedding cache for FLUX.1-dev and Qwen-Image.
 
-They implement the two interfaces the trainer needs (``jagg.trainer.Components``):
+They implement the two interfaces the trainer needs (``jagg.models.Components``):
     text_encoder.encode_prompts(list[str]) -> TextCond
     decode(latents (B, 16, h, w)) -> images (B, 3, 8h, 8w) float in [0, 1]
 Prompt encoding calls diffusers' own ``FluxPipeline.encode_prompt`` (CLIP-L pooled vector + T5 token
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jagg.backbones import TextCond
+from jagg.models import TextCond
 
 
 # --------------------------------------------------------------------------- text encoders

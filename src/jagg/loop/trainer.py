@@ -6,7 +6,7 @@
     -> optimizer step every ``grad_accum`` micro-batches (grad-norm clip, non-finite updates skipped)
     -> metrics (JSONL), periodic held-out evaluation (ODE sampling, every eval reward), checkpoints.
 
-Follows the DanceGRPO / Flow-GRPO loops (REFERENCE.md section 4): the per-step loss is the clipped PPO
+Follows the DanceGRPO / Flow-GRPO loops (docs/references.md): the per-step loss is the clipped PPO
 surrogate on the SDE log-prob of the stored next latent, scaled by 1 / (grad_accum * T). Rollouts and updates
 use the same micro-batches, so before the first optimizer step of an iteration every ratio is exactly 1.
 Every random draw of iteration ``it`` comes from a generator seeded by (seed, it), which makes a resumed run
@@ -18,6 +18,9 @@ seed (seed_it + k) wherever it runs, so the rollouts equal a single-process run'
 before the group advantages, so a prompt group may span ranks. The backbone is sharded per block after LoRA
 is applied; the backward strategies are unchanged (FSDP2 reduce-scatters on each backward). Only rank 0
 writes metrics, checkpoints and sample grids; ``train.grad_accum`` counts micro-batches per rank.
+
+Elsewhere in this layer: the model parts (``components``), the rewards and their device (``rewards``),
+checkpoint state (``checkpoint``), sample grids (``grids``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import random
 import resource
 import time
 from collections.abc import Callable
@@ -37,43 +39,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg.algorithms import ALGORITHMS
-from jagg.backbones import Backbone, TextCond
 from jagg.common import atomic_write_text
 from jagg.config import BackwardConfig, Config, validate_world_size
-from jagg.distributed import (
-    DistInfo,
-    full_optimizer_state,
-    full_tensor,
-    load_full_optimizer_state,
-    shard_backbone,
-    shard_like,
-)
-from jagg.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
-from jagg.rewards import Reward, WeightedRewards, build_reward
-from jagg.sampling import Trajectory, sample_trajectory
-from jagg.sde import sde_step_with_logprob, shifted_linear_sigmas
-from jagg.strategies import GroupStats, trajectory_backward
+from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
+from jagg.engine.sampling import Trajectory, sample_trajectory
+from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.engine.strategies import GroupStats, trajectory_backward
+from jagg.loop.checkpoint import Progress, load_checkpoint, save_checkpoint
+from jagg.loop.grids import save_grid
+from jagg.loop.rewards import build_run_reward
+from jagg.models import Backbone, Components, TextCond
+from jagg.rewards import Reward, WeightedRewards
+from jagg.scale.distributed import DistInfo, full_tensor, shard_backbone
+from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite updates; a final checkpoint has been written."""
-
-
-@dataclass
-class Components:
-    """Everything model-specific the loop needs; built by ``jagg.components.build_components``."""
-
-    backbone: Backbone
-    text_encoder: object  # .encode_prompts(list[str]) -> TextCond
-    decode: Callable[[Tensor], Tensor]  # latents -> images (B, 3, H, W) in [0, 1]
-    train_prompts: list[str]
-    eval_prompts: list[str]
-    latent_shape: tuple[int, int, int]  # (C, H, W)
-    sigmas: Tensor | None = None  # (S + 1,) schedule; None = shifted linear from the config
-    eval_sigmas: Tensor | None = None
 
 
 @dataclass
@@ -152,8 +137,6 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
     def _apply_lora(self, backbone: Backbone) -> None:
         """peft LoRA on the transformer (rank, alpha, targets from model.*); same init on every rank."""
-        from jagg.lora import DEFAULT_TARGETS, apply_lora
-
         m = self.cfg.model
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.train.seed)
@@ -169,19 +152,8 @@ class Trainer:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def _build_reward(self, name: str) -> Reward:
-        """``build_reward`` with reward.kwargs[name]; real rewards also get the training device on GPU."""
-        import inspect
-
-        from jagg.rewards import REWARDS, _import_builtin_rewards
-
-        kwargs = dict(self.cfg.reward.kwargs.get(name, {}))
-        _import_builtin_rewards()
-        factory = REWARDS.get(name)
-        if factory is not None and self.device.type == "cuda" and "device" not in kwargs:
-            params = inspect.signature(factory).parameters.values()
-            if any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in params):
-                kwargs["device"] = self.device
-        return build_reward(name, **kwargs)
+        """Reward ``name`` with reward.kwargs[name], on the training device when it takes one."""
+        return build_run_reward(name, self.cfg.reward.kwargs.get(name, {}), self.device)
 
     # ------------------------------------------------------------------ model calls
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -475,47 +447,25 @@ class Trainer:
         return self.run_dir / "checkpoint.pt"
 
     def save_checkpoint(self) -> None:
-        """Atomically write trainable weights, optimizer, EMA, RNG states, iteration and metrics.
-
-        Sharded tensors are gathered to full ones (a collective: every rank calls this); rank 0 writes.
-        """
-        dist_on = self.dist.enabled
-        state = {
-            "iteration": self.iteration,
-            "trainable": [full_tensor(p.detach()).cpu() for p in self.params],
-            "optimizer": full_optimizer_state(self.optimizer) if dist_on else self.optimizer.state_dict(),
-            "ema": [full_tensor(e).cpu() for e in self.ema] if dist_on and self.ema else self.ema,
-            "consecutive_skips": self.consecutive_skips,
-            "metrics": self.metrics,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-            },
-            "config": self.cfg.to_dict(),
-        }
-        if self.dist.is_main:
-            tmp = self.checkpoint_path.with_suffix(".pt.tmp")
-            torch.save(state, tmp)
-            tmp.replace(self.checkpoint_path)
-        self.dist.barrier()
+        """Atomically write the checkpoint (``jagg.loop.checkpoint``); a collective: every rank calls it."""
+        progress = Progress(self.iteration, self.consecutive_skips, self.metrics, self.ema)
+        save_checkpoint(
+            self.checkpoint_path,
+            params=self.params,
+            optimizer=self.optimizer,
+            progress=progress,
+            config=self.cfg.to_dict(),
+            dist=self.dist,
+        )
 
     def load_checkpoint(self) -> None:
-        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)
-        with torch.no_grad():
-            for p, saved in zip(self.params, state["trainable"], strict=True):
-                p.copy_(shard_like(saved, p))
-        if self.dist.enabled:
-            load_full_optimizer_state(self.optimizer, self.params, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        ema = state["ema"]
-        self.ema = [shard_like(e, p) for e, p in zip(ema, self.params)] if ema is not None else None
-        self.iteration, self.consecutive_skips = state["iteration"], state["consecutive_skips"]
-        self.metrics = state["metrics"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        """Restore weights, optimizer, EMA, RNG states, counters and metrics from ``checkpoint_path``."""
+        progress = load_checkpoint(
+            self.checkpoint_path, params=self.params, optimizer=self.optimizer, dist=self.dist
+        )
+        self.ema = progress.ema
+        self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
+        self.metrics = progress.metrics
         self._write_metrics()
 
     def _write_metrics(self) -> None:
@@ -567,29 +517,3 @@ class Trainer:
         if self.dist.is_main:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-
-
-GRID_COLS, GRID_PAD, GRID_ZOOM = 8, 2, 4  # save_grid layout: images per row, padding px, nearest upscaling
-
-
-def grid_cell(i: int, h: int, w: int, ncol: int = GRID_COLS) -> tuple[int, int]:
-    """Top-left (y, x) of image ``i`` (h x w) in a ``save_grid`` canvas, before the zoom."""
-    r, q = divmod(i, ncol)
-    return r * (h + GRID_PAD) + 1, q * (w + GRID_PAD) + 1
-
-
-def save_grid(images: Tensor, path: Path, nrow: int = GRID_COLS) -> None:
-    """Save (B, 3, H, W) images in [0, 1] as one PNG grid (GRID_PAD px padding, GRID_ZOOM x nearest zoom)."""
-    from PIL import Image
-
-    b, c, h, w = images.shape
-    ncol = min(nrow, b)
-    nrows = math.ceil(b / ncol)
-    grid = torch.ones(c, nrows * (h + GRID_PAD), ncol * (w + GRID_PAD))
-    for i in range(b):
-        y, x = grid_cell(i, h, w, ncol)
-        grid[:, y : y + h, x : x + w] = images[i]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arr = (grid.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
-    z = GRID_ZOOM
-    Image.fromarray(arr).resize((arr.shape[1] * z, arr.shape[0] * z), Image.NEAREST).save(path)

@@ -1,6 +1,6 @@
 """Rectified-flow schedules and the SDE sampling step with its log-probability.
 
-Conventions (REFERENCE.md section 1, following Flow-GRPO and DanceGRPO):
+Conventions (docs/conventions.md, following Flow-GRPO and DanceGRPO):
     sigma runs from 1 (noise) to 0 (data);  x_sigma = (1 - sigma) x0 + sigma eps;
     the model predicts v ~ eps - x0;  an Euler ODE step is x' = x + v dt with dt = sigma_next - sigma < 0.
 
@@ -8,7 +8,7 @@ The SDE step is the Euler-Maruyama discretisation of the reverse-time SDE with t
     mu = x (1 + g^2 dt / (2 sigma)) + v (1 + g^2 (1 - sigma) / (2 sigma)) dt,   std = g sqrt(|dt|).
 Only ``mu`` depends on the model output, and it does so affinely with slope
     b = dt (1 + g^2 (1 - sigma) / (2 sigma)),
-which is why JAGG can get dL/dv without a transformer backward (see ``jagg.strategies``).
+which is why JAGG can get dL/dv without a transformer backward (see ``jagg.engine.strategies``).
 
 Departures from the references, all deliberate:
     * DanceGRPO feeds the model ``int(1000 sigma) / 1000``; we keep sigma exact.
@@ -40,7 +40,7 @@ class SDEStep:
 
 # --------------------------------------------------------------------------- schedules
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
-    """Time shift sigma' = s sigma / (1 + (s - 1) sigma) (SD3 / DanceGRPO, REFERENCE.md section 2)."""
+    """Time shift sigma' = s sigma / (1 + (s - 1) sigma) (SD3 / DanceGRPO, docs/conventions.md)."""
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
@@ -123,7 +123,7 @@ def sde_step_with_logprob(
     Args:
         x: (B, ...) current latent. v: (B, ...) model output at (x, sigma).
         sigma, sigma_next: scalars or per-sample (B,) times with sigma > sigma_next.
-        kind: "flow_grpo" | "dance" | "cps" | "ode" (formulas in REFERENCE.md section 1).
+        kind: "flow_grpo" | "dance" | "cps" | "ode" (formulas in docs/conventions.md).
         noise_level: a (Flow-GRPO sde and CPS) or eta (DanceGRPO); ignored for "ode".
         prev_sample: if given, the log-prob of this stored sample is computed instead of drawing one.
         generator: RNG for the fresh noise when ``prev_sample`` is None.

@@ -1,4 +1,4 @@
-"""Prompt datasets for paper-scale runs: HPDv2 train/test, DrawBench, Pick-a-Pic (REFERENCE.md section 6).
+"""Prompt datasets for paper-scale runs: HPDv2 train/test, DrawBench, Pick-a-Pic (docs/references.md).
 
 No package ships these prompts. ``load_prompts`` takes either a local file or a registered dataset name:
     local file   .txt (one prompt per line, as DanceGRPO's prompts.txt and Flow-GRPO's dataset/*/train.txt),
@@ -7,7 +7,7 @@ No package ships these prompts. ``load_prompts`` takes either a local file or a 
     dataset name hpdv2_train / hpdv2_test (the train.json / test.json annotation files of the hub dataset
                  ymhao/HPDv2, without its 32 GB of images), drawbench (shunk031/DrawBench, parquet conversion),
                  pickapic (captions of yuvalkirstain/pickapic_v2, streamed through ``datasets``).
-Hub sources are tried cache-first and fail fast offline with a ``WeightsUnavailableError`` (jagg.hub).
+Hub sources are tried cache-first and fail fast offline with a ``WeightsUnavailableError`` (jagg.scale.hub).
 The hub layouts were not reachable from the development machine; if one changed, pass a local file.
 """
 
@@ -18,7 +18,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from jagg.hub import WeightsUnavailableError, hub_file, hub_offline, load_or_explain
+from jagg.errors import WeightsUnavailableError
+from jagg.scale.hub import hub_file, hub_offline, load_or_explain
 
 PROMPT_COLUMNS = ("prompt", "prompts", "Prompts", "caption", "text")
 CATEGORY_COLUMNS = ("category", "Category", "style", "Categories")

@@ -9,7 +9,9 @@
           signal (every image of a group is ranked, not only right / wrong); ``attr`` stays the metric ([0, 1])
 
 All follow the registry interface: ``reward(images (B,3,H,W) in [0,1], prompts) -> (B,) float32``, no grad.
-The registered factories load the weights cached by ``make pretrain`` (``jagg.world.pretrained``).
+The registered factories load the weights cached by ``make pretrain`` (``jagg.world.pretrained``); they enter
+``jagg.rewards.REWARDS`` when this module is imported (``jagg.loop.rewards`` does). They are the one way to
+build these rewards (``jagg.world.build.world_rewards`` calls them too).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from jagg.rewards import register_reward
 from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
+from jagg.world.pretrained import load_module
 from jagg.world.scene import World
 from jagg.world.text import WordTokenizer
 
@@ -85,8 +88,6 @@ class AttrReward(_WorldReward):
 
 
 def _load(name: str, cache_dir: str | Path | None):
-    from jagg.world.pretrained import load_module
-
     return load_module(name, Path(cache_dir) if cache_dir else None), World()
 
 

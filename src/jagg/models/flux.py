@@ -11,7 +11,7 @@ import torch
 from diffusers import FluxTransformer2DModel
 from torch import Tensor
 
-from jagg.backbones.base import Backbone, TextCond
+from jagg.models.base import Backbone, TextCond
 
 
 def flux_image_ids(h2: int, w2: int, device, dtype) -> Tensor:
@@ -23,7 +23,7 @@ def flux_image_ids(h2: int, w2: int, device, dtype) -> Tensor:
 
 
 def tiny_flux_config(latent_channels: int = 16, **overrides) -> dict:
-    """A ~100k-parameter config of the real Flux class (REFERENCE.md section 7)."""
+    """A ~100k-parameter config of the real Flux class (docs/decisions.md)."""
     cfg = dict(
         patch_size=1,
         in_channels=4 * latent_channels,

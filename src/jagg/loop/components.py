@@ -1,22 +1,32 @@
-"""Build the model-specific parts of a run (backbone, text encoder, decoder, prompts) from a config.
+"""The composition root: build the model-specific parts of a run (backbone, text encoder, decoder, prompts).
 
 model.source = world       the embedded default, pretrained by `make pretrain` (cache/world/)
 model.source = tiny        random-init models of the same classes and sizes (tests, smoke runs)
 model.source = pretrained  real Flux / Qwen-Image weights by hub id or local path (paper scale)
+
+``check_config`` completes ``jagg.config.validate`` with the checks that need the full registries (reward
+names); the CLI calls it right after loading the config, before anything is written.
 """
 
 from __future__ import annotations
 
 import torch
 
-from jagg.config import Config, ConfigError
-from jagg.trainer import Components
+from jagg.config import Config
+from jagg.errors import ConfigError
+from jagg.loop.rewards import check_reward_names
+from jagg.models import Components
+from jagg.scale.pretrained import build_pretrained_components
+from jagg.world import World, load_pretrained
+from jagg.world.pretrained import new_module, text_encoder_from_clip
+
+
+def check_config(cfg: Config) -> None:
+    """The checks ``jagg.config.validate`` leaves to this layer (reward names); ``ConfigError`` naming the key."""
+    check_reward_names(cfg)
 
 
 def _world_components(cfg: Config, pretrained: bool) -> Components:
-    from jagg.world import World, load_pretrained
-    from jagg.world.pretrained import new_module, text_encoder_from_clip
-
     world = World()
     size = world.config.size
     if cfg.sampling.latent_size != size:
@@ -42,9 +52,8 @@ def _world_components(cfg: Config, pretrained: bool) -> Components:
 
 def build_components(cfg: Config) -> Components:
     """Components for ``cfg.model.source``; raises ConfigError / ArtefactError with a clear message."""
+    check_config(cfg)
     src = cfg.model.source
     if src in ("world", "tiny"):
         return _world_components(cfg, pretrained=src == "world")
-    from jagg.backbones.pretrained import build_pretrained_components
-
     return build_pretrained_components(cfg)

@@ -11,11 +11,11 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from torch import Tensor
 
-from jagg.backbones.base import Backbone, TextCond
+from jagg.models.base import Backbone, TextCond
 
 
 def tiny_qwenimage_config(latent_channels: int = 16, **overrides) -> dict:
-    """A ~100k-parameter config of the real Qwen-Image class (REFERENCE.md section 7)."""
+    """A ~100k-parameter config of the real Qwen-Image class (docs/decisions.md)."""
     cfg = dict(
         patch_size=2,
         in_channels=4 * latent_channels,

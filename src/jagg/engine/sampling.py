@@ -1,6 +1,6 @@
 """Trajectory sampling: run a velocity field down a sigma schedule, recording what GRPO needs.
 
-Each step uses ``jagg.sde.sde_step_with_logprob`` with its own kind ("ode" for deterministic steps, an SDE
+Each step uses ``jagg.engine.sde.sde_step_with_logprob`` with its own kind ("ode" for deterministic steps, an SDE
 kind where the algorithm explores), so DanceGRPO (SDE but the last step), Flow-GRPO-Fast (an SDE window,
 ODE elsewhere) and evaluation (all ODE) are one function with different ``kinds``.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from jagg.sde import sde_step_with_logprob
-from jagg.strategies import Velocity
+from jagg.engine.sde import sde_step_with_logprob
+from jagg.engine.strategies import Velocity
 
 
 @dataclass

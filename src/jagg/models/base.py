@@ -1,7 +1,9 @@
-"""Shared pieces of the backbone adapters: text conditioning, 2x2 latent packing, the adapter base."""
+"""Shared pieces of the backbone adapters: text conditioning, 2x2 latent packing, the adapter base, and
+``Components``, what a model source (the world, tiny, pretrained weights) hands to the training loop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -96,3 +98,17 @@ class Backbone(nn.Module):
 
     def _forward_tokens(self, tokens: Tensor, timestep: Tensor, cond: TextCond, h: int, w: int) -> Tensor:
         raise NotImplementedError
+
+
+@dataclass
+class Components:
+    """Everything model-specific the loop needs; built by ``jagg.loop.components.build_components``."""
+
+    backbone: Backbone
+    text_encoder: object  # .encode_prompts(list[str]) -> TextCond
+    decode: Callable[[Tensor], Tensor]  # latents -> images (B, 3, H, W) in [0, 1]
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    latent_shape: tuple[int, int, int]  # (C, H, W)
+    sigmas: Tensor | None = None  # (S + 1,) schedule; None = shifted linear from the config
+    eval_sigmas: Tensor | None = None

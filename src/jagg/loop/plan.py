@@ -3,7 +3,7 @@
 The transformer is built from its config on the meta device (no memory, no weights): the local
 ``model.path/transformer/config.json`` when present, otherwise the published FLUX.1-dev / Qwen-Image
 architecture (``KNOWN_CONFIGS``). LoRA is applied on the meta model to count adapter parameters. The plan lists
-the trained steps per sample, their groups and strategies (``jagg.strategies.plan_groups``), the transformer
+the trained steps per sample, their groups and strategies (``jagg.engine.strategies.plan_groups``), the transformer
 forward / backward passes per sample for the exact baseline and the configured strategy, and a per-rank memory
 estimate under FSDP2 full sharding.
 """
@@ -96,8 +96,8 @@ def transformer_config(cfg: Config) -> tuple[dict, str]:
 
 def meta_transformer(cfg: Config):
     """The transformer (with LoRA when configured) on the meta device: parameter counts without memory."""
-    from jagg.backbones import BACKBONES
-    from jagg.lora import DEFAULT_TARGETS, apply_lora
+    from jagg.models import BACKBONES
+    from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
     config, source = transformer_config(cfg)
     cls = BACKBONES[cfg.model.backbone].transformer_cls
@@ -112,7 +112,7 @@ def meta_transformer(cfg: Config):
 def group_passes(size: int, strategy: str) -> Passes:
     """Passes of one group of ``size`` steps: W forwards+backwards (exact) or the two-endpoint backward,
     skipping forwards whose aggregation weights are all zero (as ``aggregated_backward`` does)."""
-    from jagg.strategies import AGGREGATION_WEIGHTS
+    from jagg.engine.strategies import AGGREGATION_WEIGHTS
 
     if strategy == "exact" or size == 1:
         return Passes(size, size, size, size)
@@ -123,7 +123,7 @@ def group_passes(size: int, strategy: str) -> Passes:
 
 def trained_steps_per_sample(cfg: Config) -> int:
     """T: how many steps of one trajectory are trained (drawn once with a fixed generator)."""
-    from jagg.algorithms import ALGORITHMS
+    from jagg.engine.algorithms import ALGORITHMS
 
     alg = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
     gen = torch.Generator().manual_seed(0)
@@ -133,7 +133,7 @@ def trained_steps_per_sample(cfg: Config) -> int:
 
 def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     """The dry-run report for ``cfg`` on ``world_size`` ranks (see the module docstring)."""
-    from jagg.strategies import plan_groups
+    from jagg.engine.strategies import plan_groups
 
     m, s, a, b, t = cfg.model, cfg.sampling, cfg.algorithm, cfg.backward, cfg.train
     p = Plan()

@@ -1,0 +1,38 @@
+"""Sample grids: (B, 3, H, W) images in [0, 1] -> one PNG, and where each image lands in it.
+
+``grid_cell`` and the ``GRID_*`` constants are the one geometry shared by ``save_grid`` and by reports that
+draw on a saved grid (``experiments/world_rl_report.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+GRID_COLS, GRID_PAD, GRID_ZOOM = 8, 2, 4  # save_grid layout: images per row, padding px, nearest upscaling
+
+
+def grid_cell(i: int, h: int, w: int, ncol: int = GRID_COLS) -> tuple[int, int]:
+    """Top-left (y, x) of image ``i`` (h x w) in a ``save_grid`` canvas, before the zoom."""
+    r, q = divmod(i, ncol)
+    return r * (h + GRID_PAD) + 1, q * (w + GRID_PAD) + 1
+
+
+def save_grid(images: Tensor, path: Path, nrow: int = GRID_COLS) -> None:
+    """Save (B, 3, H, W) images in [0, 1] as one PNG grid (GRID_PAD px padding, GRID_ZOOM x nearest zoom)."""
+    from PIL import Image
+
+    b, c, h, w = images.shape
+    ncol = min(nrow, b)
+    nrows = math.ceil(b / ncol)
+    grid = torch.ones(c, nrows * (h + GRID_PAD), ncol * (w + GRID_PAD))
+    for i in range(b):
+        y, x = grid_cell(i, h, w, ncol)
+        grid[:, y : y + h, x : x + w] = images[i]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arr = (grid.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    z = GRID_ZOOM
+    Image.fromarray(arr).resize((arr.shape[1] * z, arr.shape[0] * z), Image.NEAREST).save(path)

@@ -1,0 +1,38 @@
+"""A run's rewards: every reward module registered, each reward built with its kwargs on the run's device.
+
+This is where the registry (``jagg.rewards.REWARDS``) is filled: importing this module imports the three
+modules that register rewards (the JPEG rewards, the embedded world's judges, the real HPSv2.1 / PickScore /
+CLIPScore), so the lower layers never import the ones above them to find a reward.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
+import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
+import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
+from jagg.config import Config
+from jagg.errors import ConfigError
+from jagg.rewards import REWARDS, Reward, build_reward
+
+
+def check_reward_names(cfg: Config) -> None:
+    """``ConfigError`` naming the key when ``reward.weights`` or ``reward.eval`` names an unknown reward."""
+    for key, names in (("reward.weights", list(cfg.reward.weights)), ("reward.eval", cfg.reward.eval)):
+        unknown = [n for n in names if n not in REWARDS]
+        if unknown:
+            raise ConfigError(f"{key}: unknown reward {unknown[0]!r}; known: {sorted(REWARDS)}")
+
+
+def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:
+    """``build_reward(name, **kwargs)``; on a GPU, factories that accept a ``device`` get the run's device."""
+    kwargs = dict(kwargs)
+    factory = REWARDS.get(name)
+    if factory is not None and device.type == "cuda" and "device" not in kwargs:
+        params = inspect.signature(factory).parameters.values()
+        if any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in params):
+            kwargs["device"] = device
+    return build_reward(name, **kwargs)
