@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
+from dist_harness import run_ranks
+
 W, B_GLOBAL, WORLD = 4, 4, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _problem():
@@ -60,14 +55,11 @@ def _problem():
     return model, group
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def fsdp_worker(rank: int, out_dir: str) -> None:
+    """One rank (run by ``dist_harness.run_ranks``, which owns the process group)."""
     from jagg.engine.strategies import group_backward
     from jagg.scale.distributed import CollectiveCounter, fsdp_units, full_grads, shard_backbone
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     model, group = _problem()
     rows = list(range(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD))
     result = {}
@@ -94,15 +86,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(ref_grads, os.path.join(out_dir, f"ref_{strategy}_{rank}.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    out = run_ranks("test_distributed:fsdp_worker", WORLD, tmp_path_factory.mktemp("fsdp"))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)], out
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from dist_harness import run_ranks
 
 WORLD = 2
 TINY = [
@@ -61,31 +62,19 @@ def _run(cfg) -> dict:
     return {"row": row, "grads": grads, "params": [full_tensor(p.detach()).clone() for p in trainer.params]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def trainer_worker(rank: int, out_dir: str) -> None:
+    """One rank (run by ``dist_harness.run_ranks``, which owns the process group)."""
     for strategy in ("jagg", "exact"):
         res = _run(_cfg(os.path.join(out_dir, strategy), strategy, grad_accum=1))
         if rank == 0:
             torch.save(res, os.path.join(out_dir, f"{strategy}.pt"))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_process(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("fsdp_trainer")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return out
+    return run_ranks(
+        "test_distributed_trainer:trainer_worker", WORLD, tmp_path_factory.mktemp("fsdp_trainer")
+    )
 
 
 @pytest.mark.parametrize("strategy", ["jagg", "exact"])

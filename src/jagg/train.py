@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(err), code=3)
     if info.is_main:
         print(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {ckpt}")
+    del trainer, comp  # the sharded model and its gloo / NCCL work objects go before the process group
     _shutdown()
     return 0
 
@@ -130,8 +131,14 @@ def _dry_run(cfg, world_size: int) -> int:
 
 
 def _shutdown() -> None:
+    """Ordered teardown: free the sharded model while the interpreter is alive (FSDP modules sit in reference
+    cycles; collected at interpreter exit, a tensor held by a finished gloo work object is destroyed without a
+    usable Python runtime and the process aborts), wait for every rank, then destroy the process group."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
