@@ -1,5 +1,5 @@
 """FSDP2 on CPU (gloo, 2 processes): JAGG and exact gradients equal a single-process run on the global batch,
-and JAGG's joint backward reduce-scatters once per sharded unit instead of W times (REFERENCE.md section 7).
+and JAGG's joint backward reduce-scatters once per sharded unit instead of W times (docs/method.md).
 
 Each rank takes half of the global batch; the per-step loss is a mean over the local batch and FSDP2
 averages gradients over the 2 ranks, so the sharded gradient equals the single-process gradient of the mean

@@ -20,11 +20,14 @@ from helpers import (
     straight_path_latents,
 )
 from jagg.engine.strategies import (
+    ENDPOINT_MODES,
     STRATEGIES,
     group_backward,
+    group_cost,
     jagg_weights,
     plan_groups,
     trajectory_backward,
+    trajectory_cost,
 )
 
 SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08, 0.03], dtype=torch.float64)
@@ -38,10 +41,16 @@ def setup_group(name, w, *, sigmas=None, seed=0):
     return module, velocity, latents, sig[:w], step_loss
 
 
-def run(strategy, module, velocity, latents, sigmas, step_loss):
+def run(strategy, module, velocity, latents, sigmas, step_loss, **kw):
     module.zero_grad(set_to_none=True)
-    stats = group_backward(velocity, latents, sigmas, step_loss, strategy)
+    stats = group_backward(velocity, latents, sigmas, step_loss, strategy, **kw)
     return grads_of(module), stats
+
+
+def stored_outputs(velocity, latents, sigmas):
+    """What the rollout keeps: each step's model output at the current parameters, (W, B, ...)."""
+    with torch.no_grad():
+        return torch.stack([velocity(latents[j], sigmas[j]) for j in range(latents.shape[0])])
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -62,26 +71,30 @@ def test_exact_equals_plain_autograd(name):
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("strategy", ["jagg", "endpoints"])
-def test_two_step_group_is_exact_for_any_model(name, strategy):
+@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+def test_two_step_group_is_exact_for_any_model(name, strategy, endpoints):
     """W = 2: alpha = (0, 1), so both endpoints get exactly their own signal."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, 2)
     g_exact, _ = run("exact", module, velocity, latents, sigmas, step_loss)
-    g_jagg, _ = run(strategy, module, velocity, latents, sigmas, step_loss)
+    g_jagg, _ = run(strategy, module, velocity, latents, sigmas, step_loss, endpoints=endpoints)
     assert rel_err(g_jagg, g_exact) < 1e-10
 
 
 @pytest.mark.parametrize("w", [3, 4, 6, 9])
-def test_theorem1_linear_velocity_on_straight_path(w):
+@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+def test_theorem1_linear_velocity_on_straight_path(w, endpoints):
     """Velocity linear in (z, t), latents on the chord at t-proportional positions: JAGG is exact."""
     # non-uniform times, so the t-weights alpha_j are not just j / (W - 1)
     sigmas = torch.tensor([0.97, 0.9, 0.71, 0.66, 0.43, 0.4, 0.22, 0.1, 0.05, 0.01], dtype=torch.float64)
     module, velocity, latents, sig, step_loss = setup_group("linear", w, sigmas=sigmas[: w + 1])
     g_exact, _ = run("exact", module, velocity, latents, sig, step_loss)
-    g_jagg, _ = run("jagg", module, velocity, latents, sig, step_loss)
-    assert rel_err(g_jagg, g_exact) < 1e-10
+    outputs = stored_outputs(velocity, latents, sig)
+    for out in (None, outputs):
+        g_jagg, _ = run("jagg", module, velocity, latents, sig, step_loss, endpoints=endpoints, outputs=out)
+        assert rel_err(g_jagg, g_exact) < 1e-10
     # the t-weights are what makes it exact: the ablations are not
     for ablation in ("endpoints", "uniform"):
-        g_abl, _ = run(ablation, module, velocity, latents, sig, step_loss)
+        g_abl, _ = run(ablation, module, velocity, latents, sig, step_loss, endpoints=endpoints)
         assert rel_err(g_abl, g_exact) > 1e-3
 
 
@@ -108,22 +121,56 @@ def test_jagg_is_approximate_for_nonlinear_models(name, w):
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("strategy", ["jagg", "endpoints", "uniform"])
+@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+@pytest.mark.parametrize("reuse", [False, True], ids=["forward", "stored"])
+def test_endpoint_modes_and_stored_outputs_give_the_same_gradient(name, strategy, endpoints, reuse):
+    """Every endpoint mode, with or without the rollout's stored outputs, computes the paper-literal
+    ("joint", all forwards) gradient of the same strategy (float64, relative error <= 1e-12)."""
+    module, velocity, latents, sigmas, step_loss = setup_group(name, 4)
+    g_ref, ref = run(strategy, module, velocity, latents, sigmas, step_loss, endpoints="joint")
+    outputs = stored_outputs(velocity, latents, sigmas) if reuse else None
+    g, stats = run(
+        strategy, module, velocity, latents, sigmas, step_loss, endpoints=endpoints, outputs=outputs
+    )
+    assert g_ref.norm() > 0
+    assert rel_err(g, g_ref) <= 1e-12
+    assert stats.step_losses == pytest.approx(ref.step_losses, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+@pytest.mark.parametrize("reuse", [False, True], ids=["forward", "stored"])
 @pytest.mark.parametrize("w", [2, 4])
-def test_pass_and_call_counts(name, strategy, w):
+def test_pass_and_call_counts(name, strategy, endpoints, reuse, w):
+    """Hooks on the model count forward calls (with / without grad) and back-propagated graphs; a wrapped
+    ``torch.autograd.backward`` counts backward calls. GroupStats reports them, and the cost model
+    ``group_cost`` predicts them (the one cost model the plan, bench and Table 1 use)."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, w)
+    outputs = stored_outputs(velocity, latents, sigmas) if reuse else None
     module.zero_grad(set_to_none=True)
     with count_passes(module) as counts:
-        stats = group_backward(velocity, latents, sigmas, step_loss, strategy)
-    expected_fwd = {"exact": w, "jagg": w, "uniform": w, "endpoints": 2}[strategy]
+        stats = group_backward(
+            velocity, latents, sigmas, step_loss, strategy, endpoints=endpoints, outputs=outputs
+        )
+    cost = group_cost(w, strategy, endpoints, reuse_outputs=reuse)
+    batched = strategy != "exact" and endpoints == "batched"
     if strategy == "exact":
         assert counts == dict(forward=w, forward_grad=w, backward_graphs=w, backward_calls=w)
     else:
-        assert counts == dict(forward=expected_fwd, forward_grad=2, backward_graphs=2, backward_calls=1)
-    assert stats.forward_passes == counts["forward"]
-    assert stats.forward_passes_with_grad == counts["forward_grad"]
-    assert stats.backward_passes == counts["backward_graphs"]
-    assert stats.backward_calls == counts["backward_calls"]
+        mid = 0 if reuse or strategy == "endpoints" else w - 2
+        extra = int(endpoints == "sequential" and strategy == "uniform" and not reuse)  # s_{W-1} first
+        assert counts["forward"] == mid + extra + (1 if batched else 2)
+        assert counts["forward_grad"] == (1 if batched else 2)
+        assert counts["backward_graphs"] == (1 if batched else 2)
+        assert counts["backward_calls"] == (2 if endpoints == "sequential" else 1)
+        assert stats.backward_passes == 2 and stats.forward_passes_with_grad == 2
+    assert stats.forward_calls == counts["forward"] == cost.forward_calls
+    assert stats.backward_graphs == counts["backward_graphs"] == cost.backward_graphs
+    assert stats.backward_calls == counts["backward_calls"] == cost.backward_calls
+    for key in ("forward_passes", "forward_passes_with_grad", "backward_passes", "forwards_skipped"):
+        assert getattr(stats, key) == getattr(cost, key), key
 
 
 def test_gradients_accumulate_into_grad():
@@ -175,6 +222,8 @@ def test_trajectory_routing_with_w2_and_frac1_is_exact_for_jagg(strategy):
     )
     # 7 steps in groups of 2: three two-step groups (2 passes each) + one single-step group (exact)
     assert stats.backward_passes == 7 and stats.backward_calls == 4
+    cost = trajectory_cost(7, strategy=strategy, group_size=2, jagg_frac=1.0)
+    assert (cost.forward_passes, cost.backward_passes, cost.backward_calls) == (7, 7, 4)
     if strategy != "uniform":
         assert rel_err(grads_of(module), g_exact) < 1e-10
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jagg.config import load_config
-from jagg.engine.strategies import STRATEGIES
+from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES, trajectory_cost
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer, TrainingAborted
 from jagg.rewards import REWARDS
@@ -71,19 +71,36 @@ def test_smoke_two_iterations_on_policy(tmp_path, config, backbone, strategy):
 
 
 @pytest.mark.parametrize(
-    ("strategy", "passes", "calls", "fwd"), [("exact", 6, 6, 6), ("jagg", 4, 2, 6), ("endpoints", 4, 2, 4)]
+    ("strategy", "endpoints", "reuse"),
+    [
+        ("exact", "batched", True),
+        ("endpoints", "batched", True),
+        *[("jagg", e, r) for e in ENDPOINT_MODES for r in (True, False)],
+    ],
 )
-def test_backward_pass_counts_follow_routing(tmp_path, strategy, passes, calls, fwd):
-    """Flow-GRPO-Fast window of 3 = one group: exact 3 passes, JAGG 2, per micro-batch (2 micro-batches)."""
+def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpoints, reuse):
+    """Flow-GRPO-Fast window of 3 = one group; 2 micro-batches with an optimizer step after each. Only the
+    first micro-batch (before the first optimizer step) may use the rollout's stored outputs; the counts equal
+    the cost model's (``trajectory_cost``), which the dry-run plan, the bench and Table 1 use."""
     cfg = tiny_cfg(
         tmp_path,
         f"backward.strategy={strategy}",
+        f"backward.endpoints={endpoints}",
+        f"backward.reuse_rollout={reuse}",
         "backward.jagg_frac=1.0",
         "train.iterations=1",
         config="configs/world/flux_flowgrpo_fast.yaml",
     )
     (m,) = make_trainer(cfg).fit()
-    assert (m["backward_passes"], m["backward_calls"], m["forward_passes"]) == (passes, calls, fwd)
+    assert m["optimizer_steps"] == 2
+    kw = dict(strategy=strategy, group_size=cfg.backward.group_size, jagg_frac=1.0, endpoints=endpoints)
+    first, second = (trajectory_cost(3, **kw, reuse_outputs=r) for r in (reuse, False))
+    expected = first + second
+    for key in ("forward_passes", "forward_calls", "forwards_skipped", "backward_passes", "backward_calls"):
+        assert m[key] == getattr(expected, key), key
+    if strategy == "jagg":
+        assert m["forwards_skipped"] == (1 if reuse else 0)  # the window's one intermediate step, once
+    assert m["onpolicy_ratio_max_dev"] <= (0.0 if reuse or endpoints != "batched" else 1e-6)
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
@@ -196,3 +213,40 @@ def test_dancegrpo_outputs_the_last_steps_x0_prediction(tmp_path):
     assert torch.all(traj.log_probs[-1] == 0) and torch.all(traj.log_probs[:-1] != 0)
     steps = trainer.algorithm.trained_steps(list(traj.kinds), 64, torch.Generator().manual_seed(0))
     assert steps.max() < len(traj.kinds) - 1
+
+
+def test_stored_outputs_are_read_before_the_first_optimizer_step_only(tmp_path):
+    """Both halves of ``backward.reuse_rollout``: poisoning the stored outputs of the SECOND micro-batch (after
+    the first optimizer step) changes nothing, bit for bit, against a run that never reuses; poisoning those
+    of the FIRST micro-batch does change the update (they are read)."""
+
+    def run(reuse: bool, poison: slice | None, sub: str):
+        cfg = tiny_cfg(
+            tmp_path / sub,
+            "backward.strategy=jagg",
+            "backward.endpoints=joint",  # endpoint forwards at the rollout's batch size: bit-identical outputs
+            f"backward.reuse_rollout={reuse}",
+            "backward.jagg_frac=1.0",
+            "train.iterations=1",
+            config="configs/world/flux_flowgrpo_fast.yaml",
+        )
+        trainer = make_trainer(cfg)
+        rollout = trainer.rollout
+
+        def poisoned_rollout(it):
+            ro = rollout(it)
+            if poison is not None:
+                ro.traj.outputs[:, poison] = float("nan")
+            return ro
+
+        trainer.rollout = poisoned_rollout
+        (m,) = trainer.fit()
+        return m, [p.detach().clone() for p in trainer.params]
+
+    m_ref, ref = run(False, None, "ref")
+    m_late, late = run(True, slice(3, 6), "late")  # micro-batch 2 of 2 (train_batch_size 3)
+    assert m_late["forwards_skipped"] == 1 and m_late["skipped_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, late))
+    assert m_late["loss"] == m_ref["loss"]
+    m_early, _ = run(True, slice(0, 3), "early")  # micro-batch 1: its signals come from the stored outputs
+    assert m_early["skipped_steps"] == 1  # the NaN signals made the first update non-finite

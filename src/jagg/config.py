@@ -23,7 +23,7 @@ import yaml
 
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.sde import SDE_KINDS
-from jagg.engine.strategies import STRATEGIES
+from jagg.engine.strategies import validate_routing
 from jagg.errors import ConfigError
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
@@ -81,6 +81,10 @@ class BackwardConfig:
     strategy: str = "jagg"  # exact | jagg | endpoints | uniform
     group_size: int = 3  # W
     jagg_frac: float = 0.6
+    endpoints: str = "batched"  # batched | joint (paper-literal) | sequential (one graph alive)
+    reuse_rollout: bool = (
+        True  # intermediate signals from the rollout's outputs before the first optimizer step
+    )
 
 
 @dataclass
@@ -307,11 +311,10 @@ def validate(cfg: Config) -> None:
     _require(a.adv_std in ("group", "global"), f"algorithm.adv_std must be group|global, got {a.adv_std!r}")
     _require(a.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {a.kl_beta}")
     ALGORITHMS[a.name].validate(a, s.num_steps)
-    _require(
-        b.strategy in STRATEGIES, f"backward.strategy must be one of {list(STRATEGIES)}, got {b.strategy!r}"
-    )
-    _require(b.group_size >= 2, f"backward.group_size must be an integer >= 2, got {b.group_size}")
-    _require(0.0 <= b.jagg_frac <= 1.0, f"backward.jagg_frac must be in [0, 1], got {b.jagg_frac}")
+    try:  # the one routing validator (the engine's)
+        validate_routing(b.group_size, b.jagg_frac, b.strategy, b.endpoints)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     _require(o.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {o.max_grad_norm}")

@@ -26,12 +26,16 @@ class Trajectory:
     log_probs: (S, B) log-prob of latents[i + 1] under step i (0 for ODE steps).
     sigmas:    (S + 1,) the schedule, from 1 down to 0.
     kinds:     the S step kinds.
+    outputs:   (S, B, ...) the model output of every step (``keep_outputs=True``), else None. Before the
+               first optimizer step they equal what the update would recompute, so JAGG's intermediate
+               signals can come from them with no model forward (``group_backward(..., outputs=...)``).
     """
 
     latents: Tensor
     log_probs: Tensor
     sigmas: Tensor
     kinds: tuple[str, ...]
+    outputs: Tensor | None = None
 
     @property
     def final(self) -> Tensor:
@@ -51,15 +55,21 @@ def sample_trajectory(
     *,
     noise_level: float = 0.0,
     generator: torch.Generator | None = None,
+    keep_outputs: bool = False,
 ) -> Trajectory:
-    """Integrate from ``noise`` (B, ...) at sigmas[0] = 1 down to sigmas[-1]; step i uses ``kinds[i]``."""
+    """Integrate from ``noise`` (B, ...) at sigmas[0] = 1 down to sigmas[-1]; step i uses ``kinds[i]``.
+
+    ``keep_outputs``: also return every step's model output (``Trajectory.outputs``).
+    """
     n_steps = sigmas.shape[0] - 1
     if len(kinds) != n_steps:
         raise ValueError(f"need one kind per step ({n_steps}), got {len(kinds)}")
     x = noise
-    latents, log_probs = [x], []
+    latents, log_probs, outputs = [x], [], []
     for i in range(n_steps):
         v = velocity(x, sigmas[i])
+        if keep_outputs:
+            outputs.append(v)
         kw = dict(kind=kinds[i], noise_level=noise_level)
         step = sde_step_with_logprob(x, v, sigmas[i], sigmas[i + 1], generator=generator, **kw)
         x_next = step.prev_sample.to(noise.dtype)
@@ -72,4 +82,10 @@ def sample_trajectory(
         x = x_next
         latents.append(x)
         log_probs.append(log_prob)
-    return Trajectory(torch.stack(latents), torch.stack(log_probs), sigmas, tuple(kinds))
+    return Trajectory(
+        torch.stack(latents),
+        torch.stack(log_probs),
+        sigmas,
+        tuple(kinds),
+        torch.stack(outputs) if keep_outputs else None,
+    )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -32,33 +32,40 @@ StepLoss = Callable[[int, Tensor], Tensor]
 
 @dataclass
 class GroupStats:
-    """What one ``group_backward`` did. Counts are per call; ``loss`` is sum_j L_j over computed steps."""
+    """What one ``group_backward`` did. Counts are per call; ``loss`` is sum_j L_j over computed steps.
+
+    Passes are counted in units of one model evaluation on the micro-batch (B samples): a batched endpoint
+    forward over 2B samples is 2 forward passes in 1 call and its backward is 2 backward passes through 1 graph.
+    """
 
     strategy: str
     group_size: int
     loss: float
     step_losses: list[float]
-    forward_passes: int  # model forwards (with or without autograd)
+    forward_passes: int  # model forwards (with or without autograd), B-sample units
     forward_passes_with_grad: int
-    backward_passes: int  # model graphs back-propagated
+    forward_calls: int  # model invocations
+    backward_passes: int  # B-sample units of transformer backward
+    backward_graphs: int  # model graphs back-propagated
     backward_calls: int  # autograd backward invocations
+    forwards_skipped: int = 0  # forwards replaced by stored (rollout) outputs
     time_forward_s: float = 0.0
     time_backward_s: float = 0.0  # transformer backward (the part JAGG saves)
-    extras: dict = field(default_factory=dict)
+    endpoints: str = ""  # endpoint mode of an aggregated strategy ("" for exact)
 
     def merge(self, other: GroupStats) -> GroupStats:
         """Sum of two stats (used to accumulate over the groups of a trajectory)."""
+        summed = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name not in ("strategy", "endpoints")
+        }
         return GroupStats(
             strategy=self.strategy if self.strategy == other.strategy else "mixed",
-            group_size=self.group_size + other.group_size,
-            loss=self.loss + other.loss,
-            step_losses=self.step_losses + other.step_losses,
-            forward_passes=self.forward_passes + other.forward_passes,
-            forward_passes_with_grad=self.forward_passes_with_grad + other.forward_passes_with_grad,
-            backward_passes=self.backward_passes + other.backward_passes,
-            backward_calls=self.backward_calls + other.backward_calls,
-            time_forward_s=self.time_forward_s + other.time_forward_s,
-            time_backward_s=self.time_backward_s + other.time_backward_s,
+            endpoints=self.endpoints
+            if self.endpoints == other.endpoints
+            else "/".join(sorted({self.endpoints, other.endpoints} - {""})),
+            **summed,
         )
 
 
@@ -118,6 +125,20 @@ STRATEGIES: tuple[str, ...] = ("exact", *AGGREGATION_WEIGHTS)
 
 
 # --------------------------------------------------------------------------- strategies
+ENDPOINT_MODES: tuple[str, ...] = ("batched", "joint", "sequential")
+"""How the two endpoint backward passes of an aggregated group run (same gradient, different cost):
+
+    batched     both endpoints in ONE forward over the concatenated batch [z_0; z_{W-1}] (2B samples, per-sample
+                t, conditioning tiled), one graph, one backward with the upstream [g_0; g_1]. Under FSDP2 each
+                unit is gathered once in forward and once in backward and reduce-scattered once. (default)
+    joint       the paper's recipe: two forwards with autograd, one ``autograd.backward([v_0, v_{W-1}], [g_0, g_1])``.
+                Two graphs alive; under FSDP2 each unit is gathered twice in backward and the later graph's
+                gradient waits unsharded until the earlier graph reaches the unit.
+    sequential  one graph alive at a time: forward v_0, backward(g_0), free; forward v_{W-1}, backward(g_1).
+                Peak saved activations equal the exact baseline's; two reduce-scatters per unit under FSDP2.
+"""
+
+
 def _check_group(latents: Tensor, sigmas: Tensor) -> None:
     w = latents.shape[0]
     if sigmas.shape[0] != w or sigmas.ndim not in (1, 2):
@@ -140,73 +161,188 @@ def exact_backward(velocity: Velocity, latents: Tensor, sigmas: Tensor, step_los
             torch.autograd.backward(loss)
         losses.append(loss.item())
     w = latents.shape[0]
-    return GroupStats("exact", w, sum(losses), losses, w, w, w, w, t_fwd.total, t_bwd.total)
+    return GroupStats(
+        "exact",
+        w,
+        sum(losses),
+        losses,
+        w,
+        w,
+        w,
+        w,
+        w,
+        w,
+        time_forward_s=t_fwd.total,
+        time_backward_s=t_bwd.total,
+    )
+
+
+def _signal(step_loss: StepLoss, j: int, v: Tensor) -> tuple[float, Tensor]:
+    """(L_j, s_j = dL_j/dv_j) through a detached proxy of v_j: only the light SDE / PPO math is differentiated."""
+    proxy = v.detach().requires_grad_(True)
+    with torch.enable_grad():
+        loss = step_loss(j, proxy)
+        (s_j,) = torch.autograd.grad(loss, proxy)
+    return loss.item(), s_j
+
+
+def _aggregate(weights: Tensor, signals: dict[int, Tensor], k: int) -> Tensor:
+    """g_k = sum_j w[j, k] s_j in step order; per-sample weights (B,) broadcast over each sample's elements."""
+    total = None
+    for j in sorted(signals):
+        s_j = signals[j]
+        w_jk = weights[j, k].to(s_j.dtype)
+        if w_jk.ndim == 1:  # per-sample alpha: (B,) -> (B, 1, ...)
+            w_jk = w_jk.view(-1, *([1] * (s_j.ndim - 1)))
+        total = w_jk * s_j if total is None else total + w_jk * s_j
+    return total
+
+
+def _per_sample(t: Tensor, b: int) -> Tensor:
+    return t.expand(b) if t.ndim == 0 else t
 
 
 def aggregated_backward(
-    velocity: Velocity, latents: Tensor, sigmas: Tensor, step_loss: StepLoss, weights: Tensor, name: str
+    velocity: Velocity,
+    latents: Tensor,
+    sigmas: Tensor,
+    step_loss: StepLoss,
+    weights: Tensor,
+    name: str,
+    *,
+    endpoints: str = "batched",
+    outputs: Tensor | None = None,
 ) -> GroupStats:
     """Two-endpoint backward with per-step signals mapped onto the endpoints by ``weights`` (W, 2[, B]).
 
-    1. Forward every step whose weight row is non-zero; only the endpoints keep an autograd graph.
-    2. s_j = dL_j/dv_j by autograd through a detached proxy of v_j (only the light SDE/PPO math).
-    3. g_0 = sum_j w[j, 0] s_j,  g_1 = sum_j w[j, 1] s_j.
-    4. One ``torch.autograd.backward([v_0, v_{W-1}], [g_0, g_1])``.
+    1. s_j = dL_j/dv_j for every step whose weight row is non-zero, through a detached proxy of v_j (only the
+       light SDE / PPO math is differentiated). With ``outputs`` every v_j is the stored one (intermediate
+       steps need no model forward; the endpoint forwards only provide the graphs), else intermediate v_j
+       come from forwards without autograd and endpoint v_j from the endpoint forwards.
+    2. g_0 = sum_j w[j, 0] s_j,  g_1 = sum_j w[j, 1] s_j.
+    3. Backward g_0 through v_0 and g_1 through v_{W-1}, as ``endpoints`` says (``ENDPOINT_MODES``).
+    Each step's ``step_loss`` is evaluated exactly once.
     """
-    w = latents.shape[0]
-    ends = (0, w - 1)
+    if endpoints not in ENDPOINT_MODES:
+        raise ValueError(f"endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
+    w, b = latents.shape[0], latents.shape[1]
+    last = w - 1
     t_fwd, t_bwd = _Timer(), _Timer()
-    endpoint_out: dict[int, Tensor] = {}
-    grads = [None, None]
-    losses, n_fwd = [], 0
-    for j in range(w):
-        wj = weights[j]  # (2,) or (2, B)
-        if j not in ends and not bool((wj != 0).any()):
-            continue
-        with t_fwd, torch.set_grad_enabled(j in ends):
-            v = velocity(latents[j], sigmas[j])
-        n_fwd += 1
-        if j in ends:
-            endpoint_out[j] = v
-        proxy = v.detach().requires_grad_(True)
-        with torch.enable_grad():
-            loss = step_loss(j, proxy)
-            (s_j,) = torch.autograd.grad(loss, proxy)
-        losses.append(loss.item())
-        for k in range(2):
-            wjk = wj[k].to(s_j.dtype)
-            if wjk.ndim == 1:  # per-sample alpha: (B,) -> (B, 1, ...)
-                wjk = wjk.view(-1, *([1] * (s_j.ndim - 1)))
-            contrib = wjk * s_j
-            grads[k] = contrib if grads[k] is None else grads[k] + contrib
-    with t_bwd:
-        torch.autograd.backward(
-            [endpoint_out[0], endpoint_out[w - 1]],
-            [grads[0].to(endpoint_out[0].dtype), grads[1].to(endpoint_out[w - 1].dtype)],
-        )
-    return GroupStats(name, w, sum(losses), losses, n_fwd, 2, 2, 1, t_fwd.total, t_bwd.total)
+    n = dict(fwd=0, fwd_grad=0, calls=0, skipped=0)
+    losses: dict[int, float] = {}
+    signals: dict[int, Tensor] = {}
+
+    def forward(z: Tensor, t: Tensor, grad: bool, passes: int = 1) -> Tensor:
+        with t_fwd, torch.set_grad_enabled(grad):
+            v = velocity(z, t)
+        n["fwd"] += passes
+        n["fwd_grad"] += passes * grad
+        n["calls"] += 1
+        return v
+
+    def detached_output(j: int) -> Tensor:
+        if outputs is not None:
+            n["skipped"] += 1
+            return outputs[j]
+        return forward(latents[j], sigmas[j], grad=False)
+
+    def signal(j: int, v: Tensor) -> None:
+        """s_j from ``outputs`` when given (the rollout's own numbers: on-policy ratios stay exactly 1),
+        else from ``v``; computed once per step."""
+        if j not in signals:
+            losses[j], signals[j] = _signal(step_loss, j, outputs[j] if outputs is not None else v)
+
+    def backward(tensors: list[Tensor], grads: list[Tensor]) -> None:
+        with t_bwd:
+            torch.autograd.backward(tensors, [g.to(t.dtype) for g, t in zip(grads, tensors)])
+
+    for j in range(1, last):
+        if bool((weights[j] != 0).any()):
+            signal(j, detached_output(j))
+    if endpoints == "batched":
+        z = torch.cat([latents[0], latents[last]])  # (2B, ...)
+        t = torch.cat([_per_sample(sigmas[0], b), _per_sample(sigmas[last], b)])  # (2B,)
+        v = forward(z, t, grad=True, passes=2)
+        signal(0, v[:b])
+        signal(last, v[b:])
+        backward([v], [torch.cat([_aggregate(weights, signals, 0), _aggregate(weights, signals, 1)])])
+        graphs, calls = 1, 1
+    elif endpoints == "joint":
+        v_0 = forward(latents[0], sigmas[0], grad=True)
+        signal(0, v_0)
+        v_1 = forward(latents[last], sigmas[last], grad=True)
+        signal(last, v_1)
+        backward([v_0, v_1], [_aggregate(weights, signals, 0), _aggregate(weights, signals, 1)])
+        graphs, calls = 2, 1
+    else:  # sequential
+        if bool((weights[last, 0] != 0).any()):  # g_0 needs s_{W-1} before v_{W-1}'s graph exists
+            signal(last, detached_output(last))
+        v_0 = forward(latents[0], sigmas[0], grad=True)
+        signal(0, v_0)
+        backward([v_0], [_aggregate(weights, signals, 0)])
+        del v_0  # its graph is freed before the second endpoint's forward
+        v_1 = forward(latents[last], sigmas[last], grad=True)
+        signal(last, v_1)
+        backward([v_1], [_aggregate(weights, signals, 1)])
+        graphs, calls = 2, 2
+    step_losses = [losses[j] for j in sorted(losses)]
+    return GroupStats(
+        name,
+        w,
+        sum(step_losses),
+        step_losses,
+        forward_passes=n["fwd"],
+        forward_passes_with_grad=n["fwd_grad"],
+        forward_calls=n["calls"],
+        backward_passes=2,
+        backward_graphs=graphs,
+        backward_calls=calls,
+        forwards_skipped=n["skipped"],
+        time_forward_s=t_fwd.total,
+        time_backward_s=t_bwd.total,
+        endpoints=endpoints,
+    )
 
 
 def group_backward(
-    velocity: Velocity, latents: Tensor, sigmas: Tensor, step_loss: StepLoss, strategy: str
+    velocity: Velocity,
+    latents: Tensor,
+    sigmas: Tensor,
+    step_loss: StepLoss,
+    strategy: str,
+    *,
+    endpoints: str = "batched",
+    outputs: Tensor | None = None,
 ) -> GroupStats:
     """ADD the (approximate) gradient of sum_j L_j over one group to the parameters' ``.grad``.
 
     Args:
         velocity: ``velocity(z, t)``, differentiable in the trained parameters; z (B, ...), t scalar or (B,).
+            With ``endpoints="batched"`` it is called once on 2B rows (the two endpoints' latents stacked,
+            per-sample t) and must tile its conditioning (``Backbone.velocity`` does).
         latents: (W, B, ...) the stored model inputs of the group's W steps.
         sigmas: (W,) or per-sample (W, B) times, strictly decreasing along the group.
         step_loss: ``step_loss(j, v_j)`` -> scalar loss of step j as a function of its model output.
         strategy: one of ``STRATEGIES``. A group of one step is always exact.
+        endpoints: one of ``ENDPOINT_MODES`` (aggregated strategies only): how the endpoint backward runs.
+        outputs: optional (W, B, ...) model outputs at these inputs under the CURRENT parameters (e.g. the
+            rollout's, before the first optimizer step): intermediate signals then need no model forward.
+            Ignored by the exact strategy, which always differentiates its own forwards.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     sigmas = torch.as_tensor(sigmas)
     _check_group(latents, sigmas)
+    if outputs is not None and outputs.shape != latents.shape:
+        raise ValueError(
+            f"outputs must have the latents' shape {tuple(latents.shape)}, got {tuple(outputs.shape)}"
+        )
     if strategy == "exact" or latents.shape[0] == 1:
         return exact_backward(velocity, latents, sigmas, step_loss)
     weights = AGGREGATION_WEIGHTS[strategy](sigmas.to(torch.float64))
-    return aggregated_backward(velocity, latents, sigmas, step_loss, weights, strategy)
+    return aggregated_backward(
+        velocity, latents, sigmas, step_loss, weights, strategy, endpoints=endpoints, outputs=outputs
+    )
 
 
 # --------------------------------------------------------------------------- routing (jagg_frac)
@@ -218,7 +354,7 @@ class GroupPlan:
     strategy: str
 
 
-def validate_routing(group_size: int, jagg_frac: float, strategy: str) -> None:
+def validate_routing(group_size: int, jagg_frac: float, strategy: str, endpoints: str = "batched") -> None:
     """Raise ValueError naming the offending key and the allowed range."""
     if not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"backward.group_size must be an integer >= 2, got {group_size!r}")
@@ -226,6 +362,8 @@ def validate_routing(group_size: int, jagg_frac: float, strategy: str) -> None:
         raise ValueError(f"backward.jagg_frac must be in [0, 1], got {jagg_frac!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"backward.strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if endpoints not in ENDPOINT_MODES:
+        raise ValueError(f"backward.endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
 
 
 def plan_groups(num_steps: int, group_size: int, jagg_frac: float, strategy: str) -> list[GroupPlan]:
@@ -255,11 +393,14 @@ def trajectory_backward(
     strategy: str,
     group_size: int,
     jagg_frac: float,
+    endpoints: str = "batched",
+    outputs: Tensor | None = None,
 ) -> GroupStats:
     """Backward over all T trained steps of a trajectory with ``jagg_frac`` routing.
 
     ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) must be sorted by time (sigma decreasing);
-    ``step_loss(i, v)`` takes the index i into the T trained steps.
+    ``step_loss(i, v)`` takes the index i into the T trained steps. ``endpoints`` and ``outputs`` (T, B, ...)
+    are passed to ``group_backward`` for each group.
     """
     total = None
     for plan in plan_groups(latents.shape[0], group_size, jagg_frac, strategy):
@@ -270,6 +411,83 @@ def trajectory_backward(
             torch.as_tensor(sigmas)[idx],
             lambda j, v, idx=idx: step_loss(idx[j], v),
             plan.strategy,
+            endpoints=endpoints,
+            outputs=None if outputs is None else outputs[idx],
         )
         total = stats if total is None else total.merge(stats)
+    return total
+
+
+# --------------------------------------------------------------------------- cost model
+@dataclass(frozen=True)
+class GroupCost:
+    """Predicted work of one group (the counts ``GroupStats`` measures), plus memory and FSDP2 traffic.
+
+    Passes are in units of one model evaluation on the micro-batch. ``graphs_alive`` is the peak number of
+    B-sample autograd graphs held at once (saved activations; the exact baseline holds 1). ``all_gathers`` /
+    ``reduce_scatters`` are per FSDP2 unit that reshards after forward and after backward.
+    """
+
+    forward_passes: int
+    forward_passes_with_grad: int
+    forward_calls: int
+    forwards_skipped: int
+    backward_passes: int
+    backward_graphs: int
+    backward_calls: int
+    graphs_alive: int
+    all_gathers: int
+    reduce_scatters: int
+
+    def __add__(self, other: GroupCost) -> GroupCost:
+        """Groups run one after another: counts add up, the activation peak is the larger one."""
+        total = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        total["graphs_alive"] = max(self.graphs_alive, other.graphs_alive)
+        return GroupCost(**total)
+
+    def time(self, forward: float = 1.0, backward: float = 2.0) -> float:
+        """Time in the unit of ``forward``, with one backward pass costing ``backward`` (about 2 forwards)."""
+        return self.forward_passes * forward + self.backward_passes * backward
+
+
+def group_cost(
+    size: int, strategy: str, endpoints: str = "batched", reuse_outputs: bool = False
+) -> GroupCost:
+    """The counts ``group_backward`` reports for a group of ``size`` steps (tested equal), without running it.
+
+    ``reuse_outputs``: intermediate outputs come from the rollout (``group_backward(..., outputs=...)``).
+    """
+    validate_routing(max(size, 2), 0.0, strategy, endpoints)
+    if strategy == "exact" or size == 1:
+        return GroupCost(size, size, size, 0, size, size, size, 1, 2 * size, size)
+    weights = AGGREGATION_WEIGHTS[strategy](torch.linspace(1.0, 0.1, size, dtype=torch.float64))
+    mid = sum(bool((weights[j] != 0).any()) for j in range(1, size - 1))  # intermediate signals needed
+    early_last = endpoints == "sequential" and bool(weights[-1, 0] != 0)  # s_{W-1} before v_{W-1}'s graph
+    detached = mid + early_last  # outputs needed without autograd
+    fwd = 0 if reuse_outputs else detached
+    skipped = detached if reuse_outputs else 0
+    if endpoints == "batched":
+        return GroupCost(fwd + 2, 2, fwd + 1, skipped, 2, 1, 1, 2, fwd + 2, 1)
+    if endpoints == "joint":
+        return GroupCost(fwd + 2, 2, fwd + 2, skipped, 2, 2, 1, 2, fwd + 4, 1)
+    return GroupCost(fwd + 2, 2, fwd + 2, skipped, 2, 2, 2, 1, fwd + 4, 2)  # sequential
+
+
+def trajectory_cost(
+    num_steps: int,
+    *,
+    strategy: str,
+    group_size: int,
+    jagg_frac: float,
+    endpoints: str = "batched",
+    reuse_outputs: bool = False,
+) -> GroupCost:
+    """``group_cost`` summed over the groups ``plan_groups`` makes of ``num_steps`` trained steps."""
+    costs = [
+        group_cost(len(p.steps), p.strategy, endpoints, reuse_outputs)
+        for p in plan_groups(num_steps, group_size, jagg_frac, strategy)
+    ]
+    total = costs[0]
+    for c in costs[1:]:
+        total = total + c
     return total

@@ -208,6 +208,7 @@ class Trainer:
                     kinds,
                     noise_level=a.noise_level,
                     generator=sde_gen,
+                    keep_outputs=self.cfg.backward.reuse_rollout,
                 )
             )
         traj = Trajectory(
@@ -215,6 +216,7 @@ class Trainer:
             torch.cat([c.log_probs for c in chunks], dim=1),
             chunks[0].sigmas,
             chunks[0].kinds,
+            torch.cat([c.outputs for c in chunks], dim=1) if self.cfg.backward.reuse_rollout else None,
         )
         trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()
@@ -233,16 +235,20 @@ class Trainer:
         return Rollout(prompts, cond, traj, trained, rewards, scores, adv, timing)
 
     # ------------------------------------------------------------------ update
+    @staticmethod
+    def _trained(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Tensor:
+        """(S[+1], n, ...) per-step rollout tensor -> (T, b, ...) at each sample's trained steps (+ offset)."""
+        cols = torch.arange(steps.shape[0])[None, :]  # (1, b)
+        return per_step[:, idx][steps.T + offset, cols]
+
     def _step_loss(self, ro: Rollout, idx: slice, steps: Tensor, scale: float, ppo_log: list):
         """``step_loss(i, v)`` for the i-th trained step of the micro-batch ``idx`` (samples x steps)."""
         a = self.cfg.algorithm
-        cols = torch.arange(steps.shape[0])[None, :]  # (1, b)
-        rows = steps.T  # (T, b)
-        lat = ro.traj.latents[:, idx]  # (S + 1, b, ...)
-        x, x_next = lat[rows, cols], lat[rows + 1, cols]  # (T, b, ...)
+        lat = ro.traj.latents
+        x, x_next = self._trained(lat, idx, steps), self._trained(lat, idx, steps, offset=1)  # (T, b, ...)
         sig = self.sigmas.to(self.device)
-        s, s_next = sig[rows], sig[rows + 1]  # (T, b)
-        old_lp = ro.traj.log_probs[:, idx][rows, cols]  # (T, b)
+        s, s_next = sig[steps.T], sig[steps.T + 1]  # (T, b)
+        old_lp = self._trained(ro.traj.log_probs, idx, steps)  # (T, b)
         adv = ro.advantages[idx].to(self.device)
         ref_velocity = self.velocity(ro.cond.select(idx), self.reference) if self.reference else None
 
@@ -272,6 +278,11 @@ class Trainer:
         """Backward over every micro-batch with the configured strategy; optimizer step every grad_accum.
 
         ``backward`` overrides ``cfg.backward`` (used by the side-by-side timing driver).
+
+        Stored outputs (``backward.reuse_rollout``): until the iteration's first optimizer step the weights are
+        the rollout's and the micro-batches are the rollout's, so the rollout's model outputs are exactly what
+        a forward would recompute; the strategy then takes its intermediate signals from them (no forward).
+        After the first optimizer step nothing stored is read.
         """
         t, b = self.cfg.train, backward or self.cfg.backward
         n = len(ro.prompts)
@@ -285,6 +296,7 @@ class Trainer:
             steps = ro.trained[idx]  # (b, T)
             scale = 1.0 / (t.grad_accum * steps.shape[1])
             x, s, step_loss = self._step_loss(ro, idx, steps, scale, ppo_log)
+            reuse = b.reuse_rollout and stepped == 0 and ro.traj.outputs is not None
             stats = trajectory_backward(
                 self.velocity(ro.cond.select(idx)),
                 x,
@@ -293,6 +305,8 @@ class Trainer:
                 strategy=b.strategy,
                 group_size=b.group_size,
                 jagg_frac=b.jagg_frac,
+                endpoints=b.endpoints,
+                outputs=self._trained(ro.traj.outputs, idx, steps).to(self.device) if reuse else None,
             )
             total = stats if total is None else total.merge(stats)
             if stepped == 0:
@@ -322,7 +336,10 @@ class Trainer:
             "skipped_steps": skipped,
             "forward_passes": total.forward_passes,
             "forward_passes_with_grad": total.forward_passes_with_grad,
+            "forward_calls": total.forward_calls,
+            "forwards_skipped": total.forwards_skipped,
             "backward_passes": total.backward_passes,
+            "backward_graphs": total.backward_graphs,
             "backward_calls": total.backward_calls,
             "backward_passes_per_sample": total.backward_passes / n * t.train_batch_size,
             "time_forward_s": total.time_forward_s,

@@ -40,6 +40,10 @@ class TextCond:
         """Move to ``device``; cast floating fields to ``dtype`` (masks keep their dtype)."""
         return self._map(lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None))
 
+    def tile(self, k: int) -> TextCond:
+        """Every field stacked ``k`` times along the batch: rows [cond; cond; ...] (k * B rows)."""
+        return self if k == 1 else self._map(lambda t: torch.cat([t] * k))
+
     @property
     def batch_size(self) -> int:
         return self.embeds.shape[0]
@@ -85,8 +89,18 @@ class Backbone(nn.Module):
         return self.transformer.config.in_channels // 4
 
     def velocity(self, z: Tensor, t: Tensor | float, cond: TextCond) -> Tensor:
-        """Model output v(z, t | cond) in z's layout (B, C, H, W). ``t`` is sigma in [0, 1], scalar or (B,)."""
+        """Model output v(z, t | cond) in z's layout (B, C, H, W). ``t`` is sigma in [0, 1], scalar or (B,).
+
+        ``z`` may hold k * B rows for a conditioning of B rows (the batched JAGG endpoint forward stacks
+        [z_0; z_{W-1}]); the conditioning is then tiled k times.
+        """
         b, _, h, w = z.shape
+        if b != cond.batch_size:
+            if b % cond.batch_size:
+                raise ValueError(
+                    f"latent batch {b} is not a multiple of the conditioning batch {cond.batch_size}"
+                )
+            cond = cond.tile(b // cond.batch_size)
         param = next(self.transformer.parameters())
         timestep = torch.as_tensor(t, dtype=param.dtype, device=z.device).expand(b)
         out = self._forward_tokens(pack_2x2(z.to(param.dtype)), timestep, cond, h, w)
