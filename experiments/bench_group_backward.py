@@ -1,9 +1,13 @@
-"""Benchmark: one group's backward, exact vs JAGG, on Flux- and Qwen-Image-architecture backbones.
+"""Benchmark: one group's backward, exact vs every JAGG endpoint mode, with and without stored outputs.
 
-For each backbone and W, the strategies run interleaved (alternating order) on the same group and the median
-wall time is reported, with the speed-up predicted by pass counting from separately measured per-pass costs:
-    exact = W (F_grad + B),   jagg = 2 F_grad + (W - 2) F_nograd + 2 B + W P
-(F_grad / F_nograd: forward with / without autograd, B: one graph's backward, P: the per-step proxy signal).
+For each backbone and W, the variants (``VARIANTS``) run interleaved (rotating order) on the same group and the
+median wall time is reported, with the speed-up predicted by pass counting (the cost model
+``jagg.engine.strategies.group_cost``) from separately measured per-pass costs:
+    time = F_grad * forwards with grad + F_nograd * forwards without grad + B * backward passes + W * P
+(F_grad / F_nograd: forward of B samples with / without autograd, B: one B-sample graph's backward, P: the
+per-step proxy signal; a batched endpoint forward of 2B samples counts as 2 forward passes). Also reported:
+the peak bytes autograd saves for backward (``SavedActivationMeter``), relative to exact.
+"Stored" variants take the intermediate outputs from the rollout (computed once, untimed, as a rollout does).
 
     python experiments/bench_group_backward.py --out results/bench_group_backward.csv [--quick]
 """
@@ -19,8 +23,9 @@ import torch
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import clipped_ppo_loss
+from jagg.engine.profiling import SavedActivationMeter
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
-from jagg.engine.strategies import group_backward
+from jagg.engine.strategies import group_backward, group_cost
 from jagg.models import TextCond, build_tiny_backbone
 
 # A small but compute-bound size: ~0.6M parameters, 64 image tokens (16x16 latent of 16 channels).
@@ -34,6 +39,21 @@ BENCH_SIZES = {
     ),
     "qwenimage": dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12, 12)),
 }
+# (strategy, endpoint mode, stored outputs): the exact baseline, the paper-literal JAGG (joint, forwards every
+# step), and the other modes. The default of this repository is ("jagg", "batched", True).
+VARIANTS = [
+    ("exact", "", False),
+    ("jagg", "joint", False),
+    ("jagg", "joint", True),
+    ("jagg", "batched", False),
+    ("jagg", "batched", True),
+    ("jagg", "sequential", False),
+    ("jagg", "sequential", True),
+]
+
+
+def variant_name(v: tuple[str, str, bool]) -> str:
+    return "exact" if v[0] == "exact" else f"{v[0]}/{v[1]}{'+stored' if v[2] else ''}"
 
 
 def make_group(name: str, w: int, batch: int, size: int, seed: int):
@@ -102,42 +122,68 @@ def per_pass_costs(bb, velocity, latents, sigmas, step_loss, repeats: int) -> di
 
 def bench_one(name: str, w: int, repeats: int, batch: int, size: int, seed: int) -> list[dict]:
     bb, velocity, latents, sigmas, step_loss = make_group(name, w, batch, size, seed)
-    strategies = ("exact", "jagg")
-    for s in strategies:  # warm-up (allocator, lazy init)
-        group_backward(velocity, latents, sigmas, step_loss, s)
-    times = {s: [] for s in strategies}
-    stats = {}
+    with torch.no_grad():  # what the rollout keeps (untimed)
+        outputs = torch.stack([velocity(latents[j], sigmas[j]) for j in range(w)])
+
+    def run(v):
+        strategy, endpoints, stored = v
+        kw = dict(endpoints=endpoints or "batched", outputs=outputs if stored else None)
+        return group_backward(velocity, latents, sigmas, step_loss, strategy, **kw)
+
+    for v in VARIANTS:  # warm-up (allocator, lazy init)
+        run(v)
+    times = {v: [] for v in VARIANTS}
+    stats, peak = {}, {}
     for r in range(repeats):
-        for s in strategies if r % 2 == 0 else strategies[::-1]:
+        k = r % len(VARIANTS)
+        for v in VARIANTS[k:] + VARIANTS[:k]:
             bb.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            stats[s] = group_backward(velocity, latents, sigmas, step_loss, s)
-            times[s].append(time.perf_counter() - t0)
+            stats[v] = run(v)
+            times[v].append(time.perf_counter() - t0)
+    for v in VARIANTS:
+        bb.zero_grad(set_to_none=True)
+        with SavedActivationMeter() as meter:
+            run(v)
+        peak[v] = meter.peak_bytes
     c = per_pass_costs(bb, velocity, latents, sigmas, step_loss, repeats)
-    ideal = {
-        "exact": w * (c["f_grad"] + c["bwd"] + c["proxy"]),
-        "jagg": 2 * c["f_grad"] + (w - 2) * c["f_nograd"] + 2 * c["bwd"] + w * c["proxy"],
-    }
-    med = {s: statistics.median(times[s]) for s in strategies}
+    ideal = {}
+    for v in VARIANTS:
+        cost = group_cost(w, v[0], v[1] or "batched", reuse_outputs=v[2])
+        no_grad = cost.forward_passes - cost.forward_passes_with_grad
+        ideal[v] = (
+            cost.forward_passes_with_grad * c["f_grad"]
+            + no_grad * c["f_nograd"]
+            + cost.backward_passes * c["bwd"]
+            + w * c["proxy"]
+        )
+    exact = VARIANTS[0]
+    med = {v: statistics.median(times[v]) for v in VARIANTS}
     rows = []
-    for s in strategies:
-        speedup, ideal_speedup = med["exact"] / med[s], ideal["exact"] / ideal[s]
+    for v in VARIANTS:
+        speedup, ideal_speedup = med[exact] / med[v], ideal[exact] / ideal[v]
         rows.append(
             dict(
                 backbone=name,
                 W=w,
-                strategy=s,
+                variant=variant_name(v),
+                strategy=v[0],
+                endpoints=v[1],
+                stored_outputs=v[2],
                 batch=batch,
                 latent=f"16x{size}x{size}",
                 params=sum(p.numel() for p in bb.parameters()),
-                forward_passes=stats[s].forward_passes,
-                forward_passes_with_grad=stats[s].forward_passes_with_grad,
-                backward_passes=stats[s].backward_passes,
-                backward_calls=stats[s].backward_calls,
-                median_ms=1e3 * med[s],
+                forward_passes=stats[v].forward_passes,
+                forward_passes_with_grad=stats[v].forward_passes_with_grad,
+                forward_calls=stats[v].forward_calls,
+                backward_passes=stats[v].backward_passes,
+                backward_calls=stats[v].backward_calls,
+                median_ms=1e3 * med[v],
                 speedup=speedup,
                 ideal_speedup=ideal_speedup,
                 measured_over_ideal=speedup / ideal_speedup,
+                peak_saved_mb=peak[v] / 2**20,
+                peak_saved_vs_exact=peak[v] / peak[exact],
                 fwd_grad_ms=1e3 * c["f_grad"],
                 fwd_nograd_ms=1e3 * c["f_nograd"],
                 bwd_ms=1e3 * c["bwd"],
@@ -149,21 +195,30 @@ def bench_one(name: str, w: int, repeats: int, batch: int, size: int, seed: int)
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
-    head = "| backbone | W | strategy | fwd (grad) | bwd passes | bwd calls | median ms | speed-up | ideal | measured/ideal |"
+    head = (
+        "| backbone | W | variant | fwd passes (grad) | fwd calls | bwd passes | bwd calls | median ms "
+        "| speed-up | ideal | measured/ideal | saved activations vs exact |"
+    )
     lines = [
-        "# One-group backward: exact vs JAGG",
+        "# One-group backward: exact vs JAGG endpoint modes, with and without stored outputs",
         "",
         f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}, seed {meta['seed']}.",
         f"Command: `{meta['command']}`",
+        "",
+        "`jagg/joint` = the paper's recipe (every step forwarded, two endpoint graphs, one joint backward);",
+        "`batched` = one forward over both endpoints (2B samples); `sequential` = one graph alive at a time;",
+        "`+stored` = intermediate outputs from the rollout (no forward). Ideal = pass counting (`group_cost`)",
+        "with per-pass costs measured separately; passes are in units of one B-sample evaluation.",
         "",
         head,
         "|---" * (head.count("|") - 1) + "|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['backbone']} | {r['W']} | {r['strategy']} | {r['forward_passes']} ({r['forward_passes_with_grad']}) "
-            f"| {r['backward_passes']} | {r['backward_calls']} | {r['median_ms']:.1f} | {r['speedup']:.2f}x "
-            f"| {r['ideal_speedup']:.2f}x | {r['measured_over_ideal']:.2f} |"
+            f"| {r['backbone']} | {r['W']} | {r['variant']} | {r['forward_passes']} ({r['forward_passes_with_grad']}) "
+            f"| {r['forward_calls']} | {r['backward_passes']} | {r['backward_calls']} | {r['median_ms']:.1f} "
+            f"| {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | {r['measured_over_ideal']:.2f} "
+            f"| {r['peak_saved_vs_exact']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

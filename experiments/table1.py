@@ -23,6 +23,7 @@ from pathlib import Path
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.config import BackwardConfig, load_config
 from jagg.engine.profiling import SavedActivationMeter
+from jagg.engine.strategies import GroupCost, trajectory_cost
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
 
@@ -81,13 +82,25 @@ QUICK = [
 ]
 
 
-def strategies_for(cfg) -> list[BackwardConfig]:
-    b = cfg.backward
-    return [
-        BackwardConfig("exact", b.group_size, b.jagg_frac),
-        BackwardConfig("jagg", b.group_size, b.jagg_frac),
-        BackwardConfig("endpoints", b.group_size, b.jagg_frac),
+def strategies_for(cfg, algo: str) -> list[BackwardConfig]:
+    """Exact, the paper-literal JAGG (joint endpoints, every step forwarded), this repository's default
+    (batched endpoints + stored rollout outputs), the other modes, the endpoints ablation; and for DanceGRPO
+    the same JAGG pair at W = 4, the group size the paper's per-step numbers fit (see the README)."""
+    w, f = cfg.backward.group_size, cfg.backward.jagg_frac
+    rows = [
+        BackwardConfig("exact", w, f),
+        BackwardConfig("jagg", w, f, endpoints="joint", reuse_rollout=False),
+        BackwardConfig("jagg", w, f, endpoints="batched", reuse_rollout=True),
+        BackwardConfig("jagg", w, f, endpoints="batched", reuse_rollout=False),
+        BackwardConfig("jagg", w, f, endpoints="sequential", reuse_rollout=True),
+        BackwardConfig("endpoints", w, f, endpoints="batched", reuse_rollout=True),
     ]
+    if algo == "dancegrpo":
+        rows += [
+            BackwardConfig("jagg", 4, f, endpoints="joint", reuse_rollout=False),
+            BackwardConfig("jagg", 4, f, endpoints="batched", reuse_rollout=True),
+        ]
+    return rows
 
 
 def time_strategies(
@@ -103,12 +116,38 @@ def time_strategies(
             t0 = time.perf_counter()
             upd = trainer.update(ro, s)
             upd["time_update_s"] = time.perf_counter() - t0
-            rows[s_key(s)].append({**ro.timing, **upd, "n": len(ro.prompts)})
+            rows[s_key(s)].append({**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]})
     return rows
 
 
 def s_key(s: BackwardConfig) -> str:
-    return f"{s.strategy}/W{s.group_size}/f{s.jagg_frac:g}"
+    return f"{s.strategy}/W{s.group_size}/f{s.jagg_frac:g}/{mode_of(s)}"
+
+
+def mode_of(s: BackwardConfig) -> str:
+    """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused."""
+    return "-" if s.strategy == "exact" else s.endpoints + ("+stored" if s.reuse_rollout else "")
+
+
+def update_cost(trainer: Trainer, s: BackwardConfig, row: dict) -> GroupCost:
+    """The cost model's counts for one update (every micro-batch; stored outputs only before the first
+    optimizer step), checked against what the update measured."""
+    t = trainer.cfg.train
+    n_micro = -(-row["n"] // t.train_batch_size)
+    route = dict(strategy=s.strategy, group_size=s.group_size, jagg_frac=s.jagg_frac, endpoints=s.endpoints)
+    costs = [
+        trajectory_cost(row["T"], **route, reuse_outputs=s.reuse_rollout and k < t.grad_accum)
+        for k in range(n_micro)
+    ]
+    total = costs[0]
+    for c in costs[1:]:
+        total = total + c
+    for k in ("forward_passes", "forward_passes_with_grad", "backward_passes", "backward_calls"):
+        if getattr(total, k) != row[k]:
+            raise AssertionError(
+                f"{s_key(s)}: cost model {k}={getattr(total, k)} but the update did {row[k]}"
+            )
+    return total
 
 
 def peak_activation_mb(trainer: Trainer, s: BackwardConfig) -> float:
@@ -138,9 +177,10 @@ def summarise(
     out = []
     for s in strategies:
         key, r = s_key(s), rows[s_key(s)][0]
-        n_nograd = r["forward_passes"] - r["forward_passes_with_grad"]
+        cost = update_cost(trainer, s, r)
+        n_nograd = cost.forward_passes - cost.forward_passes_with_grad
         ideal_update = (
-            other + r["forward_passes_with_grad"] * f_grad + n_nograd * f_nograd + r["backward_passes"] * bwd
+            other + cost.forward_passes_with_grad * f_grad + n_nograd * f_nograd + cost.backward_passes * bwd
         )
         upd, upd_exact = med(key, "time_update_s"), med(exact, "time_update_s")
         it_s = rollout + upd
@@ -151,6 +191,7 @@ def summarise(
                 backbone=setup[0],
                 algorithm=setup[1],
                 strategy=s.strategy,
+                mode=mode_of(s),
                 W=s.group_size,
                 jagg_frac=s.jagg_frac,
                 iter_s=it_s,
@@ -168,7 +209,7 @@ def summarise(
                 ideal_reduction_iter_pct=100 * (upd_exact - ideal_update) / it_exact,
                 measured_over_ideal=(red_update / ideal_red_update) if ideal_red_update > 0 else float("nan"),
                 paper=PAPER.get(setup, "")
-                if (s.strategy, s.group_size, s.jagg_frac) == ("jagg",) + default
+                if s.strategy == "jagg" and mode_of(s) == "joint" and s.jagg_frac == default[1]
                 else "",
                 iterations=len(rows[key]),
             )
@@ -181,6 +222,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         ("backbone", "{}"),
         ("algorithm", "{}"),
         ("strategy", "{}"),
+        ("mode", "{}"),
         ("W", "{}"),
         ("jagg_frac", "{:g}"),
         ("iter_s", "{:.2f}"),
@@ -213,7 +255,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
 
 def to_latex(rows: list[dict]) -> str:
     body = [
-        f"{r['backbone']} & {r['algorithm'].replace('_', '-')} & {r['strategy']} & {r['iter_s']:.2f} & "
+        f"{r['backbone']} & {r['algorithm'].replace('_', '-')} & {r['strategy']} {r['mode']} W{r['W']} & {r['iter_s']:.2f} & "
         f"{r['update_s']:.2f} & {r['bwd_per_sample']:g} & {r['reduction_iter_pct']:+.1f}\\% & "
         f"{r['reduction_update_pct']:+.1f}\\% & {r['ideal_reduction_update_pct']:+.1f}\\% \\\\"
         for r in rows
@@ -252,10 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         cfg = load_config(f"configs/{args.scale}/{backbone}_{algo}.yaml", timing + extra)
         trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
-        strategies = strategies_for(cfg)
+        strategies = strategies_for(cfg, algo)
         timed = time_strategies(trainer, strategies, args.iterations)
         rows += summarise((backbone, algo), trainer, timed, strategies)
-        print(to_markdown(rows[-3:], _meta(args, argv, cfg)).split("\n", 6)[-1], flush=True)
+        print(to_markdown(rows[-len(strategies) :], _meta(args, argv, cfg)).split("\n", 6)[-1], flush=True)
         if (backbone, algo) == SETUPS[0]:
             sweep = sweep_strategies(cfg)
             timed = time_strategies(trainer, sweep, args.sweep_iterations)
@@ -295,7 +337,7 @@ def plot(rows: list[dict], png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["strategy"] != "exact"]
-    labels = [f"{r['backbone']}\n{r['algorithm']}\n{r['strategy']}" for r in rows]
+    labels = [f"{r['backbone']}\n{r['algorithm']}\n{r['strategy']} W{r['W']}\n{r['mode']}" for r in rows]
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 3.8))
     ax.bar([i - 0.2 for i in x], [r["reduction_update_pct"] for r in rows], 0.4, label="measured")

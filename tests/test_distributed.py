@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -55,35 +57,81 @@ def _problem():
     return model, group
 
 
+# (strategy, endpoint mode, stored outputs): exact, the paper-literal JAGG, and the two new modes (stored outputs:
+# the rollout's intermediate outputs, so only the endpoint forwards run).
+VARIANTS = [
+    ("exact", "batched", False),
+    ("jagg", "joint", False),
+    ("jagg", "batched", True),
+    ("jagg", "sequential", True),
+]
+
+
+def key_of(strategy: str, endpoints: str, stored: bool, rab: bool) -> str:
+    return f"{strategy}/{endpoints}/stored={stored}/reshard_after_backward={rab}"
+
+
+@contextmanager
+def count_post_backward():
+    """Calls of FSDP2's per-unit post-backward (torch-private; test only). More than one call per unit in a
+    single backward means the unit's gradient was computed in pieces and held unsharded in between."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+
+    calls: Counter = Counter()
+    original = fsdp_group.FSDPParamGroup.post_backward
+
+    def counted(self, *args, **kwargs):
+        calls[id(self)] += 1
+        return original(self, *args, **kwargs)
+
+    fsdp_group.FSDPParamGroup.post_backward = counted
+    try:
+        yield calls
+    finally:
+        fsdp_group.FSDPParamGroup.post_backward = original
+
+
+def _outputs(velocity, lat, sig):
+    with torch.no_grad():
+        return torch.stack([velocity(lat[j], sig[j]) for j in range(lat.shape[0])])
+
+
 def fsdp_worker(rank: int, out_dir: str) -> None:
     """One rank (run by ``dist_harness.run_ranks``, which owns the process group)."""
     from jagg.engine.strategies import group_backward
     from jagg.scale.distributed import CollectiveCounter, fsdp_units, full_grads, shard_backbone
 
-    model, group = _problem()
     rows = list(range(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD))
     result = {}
-    for strategy in ("jagg", "exact"):
+    for strategy, endpoints, stored in VARIANTS:
         # single-process reference on the global batch
-        ref, _ = _problem()
+        ref, group = _problem()
         lat, sig, cond, loss = group(list(range(B_GLOBAL)))
-        group_backward(ref.bind(cond), lat, sig, loss, strategy)
+        outputs = _outputs(ref.bind(cond), lat, sig) if stored else None
+        group_backward(ref.bind(cond), lat, sig, loss, strategy, endpoints=endpoints, outputs=outputs)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         for reshard_after_backward in (True, False):
-            sharded, _ = _problem()
+            sharded, group = _problem()
             shard_backbone(sharded)
             units = fsdp_units(sharded)
             for u in units:
                 u.set_reshard_after_backward(reshard_after_backward, recurse=False)
             lat, sig, cond, loss = group(rows)
-            with CollectiveCounter() as counts:
-                group_backward(sharded.bind(cond), lat, sig, loss, strategy)
+            velocity = sharded.bind(cond)
+            outputs = _outputs(velocity, lat, sig) if stored else None  # the rollout's, not counted
+            with CollectiveCounter() as counts, count_post_backward() as post:
+                group_backward(velocity, lat, sig, loss, strategy, endpoints=endpoints, outputs=outputs)
             grads = full_grads(sharded)
             diff = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
             scale = max(g.abs().max().item() for g in ref_grads.values())
-            key = f"{strategy}/reshard_after_backward={reshard_after_backward}"
-            result[key] = dict(counts=dict(counts), units=len(units), max_abs_diff=diff, max_abs_grad=scale)
-        torch.save(ref_grads, os.path.join(out_dir, f"ref_{strategy}_{rank}.pt"))
+            result[key_of(strategy, endpoints, stored, reshard_after_backward)] = dict(
+                counts=dict(counts),
+                units=len(units),
+                post_backward=sorted(post.values()),
+                max_abs_diff=diff,
+                max_abs_grad=scale,
+            )
+        torch.save(ref_grads, os.path.join(out_dir, f"ref_{strategy}_{endpoints}_{rank}.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -94,36 +142,46 @@ def fsdp_results(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)], out
 
 
-@pytest.mark.parametrize("strategy", ["jagg", "exact"])
-def test_fsdp_grads_equal_single_process(fsdp_results, strategy):
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1]}-stored{v[2]}")
+def test_fsdp_grads_equal_single_process(fsdp_results, variant):
     results, _ = fsdp_results
     for res in results:
         for rab in (True, False):
-            r = res[f"{strategy}/reshard_after_backward={rab}"]
-            assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["max_abs_grad"]), r
+            r = res[key_of(*variant, rab)]
+            assert r["max_abs_diff"] <= 1e-6 * max(1.0, r["max_abs_grad"]), r
 
 
-def test_jagg_reduce_scatters_once_per_unit(fsdp_results):
+def test_collectives_per_unit_and_mode(fsdp_results):
+    """Per sharded unit and group (reshard after forward and backward, W = 4):
+    exact        W all-gathers in forward + W in backward, W reduce-scatters;
+    jagg/joint   (the paper's recipe) one reduce-scatter, but two post-backward calls per block: autograd
+                 finishes the later endpoint's graph first and that gradient waits unsharded for the other;
+    jagg/batched one all-gather in forward, one in backward, one reduce-scatter, one post-backward;
+    jagg/sequential two of each (one graph alive at a time: the memory-lean trade-off)."""
     results, _ = fsdp_results
     for res in results:
-        j, e = res["jagg/reshard_after_backward=True"], res["exact/reshard_after_backward=True"]
-        units = j["units"]
+        r = {v: res[key_of(*v, True)] for v in VARIANTS}
+        units = r[VARIANTS[0]]["units"]
         assert units == 5  # tiny Flux: 2 double-stream + 2 single-stream blocks + root
-        assert j["counts"]["reduce_scatter_single"] == units
-        assert e["counts"]["reduce_scatter_single"] == W * units
-        assert "all_reduce" not in j["counts"] and "all_reduce" not in e["counts"]
-        # All-gathers (torch 2.14: jagg 29, exact 40; with set_reshard_after_backward(False) 25 and 25):
-        # every forward gathers each unit; JAGG re-gathers for 1 backward, exact for W.
-        ag = {k: v["counts"]["all_gather_single"] for k, v in res.items()}
-        assert ag["jagg/reshard_after_backward=True"] < ag["exact/reshard_after_backward=True"]
-        for s in ("jagg", "exact"):
-            assert ag[f"{s}/reshard_after_backward=False"] < ag[f"{s}/reshard_after_backward=True"]
+        rs = {v: x["counts"]["reduce_scatter_single"] for v, x in r.items()}
+        ag = {v: x["counts"]["all_gather_single"] for v, x in r.items()}
+        post = {v: x["post_backward"] for v, x in r.items()}
+        exact, joint, batched, sequential = VARIANTS
+        assert all("all_reduce" not in x["counts"] for x in r.values())
+        assert rs[exact] == W * units and ag[exact] == 2 * W * units
+        assert rs[joint] == units
+        assert max(post[joint]) == 2  # the held gradient
+        assert rs[batched] == units and ag[batched] == 2 * units and post[batched] == [1] * units
+        assert rs[sequential] == 2 * units and ag[sequential] == 4 * units
+        # keeping units unsharded after backward trades memory for fewer all-gathers
+        for v in VARIANTS:
+            assert res[key_of(*v, False)]["counts"]["all_gather_single"] <= ag[v]
 
 
 def test_jagg_differs_from_exact(fsdp_results):
     """Non-trivial check: W = 4 on a non-linear model, JAGG is an approximation (cosine < 1 but > 0)."""
     _, out = fsdp_results
-    a, b = torch.load(out / "ref_jagg_0.pt"), torch.load(out / "ref_exact_0.pt")
+    a, b = torch.load(out / "ref_jagg_joint_0.pt"), torch.load(out / "ref_exact_batched_0.pt")
     va, vb = torch.cat([g.flatten() for g in a.values()]), torch.cat([g.flatten() for g in b.values()])
     cos = torch.nn.functional.cosine_similarity(va, vb, dim=0).item()
     assert 0 < cos < 1 - 1e-6

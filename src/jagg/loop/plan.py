@@ -49,20 +49,6 @@ GIB = 2**30
 
 
 @dataclass
-class Passes:
-    """Transformer passes per sample over its trained steps (one update of one sample)."""
-
-    forwards: int = 0
-    forwards_with_grad: int = 0
-    backward_graphs: int = 0
-    backward_calls: int = 0
-
-    def add(self, other: Passes) -> None:
-        for k in vars(self):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-
-
-@dataclass
 class Plan:
     lines: list[str] = field(default_factory=list)
 
@@ -109,18 +95,6 @@ def meta_transformer(cfg: Config):
     return model, source
 
 
-def group_passes(size: int, strategy: str) -> Passes:
-    """Passes of one group of ``size`` steps: W forwards+backwards (exact) or the two-endpoint backward,
-    skipping forwards whose aggregation weights are all zero (as ``aggregated_backward`` does)."""
-    from jagg.engine.strategies import AGGREGATION_WEIGHTS
-
-    if strategy == "exact" or size == 1:
-        return Passes(size, size, size, size)
-    w = AGGREGATION_WEIGHTS[strategy](torch.linspace(1.0, 0.5, size, dtype=torch.float64))
-    needed = sum(1 for j in range(size) if j in (0, size - 1) or bool((w[j] != 0).any()))
-    return Passes(needed, 2, 2, 1)
-
-
 def trained_steps_per_sample(cfg: Config) -> int:
     """T: how many steps of one trajectory are trained (drawn once with a fixed generator)."""
     from jagg.engine.algorithms import ALGORITHMS
@@ -133,7 +107,7 @@ def trained_steps_per_sample(cfg: Config) -> int:
 
 def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     """The dry-run report for ``cfg`` on ``world_size`` ranks (see the module docstring)."""
-    from jagg.engine.strategies import plan_groups
+    from jagg.engine.strategies import ENDPOINT_MODES, plan_groups, trajectory_cost
 
     m, s, a, b, t = cfg.model, cfg.sampling, cfg.algorithm, cfg.backward, cfg.train
     p = Plan()
@@ -163,36 +137,63 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
 
     T = trained_steps_per_sample(cfg)
     groups = plan_groups(T, b.group_size, b.jagg_frac, b.strategy)
-    p.section(f"update (backward.strategy={b.strategy}, W={b.group_size}, jagg_frac={b.jagg_frac})")
+    p.section(
+        f"update (backward.strategy={b.strategy}, W={b.group_size}, jagg_frac={b.jagg_frac}, "
+        f"endpoints={b.endpoints}, reuse_rollout={b.reuse_rollout})"
+    )
     p.add("trained steps per sample", f"{T} of {s.num_steps}")
     for g, plan in enumerate(groups):
         p.add(f"group {g}", f"steps {list(plan.steps)} -> {plan.strategy}")
-    exact, ours = Passes(), Passes()
-    for plan in groups:
-        exact.add(group_passes(len(plan.steps), "exact"))
-        ours.add(group_passes(len(plan.steps), plan.strategy))
-    cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
-    p.add("passes per sample (exact)", _passes(exact, cfg_mult))
-    p.add(f"passes per sample ({b.strategy})", _passes(ours, cfg_mult))
-    p.add("backward passes saved", f"{1 - ours.backward_graphs / exact.backward_graphs:.0%}")
+    n_micro = max(1, t.prompts_per_iter * t.images_per_prompt // world_size // t.train_batch_size)
+    reused = min(n_micro, t.grad_accum) if b.reuse_rollout else 0
     p.add(
-        "grad reduce-scatters per FSDP unit",
-        f"{exact.backward_calls} (exact) -> {ours.backward_calls} ({b.strategy}) per micro-batch",
+        "stored rollout outputs used",
+        f"{reused} of {n_micro} micro-batches per iteration (before the 1st step)",
+    )
+    cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
+    route = dict(group_size=b.group_size, jagg_frac=b.jagg_frac)
+    exact = trajectory_cost(T, strategy="exact", **route)
+    p.section(
+        "cost per sample by endpoint mode (passes of one micro-batch; FSDP2 collectives per sharded unit;"
+        + (" x2 transformer calls with true CFG;" if cfg_mult > 1 else "")
+        + " * = configured)"
+    )
+    p.lines.append(
+        f"    {'mode':<26}{'forwards (grad)':>16}{'bwd passes':>11}{'bwd calls':>10}"
+        f"{'all-gathers':>12}{'reduce-scat.':>13}{'graphs alive':>13}"
+    )
+    rows = [("exact", exact, b.strategy == "exact")]
+    if b.strategy != "exact":
+        for mode in ENDPOINT_MODES:
+            for reuse in (False, True):
+                c = trajectory_cost(T, strategy=b.strategy, endpoints=mode, reuse_outputs=reuse, **route)
+                mark = mode == b.endpoints and reuse == (reused > 0)
+                rows.append((f"{b.strategy}/{mode}" + ("+stored" if reuse else ""), c, mark))
+    for name, c, mark in rows:
+        p.lines.append(
+            f"  {'*' if mark else ' '} {name:<26}{f'{c.forward_passes} ({c.forward_passes_with_grad})':>16}"
+            f"{c.backward_passes:>11}{c.backward_calls:>10}{c.all_gathers:>12}{c.reduce_scatters:>13}"
+            f"{c.graphs_alive:>13}"
+        )
+    ours = trajectory_cost(T, strategy=b.strategy, endpoints=b.endpoints, reuse_outputs=reused > 0, **route)
+    p.add("backward passes saved", f"{1 - ours.backward_passes / exact.backward_passes:.0%}")
+    p.add(
+        "update time saved (pass counting, bwd = 2 fwd)",
+        f"{1 - ours.time() / exact.time():.0%} with stored outputs, "
+        f"{1 - trajectory_cost(T, strategy=b.strategy, endpoints=b.endpoints, **route).time() / exact.time():.0%} without",
     )
     p.add("rollout forwards per sample", s.num_steps * cfg_mult)
-    _memory(p, cfg, world_size, graphs=2 if any(g.strategy != "exact" for g in groups) else 1)
+    _memory(
+        p,
+        cfg,
+        world_size,
+        graphs=ours.graphs_alive,
+        held_grad=b.strategy != "exact" and b.endpoints == "joint",
+    )
     return p
 
 
-def _passes(x: Passes, cfg_mult: int) -> str:
-    text = (
-        f"{x.forwards} forwards ({x.forwards_with_grad} with grad), {x.backward_graphs} backward graphs "
-        f"in {x.backward_calls} backward calls"
-    )
-    return text + (f"; x{cfg_mult} transformer calls (true CFG)" if cfg_mult > 1 else "")
-
-
-def _memory(p: Plan, cfg: Config, world_size: int, graphs: int) -> None:
+def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool) -> None:
     model, source = meta_transformer(cfg)
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
@@ -211,7 +212,12 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int) -> None:
     p.add("gradients (sharded)", f"{grads / GIB:.1f} GiB")
     p.add("AdamW state (sharded)", f"{adam / GIB:.1f} GiB" + (f" + EMA {ema / GIB:.1f} GiB" if ema else ""))
     p.add("unsharded blocks in flight", f"{gathered / GIB:.2f} GiB")
-    p.add("total before activations", f"{(params + grads + adam + ema + gathered) / GIB:.1f} GiB")
+    # joint endpoints under FSDP2: the later graph's gradient for a unit waits unsharded (autograd buffers) until
+    # the earlier graph reaches that unit; summed over the backward that is up to every trainable parameter.
+    held = n_train * compute if held_grad else 0
+    if held:
+        p.add("unsharded gradients held (joint)", f"up to {held / GIB:.1f} GiB (batched/sequential: 0)")
+    p.add("total before activations", f"{(params + grads + adam + ema + gathered + held) / GIB:.1f} GiB")
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
     s = cfg.sampling
     txt = cfg.model.max_sequence_length if cfg.model.backbone == "flux" else 64
@@ -221,6 +227,6 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int) -> None:
         "activations",
         f"~{per_graph / GIB:.2f} GiB per forward graph with gradient checkpointing (block inputs only; "
         f"{tokens} tokens x {hidden} x {len(blocks)} blocks x batch {t.train_batch_size}); the exact backward "
-        f"holds 1 graph at a time, this strategy up to {graphs} at once"
+        f"holds 1 graph at a time, the configured strategy and mode up to {graphs}"
         + ("" if cfg.model.gradient_checkpointing else "; without checkpointing ~10-20x more per graph"),
     )
