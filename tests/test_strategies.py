@@ -54,9 +54,14 @@ def stored_outputs(velocity, latents, sigmas):
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_exact_equals_plain_autograd(name):
+@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+def test_exact_equals_plain_autograd(name, endpoints):
+    """The exact strategy ignores the endpoint mode and stored outputs: it differentiates its own forwards."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, 4)
-    g_exact, stats = run("exact", module, velocity, latents, sigmas, step_loss)
+    outputs = stored_outputs(velocity, latents, sigmas) + 1.0  # deliberately wrong: must not be read
+    g_exact, stats = run(
+        "exact", module, velocity, latents, sigmas, step_loss, endpoints=endpoints, outputs=outputs
+    )
     module.zero_grad(set_to_none=True)
     total = sum(step_loss(j, velocity(latents[j], sigmas[j])) for j in range(4))
     params = list(module.parameters())
