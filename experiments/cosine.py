@@ -16,11 +16,13 @@ as the fraction of leading groups whose median JAGG cosine is at least a thresho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from jagg.common import (
+    SeedStream,
     atomic_write_text,
     command_line,
     markdown_table,
@@ -28,8 +30,8 @@ from jagg.common import (
     set_threads,
     write_table,
 )
-from jagg.config import load_config
-from jagg.engine.strategies import group_backward
+from jagg.config import TINY_RUN, load_config
+from jagg.engine.diagnostics import group_gradient_cosines
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
 
@@ -55,66 +57,52 @@ PINNED = [
     "optim.lr=1e-4",
     "train.grad_accum=1",
 ]
-CONFIGS: dict[tuple[str, str], dict] = {}  # resolved config per (backbone, setting), recorded in the metadata
-QUICK = [
-    "model.source=tiny",
-    "reward.weights={jpeg: 1.0}",
-    "reward.eval=[jpeg]",
-    "train.images_per_prompt=2",
-    "train.prompts_per_iter=2",
-    "train.train_batch_size=4",
-]
 
 
-def _flat_grad(params) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+def measurement_index(seed: int, w: int) -> int:
+    """Draw index of the measurement rollout for (seed, W) in the trainer's ``SeedStream.ROLLOUT`` stream.
+
+    Each setting has a fresh trainer, so these are the draws of its training iterations 2..9 (seed 0),
+    1002.. (seed 1), ...; the formula is the one the committed results were measured with.
+    """
+    return 1000 * seed + w
 
 
-def group_rows(trainer: Trainer, it: int, w: int, meta: dict) -> list[dict]:
+def group_rows(trainer: Trainer, index: int, w: int, meta: dict) -> list[dict]:
     """One rollout; per group of W consecutive steps: each strategy's gradient vs the exact one."""
-    ro = trainer.rollout(it)
+    ro = trainer.rollout(index)
     n_steps = len(trainer.sigmas) - 1
     steps = torch.arange(n_steps - 1).expand(len(ro.prompts), n_steps - 1)  # all steps but the last
-    x, s, step_loss = trainer._step_loss(ro, slice(None), steps, 1.0, [])
-    velocity = trainer.velocity(ro.cond)
-    rows = []
-    for g, start in enumerate(range(0, n_steps - 1, w)):
-        idx = list(range(start, min(start + w, n_steps - 1)))
-        if len(idx) < 2:
-            continue
-        grads = {}
-        for strategy in ("exact", *COMPARED):
-            trainer.backbone.zero_grad(set_to_none=True)
-            group_backward(velocity, x[idx], s[idx], lambda j, v, idx=idx: step_loss(idx[j], v), strategy)
-            grads[strategy] = _flat_grad(trainer.params).double()
-        ref = grads["exact"]
-        for strategy in COMPARED:
-            rows.append(
-                dict(
-                    **meta,
-                    W=w,
-                    group=g,
-                    group_len=len(idx),
-                    step_start=idx[0],
-                    sigma_start=float(trainer.sigmas[idx[0]]),
-                    sigma_end=float(trainer.sigmas[idx[-1]]),
-                    iteration=it,
-                    strategy=strategy,
-                    cosine=torch.nn.functional.cosine_similarity(grads[strategy], ref, dim=0).item(),
-                    rel_norm_err=((grads[strategy] - ref).norm() / ref.norm()).item(),
-                )
-            )
-    trainer.backbone.zero_grad(set_to_none=True)
-    return rows
+    loss = trainer.grpo_loss(ro, steps)
+    cosines = group_gradient_cosines(
+        trainer.velocity(ro.cond), loss.x, loss.sigma, loss, trainer.params, group_size=w, strategies=COMPARED
+    )
+    return [
+        dict(
+            **meta,
+            W=w,
+            group=c.group,
+            group_len=len(c.steps),
+            step_start=c.steps[0],
+            sigma_start=float(trainer.sigmas[c.steps[0]]),
+            sigma_end=float(trainer.sigmas[c.steps[-1]]),
+            iteration=index,
+            strategy=c.strategy,
+            cosine=c.cosine,
+            rel_norm_err=c.rel_norm_err,
+        )
+        for c in cosines
+    ]
 
 
 def rl_finetune(trainer: Trainer, iterations: int) -> None:
     """A short GRPO run (the config's strategy) so the after_rl setting measures a policy moved by RL."""
     for it in range(iterations):
-        trainer.update(trainer.rollout(50_000 + it))
+        trainer.update(trainer.rollout(it, SeedStream.FINETUNE))
 
 
-def measure(backbone: str, setting: str, args, extra: list[str]) -> list[dict]:
+def measure(backbone: str, setting: str, args, extra: list[str]) -> tuple[list[dict], dict]:
+    """Rows of one (backbone, setting) and its resolved config (recorded in the metadata)."""
     overrides, ws = SETTINGS[setting]
     cfg = load_config(
         "configs/world/flux_dancegrpo.yaml",
@@ -128,11 +116,12 @@ def measure(backbone: str, setting: str, args, extra: list[str]) -> list[dict]:
             *extra,
         ],
     )
-    trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/cosine"))
-    trainer.comp.train_prompts = trainer.comp.eval_prompts  # score held-out prompts
+    comp = build_components(cfg)
+    # Score held-out prompts: the rollouts (and the after_rl fine-tune) draw from the evaluation prompt set.
+    comp = dataclasses.replace(comp, train_prompts=comp.eval_prompts)
+    trainer = Trainer(cfg, comp, run_dir=Path("runs/cosine"))
     if setting == "after_rl":
         rl_finetune(trainer, args.rl_iterations)
-    CONFIGS[(backbone, setting)] = cfg.to_dict()
     rows = []
     for w in ws:
         for seed in range(args.seeds):
@@ -144,8 +133,8 @@ def measure(backbone: str, setting: str, args, extra: list[str]) -> list[dict]:
                 latent_size=cfg.sampling.latent_size,
                 seed=seed,
             )
-            rows += group_rows(trainer, 1000 * seed + w, w, meta)
-    return rows
+            rows += group_rows(trainer, measurement_index(seed, w), w, meta)
+    return rows, cfg.to_dict()
 
 
 def recommend(df, threshold: float, w: int = 3) -> dict[str, float]:
@@ -290,20 +279,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
     args = ap.parse_args(argv)
     set_threads(1)
-    extra = QUICK if args.quick else []
+    extra = list(TINY_RUN) if args.quick else []
     if args.quick:
         args.seeds, args.rl_iterations = 1, 1
-    rows = []
+    rows, configs = [], {}
     for backbone in BACKBONES:
         for setting in args.settings:
-            rows += measure(backbone, setting, args, extra)
+            new_rows, configs[f"{backbone}/{setting}"] = measure(backbone, setting, args, extra)
+            rows += new_rows
             print(f"{backbone} {setting}: {len(rows)} rows", flush=True)
     meta = run_metadata(
         command=command_line("experiments/cosine.py", argv),
         seeds=args.seeds,
         seed="per row",
         config=vars(args),
-        train_configs={f"{b}/{s}": c for (b, s), c in CONFIGS.items()},
+        train_configs=configs,
     )
     write_table(rows, args.out, meta)
     render(Path(args.out), Path(args.figure))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from jagg.common import command_line, run_metadata, set_threads, write_table
-from jagg.engine.grpo import clipped_ppo_loss
+from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import group_backward, t_weights
 
@@ -60,12 +60,17 @@ def group_error(gamma: float, kappa: float, w: int, seed: int, batch: int = 4) -
             )
             for j in range(w)
         ]
-
-    def step_loss(j, v):
-        lp = sde_step_with_logprob(
-            latents[j], v, sig[j], sig[j + 1], kind="dance", noise_level=0.3, prev_sample=steps[j].prev_sample
-        ).log_prob
-        return clipped_ppo_loss(lp, steps[j].log_prob, adv, clip_range=0.2)[0]
+    step_loss = GRPOStepLoss(  # on-policy: the stored samples and old log-probs are this model's
+        x=latents,
+        x_next=torch.stack([st.prev_sample for st in steps]),
+        sigma=sig[:w],
+        sigma_next=sig[1 : w + 1],
+        old_log_prob=torch.stack([st.log_prob for st in steps]),
+        advantages=adv,
+        kind="dance",
+        noise_level=0.3,
+        clip_range=0.2,
+    )
 
     grads = {}
     for strategy in ("exact", "jagg", "endpoints", "uniform"):

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from jagg.engine.grpo import clipped_ppo_loss
+from jagg.engine.grpo import GRPOStepLoss, clipped_ppo_loss, gaussian_mean_kl
 from jagg.engine.sde import sde_step_with_logprob
 from jagg.models import TextCond, build_tiny_backbone
 
@@ -70,7 +70,7 @@ def straight_path_latents(shape, sigmas, seed=0):
 
 
 def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grpo", noise=0.7, seed=0):
-    """A realistic step loss: clipped PPO on the SDE log-prob of a stored next sample.
+    """A realistic step loss: ``GRPOStepLoss`` (clipped PPO on the SDE log-prob of a stored next sample).
 
     The stored samples and old log-probs come from the current model (on-policy), the advantages are
     random; ``step_loss(j, v)`` is a differentiable function of step j's model output only.
@@ -93,12 +93,42 @@ def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grp
             stored.append(step.prev_sample)
             # perturb the old log-probs a little so that ratios differ from 1 but stay inside the clip
             old_lp.append(step.log_prob + 1e-3 * torch.randn(b, generator=g, dtype=torch.float64))
+    return GRPOStepLoss(
+        x=latents,
+        x_next=torch.stack(stored),
+        sigma=sigmas,
+        sigma_next=sigma_next,
+        old_log_prob=torch.stack(old_lp),
+        advantages=adv,
+        kind=kind,
+        noise_level=noise,
+        clip_range=0.2,
+    )
 
-    def step_loss(j, v):
-        lp = sde_step_with_logprob(
-            latents[j], v, sigmas[j], sigma_next[j], kind=kind, noise_level=noise, prev_sample=stored[j]
-        ).log_prob
-        return clipped_ppo_loss(lp, old_lp[j], adv, clip_range=0.2)[0]
+
+def previous_step_loss(x, x_next, s, s_next, old_lp, adv, a: dict, ref_velocity, scale, log):
+    """The per-step loss exactly as ``Trainer._step_loss`` wrote it before ``GRPOStepLoss`` existed: the
+    reference the tests hold ``GRPOStepLoss`` to, bit for bit. ``a``: kind, noise_level, clip_range, kl_beta."""
+
+    def step_loss(i, v):
+        step = sde_step_with_logprob(
+            x[i], v, s[i], s_next[i], kind=a["kind"], noise_level=a["noise_level"], prev_sample=x_next[i]
+        )
+        loss, stats = clipped_ppo_loss(step.log_prob, old_lp[i], adv, a["clip_range"])
+        if ref_velocity is not None:
+            with torch.no_grad():
+                ref = sde_step_with_logprob(
+                    x[i],
+                    ref_velocity(x[i], s[i]),
+                    s[i],
+                    s_next[i],
+                    kind=a["kind"],
+                    noise_level=a["noise_level"],
+                    prev_sample=x_next[i],
+                )
+            loss = loss + a["kl_beta"] * gaussian_mean_kl(step.mean, ref.mean, step.std).mean()
+        log.append((loss.item(), stats))
+        return loss * scale
 
     return step_loss
 

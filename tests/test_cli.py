@@ -9,20 +9,10 @@ import sys
 
 import pytest
 
-from jagg.config import load_config
+from jagg.config import TINY_RUN, load_config
 from jagg.train import main
 
-TINY = [
-    "model.source=tiny",
-    "reward.weights={jpeg: 1.0}",
-    "reward.eval=[jpeg]",
-    "train.iterations=1",
-    "train.prompts_per_iter=2",
-    "train.images_per_prompt=2",
-    "train.train_batch_size=4",
-    "sampling.num_steps=4",
-    "log.eval_every=0",
-]
+TINY = [*TINY_RUN, "sampling.num_steps=4"]
 
 
 @pytest.mark.parametrize(

@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from jagg.config import TINY_OVERRIDES
 
 WORLD = 2
 TINY = [
-    "model.source=tiny",
-    "reward.weights={jpeg: 1.0}",
-    "reward.eval=[jpeg]",
+    *TINY_OVERRIDES,
     "train.iterations=1",
     "train.prompts_per_iter=1",
     "train.images_per_prompt=4",  # one prompt group of 4 split 2 + 2 over the ranks

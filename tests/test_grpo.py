@@ -1,11 +1,25 @@
-"""Group advantages and the clipped PPO loss (docs/conventions.md)."""
+"""Group advantages, the clipped PPO loss and the per-step GRPO loss ``GRPOStepLoss`` (docs/conventions.md)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from jagg.engine.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
+from helpers import make_model, previous_step_loss
+from jagg.engine.grpo import GRPOStepLoss, clipped_ppo_loss, gaussian_mean_kl, group_advantages
+from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.models import Backbone, TextCond
+
+_g = torch.Generator().manual_seed(2)
+COND = {
+    3: TextCond(
+        embeds=torch.randn(3, 5, 32, generator=_g, dtype=torch.float64),
+        mask=torch.ones(3, 5, dtype=torch.long),
+        pooled=torch.randn(3, 32, generator=_g, dtype=torch.float64),
+    )
+}
 
 
 def test_group_advantages_are_normalised_per_prompt():
@@ -63,3 +77,91 @@ def test_ppo_clipping_stops_gradient_beyond_the_trust_region():
 def test_gaussian_mean_kl():
     mean, ref = torch.ones(2, 3), torch.zeros(2, 3)
     assert torch.allclose(gaussian_mean_kl(mean, ref, torch.tensor(2.0)), torch.full((2,), 1 / 8))
+
+
+# --------------------------------------------------------------------------- GRPOStepLoss
+def _problem(model_name: str, kind: str, dtype, t: int = 3, b: int = 3):
+    """A model, a frozen perturbed copy (the KL reference), and T trained steps per sample at per-sample
+    times (T, B), with stored next latents and slightly off-policy old log-probs."""
+    module, velocity, shape = make_model(model_name, batch=b, seed=1)
+    ref_module = copy.deepcopy(module).requires_grad_(False)
+    with torch.no_grad():
+        for p in ref_module.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    module, ref_module = module.to(dtype), ref_module.to(dtype)
+    if isinstance(module, Backbone):
+        velocity, ref_velocity = module.bind(COND[b]), ref_module.bind(COND[b])
+    else:
+        velocity, ref_velocity = module, ref_module
+    g = torch.Generator().manual_seed(3)
+    sig = shifted_linear_sigmas(6).to(dtype)
+    steps = torch.stack([torch.randperm(5, generator=g)[:t].sort().values for _ in range(b)])  # (B, T)
+    s, s_next = sig[steps.T], sig[steps.T + 1]  # (T, B)
+    x = torch.randn(t, *shape, generator=g, dtype=torch.float64).to(dtype)
+    x_next, old_lp = [], []
+    with torch.no_grad():
+        for i in range(t):
+            st = sde_step_with_logprob(
+                x[i], velocity(x[i], s[i]), s[i], s_next[i], kind=kind, noise_level=0.7, generator=g
+            )
+            x_next.append(st.prev_sample)
+            old_lp.append(st.log_prob + 1e-3 * torch.randn(b, generator=g, dtype=st.log_prob.dtype))
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    return module, velocity, ref_velocity, x, torch.stack(x_next), s, s_next, torch.stack(old_lp), adv
+
+
+@pytest.mark.parametrize("scale", [1.0, 1 / 6])
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1])
+@pytest.mark.parametrize("kind", ["dance", "flow_grpo", "cps"])
+@pytest.mark.parametrize(("model_name", "dtype"), [("mlp", torch.float32), ("flux", torch.float64)])
+def test_grpo_step_loss_equals_the_previous_trainer_formula_bit_for_bit(
+    model_name, dtype, kind, kl_beta, scale
+):
+    module, velocity, ref_velocity, x, x_next, s, s_next, old_lp, adv = _problem(model_name, kind, dtype)
+    ref_velocity = ref_velocity if kl_beta > 0 else None
+    a = dict(kind=kind, noise_level=0.7, clip_range=0.2, kl_beta=kl_beta)
+    new = GRPOStepLoss(x, x_next, s, s_next, old_lp, adv, kind, 0.7, 0.2, kl_beta, ref_velocity, scale)
+    old_log: list = []
+    old = previous_step_loss(x, x_next, s, s_next, old_lp, adv, a, ref_velocity, scale, old_log)
+    assert len(new) == x.shape[0]
+    for i in range(x.shape[0]):
+        losses, grads = [], []
+        for fn in (old, new):
+            module.zero_grad(set_to_none=True)
+            loss = fn(i, velocity(x[i], s[i]))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append(torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None]))
+        assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
+    assert [lo for lo, _ in new.log] == [lo for lo, _ in old_log]
+    assert [st for _, st in new.log] == [st for _, st in old_log]
+    if kl_beta > 0:  # the KL term is there: the loss differs from the KL-free one
+        plain = GRPOStepLoss(x, x_next, s, s_next, old_lp, adv, kind, 0.7, 0.2, scale=scale)
+        with torch.no_grad():
+            assert plain(0, velocity(x[0], s[0])) != new(0, velocity(x[0], s[0]))
+
+
+def test_grpo_step_loss_on_policy_ratios_are_one_and_kl_needs_a_reference():
+    module, velocity, _, x, _, s, s_next, _, adv = _problem("mlp", "dance", torch.float64)
+    with torch.no_grad():
+        steps = [
+            sde_step_with_logprob(x[i], velocity(x[i], s[i]), s[i], s_next[i], kind="dance", noise_level=0.7)
+            for i in range(x.shape[0])
+        ]
+    loss = GRPOStepLoss(
+        x,
+        torch.stack([st.prev_sample for st in steps]),
+        s,
+        s_next,
+        torch.stack([st.log_prob for st in steps]),
+        adv,
+        "dance",
+        0.7,
+        1e-4,
+    )
+    with torch.no_grad():
+        for i in range(len(loss)):
+            assert loss(i, velocity(x[i], s[i])).item() == pytest.approx(-adv.mean().item())
+    assert len(loss.log) == 3 and all(st.ratio_max_dev == 0.0 for _, st in loss.log)
+    with pytest.raises(ValueError, match="ref_velocity"):
+        GRPOStepLoss(x, x, s, s_next, adv, adv, "dance", 0.7, 0.2, kl_beta=0.1)

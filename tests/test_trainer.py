@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from jagg.config import load_config
+from helpers import previous_step_loss
+from jagg.common import SeedStream, generator
+from jagg.config import TINY_OVERRIDES, load_config
 from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES, trajectory_cost
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer, TrainingAborted
@@ -18,9 +20,7 @@ TIME_KEYS = ("time_", "peak_memory")
 
 def tiny_cfg(tmp_path, *overrides, config="configs/world/flux_dancegrpo.yaml"):
     base = [
-        "model.source=tiny",
-        "reward.weights={jpeg: 1.0}",
-        "reward.eval=[jpeg]",
+        *TINY_OVERRIDES,
         "train.iterations=2",
         "train.prompts_per_iter=2",
         "train.images_per_prompt=3",
@@ -250,3 +250,52 @@ def test_stored_outputs_are_read_before_the_first_optimizer_step_only(tmp_path):
     assert m_late["loss"] == m_ref["loss"]
     m_early, _ = run(True, slice(0, 3), "early")  # micro-batch 1: its signals come from the stored outputs
     assert m_early["skipped_steps"] == 1  # the NaN signals made the first update non-finite
+
+
+def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path):
+    """``Trainer.grpo_loss`` (the engine's ``GRPOStepLoss`` on a rollout's trained steps, KL reference on) gives
+    every step's loss and gradient exactly as the formula the trainer inlined before."""
+    trainer = make_trainer(tiny_cfg(tmp_path, "algorithm.kl_beta=0.1"))
+    ro = trainer.rollout(0)
+    idx = slice(3, 6)  # the second micro-batch
+    steps = ro.trained[idx]  # (b, T)
+    scale = 1 / (2 * steps.shape[1])
+    new = trainer.grpo_loss(ro, steps, idx, scale=scale)
+    cols = torch.arange(steps.shape[0])[None, :]
+    lat = ro.traj.latents[:, idx]
+    sig = trainer.sigmas
+    a = trainer.cfg.algorithm
+    old = previous_step_loss(
+        lat[steps.T, cols],
+        lat[steps.T + 1, cols],
+        sig[steps.T],
+        sig[steps.T + 1],
+        ro.traj.log_probs[:, idx][steps.T, cols],
+        ro.advantages[idx],
+        dict(kind=a.sde_kind, noise_level=a.noise_level, clip_range=a.clip_range, kl_beta=a.kl_beta),
+        trainer.velocity(ro.cond.select(idx), trainer.reference),
+        scale,
+        [],
+    )
+    velocity = trainer.velocity(ro.cond.select(idx))
+    assert len(new) == steps.shape[1] and new.kl_beta == 0.1
+    for i in range(len(new)):
+        out = []
+        for fn in (old, new):
+            trainer.optimizer.zero_grad(set_to_none=True)
+            loss = fn(i, velocity(new.x[i], new.sigma[i]))
+            loss.backward()
+            out.append((loss.detach(), torch.cat([p.grad.flatten() for p in trainer.params])))
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_named_seed_streams_keep_the_previous_seeds():
+    """``generator(seed, stream, index)`` seeds exactly what the drivers' magic offsets did."""
+    before = lambda seed, it: seed * 1_000_003 + it * 7919  # the former _iteration_generator(seed, it)
+    assert generator(3, SeedStream.ROLLOUT, 7).initial_seed() == before(3, 7)
+    assert generator(3, SeedStream.EVAL).initial_seed() == before(3, -1)
+    assert generator(0, SeedStream.WARMUP).initial_seed() == before(0, 10_000)  # table1 rollout(10_000)
+    assert generator(0, SeedStream.MEMORY).initial_seed() == before(0, 20_000)  # table1 rollout(20_000)
+    assert generator(1, SeedStream.FINETUNE, 4).initial_seed() == before(
+        1, 50_004
+    )  # cosine rollout(50_000 + it)

@@ -1,4 +1,5 @@
-"""Plumbing shared by the drivers: threads, run metadata (git SHA, versions, hardware), atomic writes."""
+"""Plumbing shared by the drivers: threads, named seed streams, run metadata (git SHA, versions, hardware),
+atomic writes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -16,6 +18,27 @@ import torch
 def set_threads(n: int = 1) -> None:
     """One torch thread per process by default (2-core machines: OpenMP spin-wait, docs/decisions.md)."""
     torch.set_num_threads(n)
+
+
+class SeedStream(IntEnum):
+    """The named streams of random draws of a run; ``generator(seed, stream, index)`` gives index ``index``.
+
+    A stream is a block of indices starting at its value (``generator`` seeds with
+    ``seed * 1_000_003 + (stream + index) * 7919``), so two streams never share a generator while indices stay
+    below the gap to the next stream (10_000). The values are the offsets the drivers used before the streams
+    were named, so every committed result keeps its seeds.
+    """
+
+    EVAL = -1  # held-out evaluation noise: index 0 only, the same draws at every evaluation
+    ROLLOUT = 0  # training rollouts, index = iteration: prompts, initial noise, SDE seeds, trained steps
+    WARMUP = 10_000  # a rollout whose update warms up the allocator and kernels before timing (table1)
+    MEMORY = 20_000  # the rollout whose update is measured for saved activations (table1)
+    FINETUNE = 50_000  # the short RL fine-tune that moves the policy before a measurement (cosine, after_rl)
+
+
+def generator(seed: int, stream: SeedStream, index: int = 0) -> torch.Generator:
+    """A fresh CPU generator for draw ``index`` of ``stream`` in a run seeded ``seed`` (same on every rank)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + (int(stream) + index) * 7919)
 
 
 def git_sha(short: bool = False) -> str:

@@ -30,6 +30,21 @@ from jagg.errors import ConfigError
 # (tests/test_architecture.py) checks that the two agree.
 BACKBONE_NAMES = ("flux", "qwenimage")
 
+# The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
+# config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
+# by the JPEG reward (the world rewards need the pretrained cache). TINY_RUN adds the smallest batch: one
+# iteration of 2 prompts x 2 images in one micro-batch, no evaluation. Later overrides win, so a caller appends
+# what it needs to differ, e.g. ``load_config(path, [*TINY_RUN, "sampling.num_steps=4"])``.
+TINY_OVERRIDES = ("model.source=tiny", "reward.weights={jpeg: 1.0}", "reward.eval=[jpeg]")
+TINY_RUN = (
+    *TINY_OVERRIDES,
+    "train.iterations=1",
+    "train.prompts_per_iter=2",
+    "train.images_per_prompt=2",
+    "train.train_batch_size=4",
+    "log.eval_every=0",
+)
+
 
 @dataclass
 class ModelConfig:

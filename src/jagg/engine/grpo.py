@@ -1,16 +1,21 @@
-"""GRPO pieces: group-relative advantages and the clipped PPO per-step loss (docs/conventions.md).
+"""GRPO pieces: group-relative advantages, the clipped PPO surrogate, KL, and THE per-step GRPO loss.
 
 Follows DanceGRPO (XueZeyue/DanceGRPO) and Flow-GRPO (yifan123/flow_grpo): advantages are normalised
 within the images of one prompt, clamped to [-clip, clip]; the per-step loss is the PPO clipped surrogate on
 the ratio of the per-step log-probs (means over elements, so ratios stay near 1 and the clip range is tiny).
+``GRPOStepLoss`` puts the pieces together for the trained steps of a micro-batch; the trainer, the experiments
+and the tests all use it (docs/conventions.md, docs/references.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from jagg.engine.sde import sde_step_with_logprob
 
 
 def group_advantages(
@@ -88,3 +93,74 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     KL(N(mu, s^2) || N(mu_ref, s^2)) = (mu - mu_ref)^2 / (2 s^2). Returns (B,).
     """
     return ((mean - ref_mean) ** 2 / (2 * std**2)).flatten(1).mean(dim=1)
+
+
+@dataclass
+class GRPOStepLoss:
+    """The per-step GRPO loss of T trained steps of a micro-batch of B trajectories: ``loss(i, v_i)``.
+
+    For the i-th trained step (input latent x_i at time sigma_i, stored next latent x_{i+1} at sigma_next_i)
+    and the model output v_i at (x_i, sigma_i), per sample b:
+
+        mu_i, std_i   = the SDE step's Gaussian (``sde_step_with_logprob(kind, noise_level)``)
+        logp_i[b]     = mean over elements of log N(x_{i+1}; mu_i, std_i^2)     (the stored sample's log-prob)
+        r_i[b]        = exp(logp_i[b] - old_log_prob[i, b])
+        L_i           = mean_b max(-A_b r_i[b], -A_b clip(r_i[b], 1 - eps, 1 + eps))
+                        + kl_beta * mean_b mean_elements (mu_i - mu_ref_i)^2 / (2 std_i^2)   (if ref_velocity)
+
+    and ``loss(i, v)`` returns ``scale * L_i`` (the trainer's scale is 1 / (grad_accum * T)). The KL reference
+    mean mu_ref_i comes from ``ref_velocity(x_i, sigma_i)`` without autograd. Every call appends
+    ``(L_i, PPOStats)`` (unscaled) to ``log``. The object is itself a ``StepLoss`` for
+    ``group_backward`` / ``trajectory_backward`` (``loss.x`` and ``loss.sigma`` are their latents and times).
+
+    Follows DanceGRPO ``fastvideo/train_grpo_flux.py`` (``grpo_one_step``: recompute the log-prob of the stored
+    next latent with ``flux_step``; the clipped loss in ``train_one_step``) and Flow-GRPO
+    ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py`` (``sde_step_with_logprob`` with ``prev_sample``) with
+    the clipped surrogate and KL of ``scripts/train_sd3.py`` / ``scripts/train_flux.py`` (docs/references.md
+    lists the deliberate differences).
+
+    Shapes: x, x_next (T, B, ...); sigma, sigma_next (T,) or per-sample (T, B); old_log_prob (T, B);
+    advantages (B,). ``kind`` / ``noise_level`` as in ``sde_step_with_logprob``; ``clip_range`` is eps.
+    """
+
+    x: Tensor
+    x_next: Tensor
+    sigma: Tensor
+    sigma_next: Tensor
+    old_log_prob: Tensor
+    advantages: Tensor
+    kind: str
+    noise_level: float
+    clip_range: float
+    kl_beta: float = 0.0
+    ref_velocity: Callable[[Tensor, Tensor], Tensor] | None = None
+    scale: float = 1.0
+    log: list[tuple[float, PPOStats]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kl_beta > 0 and self.ref_velocity is None:
+            raise ValueError("kl_beta > 0 needs ref_velocity (the reference model's velocity)")
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __call__(self, i: int, v: Tensor) -> Tensor:
+        x, s, s_next = self.x[i], self.sigma[i], self.sigma_next[i]
+        step = sde_step_with_logprob(
+            x, v, s, s_next, kind=self.kind, noise_level=self.noise_level, prev_sample=self.x_next[i]
+        )
+        loss, stats = clipped_ppo_loss(step.log_prob, self.old_log_prob[i], self.advantages, self.clip_range)
+        if self.ref_velocity is not None and self.kl_beta != 0:
+            with torch.no_grad():
+                ref = sde_step_with_logprob(
+                    x,
+                    self.ref_velocity(x, s),
+                    s,
+                    s_next,
+                    kind=self.kind,
+                    noise_level=self.noise_level,
+                    prev_sample=self.x_next[i],
+                )
+            loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, step.std).mean()
+        self.log.append((loss.item(), stats))
+        return loss if self.scale == 1.0 else loss * self.scale

@@ -6,11 +6,11 @@
     -> optimizer step every ``grad_accum`` micro-batches (grad-norm clip, non-finite updates skipped)
     -> metrics (JSONL), periodic held-out evaluation (ODE sampling, every eval reward), checkpoints.
 
-Follows the DanceGRPO / Flow-GRPO loops (docs/references.md): the per-step loss is the clipped PPO
-surrogate on the SDE log-prob of the stored next latent, scaled by 1 / (grad_accum * T). Rollouts and updates
-use the same micro-batches, so before the first optimizer step of an iteration every ratio is exactly 1.
-Every random draw of iteration ``it`` comes from a generator seeded by (seed, it), which makes a resumed run
-reproduce the uninterrupted one.
+Follows the DanceGRPO / Flow-GRPO loops (docs/references.md): the per-step loss (``GRPOStepLoss``, built by
+``Trainer.grpo_loss``) is the clipped PPO surrogate on the SDE log-prob of the stored next latent, scaled by
+1 / (grad_accum * T). Rollouts and updates use the same micro-batches, so before the first optimizer step of an
+iteration every ratio is exactly 1. Every random draw of iteration ``it`` comes from the generator (seed, ``SeedStream.ROLLOUT``, it)
+(``jagg.common.generator``), which makes a resumed run reproduce the uninterrupted one.
 
 Multi-process (torchrun, FSDP2): every rank draws the same prompts, noise, SDE windows and trained steps for the
 whole global batch and keeps its contiguous share (micro-batch k of the global batch is sampled with the SDE
@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg.common import atomic_write_text
+from jagg.common import SeedStream, atomic_write_text, generator
 from jagg.config import BackwardConfig, Config, validate_world_size
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.grpo import clipped_ppo_loss, gaussian_mean_kl, group_advantages
+from jagg.engine.grpo import GRPOStepLoss, group_advantages
 from jagg.engine.sampling import Trajectory, sample_trajectory
-from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats, trajectory_backward
 from jagg.loop.checkpoint import Progress, load_checkpoint, save_checkpoint
 from jagg.loop.grids import save_grid
@@ -75,8 +75,10 @@ class Rollout:
     timing: dict[str, float]  # time_sample_s, time_reward_s
 
 
-def _iteration_generator(seed: int, it: int, stream: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + it * 7919 + stream)
+def _at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Tensor:
+    """(S[+1], n, ...) per-step rollout tensor -> (T, b, ...) at each sample's trained steps (+ offset)."""
+    cols = torch.arange(steps.shape[0])[None, :]  # (1, b)
+    return per_step[:, idx][steps.T + offset, cols]
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -178,11 +180,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout
     @torch.no_grad()
-    def rollout(self, it: int) -> Rollout:
-        """Sample N = prompts x images trajectories in train micro-batches, score them, compute advantages."""
+    def rollout(self, it: int, stream: SeedStream = SeedStream.ROLLOUT) -> Rollout:
+        """Sample N = prompts x images trajectories in train micro-batches, score them, compute advantages.
+
+        Every draw (prompts, initial noise, SDE seeds, trained steps) comes from draw ``it`` of ``stream``:
+        training iteration ``it`` by default; drivers take extra rollouts from their own named stream.
+        """
         t_start = time.perf_counter()
         t, a = self.cfg.train, self.cfg.algorithm
-        gen = _iteration_generator(t.seed, it)  # identical draws on every rank
+        gen = generator(t.seed, stream, it)  # identical draws on every rank
         picks = torch.randint(len(self.comp.train_prompts), (t.prompts_per_iter,), generator=gen)
         all_prompts = [self.comp.train_prompts[i] for i in picks for _ in range(t.images_per_prompt)]
         group_ids = torch.arange(t.prompts_per_iter).repeat_interleave(t.images_per_prompt)
@@ -235,44 +241,39 @@ class Trainer:
         return Rollout(prompts, cond, traj, trained, rewards, scores, adv, timing)
 
     # ------------------------------------------------------------------ update
-    @staticmethod
-    def _trained(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Tensor:
-        """(S[+1], n, ...) per-step rollout tensor -> (T, b, ...) at each sample's trained steps (+ offset)."""
-        cols = torch.arange(steps.shape[0])[None, :]  # (1, b)
-        return per_step[:, idx][steps.T + offset, cols]
+    def grpo_loss(
+        self,
+        ro: Rollout,
+        steps: Tensor,
+        idx: slice = slice(None),
+        *,
+        scale: float = 1.0,
+        log: list | None = None,
+    ) -> GRPOStepLoss:
+        """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps ``steps`` (b, T) (ascending).
 
-    def _step_loss(self, ro: Rollout, idx: slice, steps: Tensor, scale: float, ppo_log: list):
-        """``step_loss(i, v)`` for the i-th trained step of the micro-batch ``idx`` (samples x steps)."""
+        ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the model inputs and times of the trained steps;
+        ``loss(i, v)`` is the scaled loss of the i-th; with ``algorithm.kl_beta > 0`` the frozen reference
+        model gives the KL term. ``log`` (default: a new list) collects ``(loss, PPOStats)`` per call.
+        """
         a = self.cfg.algorithm
         lat = ro.traj.latents
-        x, x_next = self._trained(lat, idx, steps), self._trained(lat, idx, steps, offset=1)  # (T, b, ...)
         sig = self.sigmas.to(self.device)
-        s, s_next = sig[steps.T], sig[steps.T + 1]  # (T, b)
-        old_lp = self._trained(ro.traj.log_probs, idx, steps)  # (T, b)
-        adv = ro.advantages[idx].to(self.device)
-        ref_velocity = self.velocity(ro.cond.select(idx), self.reference) if self.reference else None
-
-        def step_loss(i: int, v: Tensor) -> Tensor:
-            step = sde_step_with_logprob(
-                x[i], v, s[i], s_next[i], kind=a.sde_kind, noise_level=a.noise_level, prev_sample=x_next[i]
-            )
-            loss, stats = clipped_ppo_loss(step.log_prob, old_lp[i], adv, a.clip_range)
-            if ref_velocity is not None:
-                with torch.no_grad():
-                    ref = sde_step_with_logprob(
-                        x[i],
-                        ref_velocity(x[i], s[i]),
-                        s[i],
-                        s_next[i],
-                        kind=a.sde_kind,
-                        noise_level=a.noise_level,
-                        prev_sample=x_next[i],
-                    )
-                loss = loss + a.kl_beta * gaussian_mean_kl(step.mean, ref.mean, step.std).mean()
-            ppo_log.append((loss.item(), stats))
-            return loss * scale
-
-        return x, s, step_loss
+        return GRPOStepLoss(
+            x=_at_steps(lat, idx, steps),
+            x_next=_at_steps(lat, idx, steps, offset=1),
+            sigma=sig[steps.T],
+            sigma_next=sig[steps.T + 1],
+            old_log_prob=_at_steps(ro.traj.log_probs, idx, steps),
+            advantages=ro.advantages[idx].to(self.device),
+            kind=a.sde_kind,
+            noise_level=a.noise_level,
+            clip_range=a.clip_range,
+            kl_beta=a.kl_beta if self.reference is not None else 0.0,
+            ref_velocity=self.velocity(ro.cond.select(idx), self.reference) if self.reference else None,
+            scale=scale,
+            log=[] if log is None else log,
+        )
 
     def update(self, ro: Rollout, backward: BackwardConfig | None = None) -> dict:
         """Backward over every micro-batch with the configured strategy; optimizer step every grad_accum.
@@ -295,18 +296,18 @@ class Trainer:
             idx = slice(start, start + t.train_batch_size)
             steps = ro.trained[idx]  # (b, T)
             scale = 1.0 / (t.grad_accum * steps.shape[1])
-            x, s, step_loss = self._step_loss(ro, idx, steps, scale, ppo_log)
+            loss = self.grpo_loss(ro, steps, idx, scale=scale, log=ppo_log)
             reuse = b.reuse_rollout and stepped == 0 and ro.traj.outputs is not None
             stats = trajectory_backward(
                 self.velocity(ro.cond.select(idx)),
-                x,
-                s,
-                step_loss,
+                loss.x,
+                loss.sigma,
+                loss,
                 strategy=b.strategy,
                 group_size=b.group_size,
                 jagg_frac=b.jagg_frac,
                 endpoints=b.endpoints,
-                outputs=self._trained(ro.traj.outputs, idx, steps).to(self.device) if reuse else None,
+                outputs=_at_steps(ro.traj.outputs, idx, steps).to(self.device) if reuse else None,
             )
             total = stats if total is None else total.merge(stats)
             if stepped == 0:
@@ -380,7 +381,7 @@ class Trainer:
         all_prompts = [
             p for p in self.comp.eval_prompts[: lg.eval_prompts] for _ in range(lg.eval_images_per_prompt)
         ]
-        gen = _iteration_generator(self.cfg.train.seed, -1)  # the same noise at every evaluation
+        gen = generator(self.cfg.train.seed, SeedStream.EVAL)  # the same noise at every evaluation
         noise = self._noise(len(all_prompts), gen)
         rows = self._eval_rows(len(all_prompts))
         idx = [i if i >= 0 else -i - 1 for i in rows]  # padding rows repeat a real one
