@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test test-dist lint format bench pretrain clean theorem table1 cosine curves world-rl figures all
+.PHONY: help venv test test-dist lint format bench pretrain clean theorem table1 cosine curves world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -73,4 +73,7 @@ world-rl: $(STAMP) pretrain ## DanceGRPO + JAGG on the world, 180 iterations (~1
 figures: $(STAMP) ## Regenerate every table and figure from results/ alone (no training)
 	$(PY) experiments/figures.py
 
-all: table1 cosine curves world-rl theorem bench figures ## Everything (pretraining included), then every figure
+notebooks: $(STAMP) ## Execute notebooks/*.ipynb in place from results/ (outputs + figures; walkthrough on the world backbone if pretrained, else random init)
+	$(PY) experiments/run_notebooks.py
+
+all: table1 cosine curves world-rl theorem bench figures notebooks ## Everything (pretraining included), then every figure and notebook
