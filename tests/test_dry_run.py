@@ -25,7 +25,12 @@ def test_dry_run_prints_plan_offline(tmp_path, capsys, monkeypatch, config):
     assert main(["--config", config, "--dry-run", "--world-size", "8", f"log.run_dir={run_dir}"]) == 0
     out = capsys.readouterr().out
     cfg = load_config(config)
-    for text in ("trained steps per sample", "cost per sample by endpoint mode", "memory per rank", "group 0"):
+    for text in (
+        "trained steps per sample",
+        "cost per sample by endpoint mode",
+        "memory per rank",
+        "group 0",
+    ):
         assert text in out
     assert f"W={cfg.backward.group_size}, jagg_frac=0.6" in out
     assert "-> jagg" in out and "over 8" in out
@@ -43,8 +48,10 @@ def test_dry_run_counts(capsys):
     assert rows["jagg/joint"] == ["(7)", "7", "5", "16", "5", "2"]  # the paper's recipe
     assert rows["jagg/batched+stored"] == ["(7)", "7", "5", "10", "5", "2"]  # the default
     assert rows["jagg/sequential"] == ["(7)", "7", "7", "16", "7", "1"]
-    assert "* jagg/batched+stored" in out  # configured: 6 micro-batches, one optimizer step
-    assert "6 of 6 micro-batches" in out
+    # configured: DanceGRPO's cadence, 24 samples per rank = 12 micro-batches, a step every 6 (two per iteration);
+    # stored outputs serve the first accumulation window only
+    assert "* jagg/batched+stored" in out
+    assert "6 of 12 micro-batches" in out and "step every 6" in out
     assert "11.90B total" in out  # FLUX.1-dev transformer built on the meta device
 
 
@@ -71,3 +78,32 @@ def test_paper_configs_differ_only_where_declared():
     fast = _diff("configs/paper/flux_flowgrpo_fast.yaml", "configs/paper/qwenimage_flowgrpo_fast.yaml")
     assert {s for s, _ in fast} == {"model", "sampling", "algorithm", "backward", "train", "log"}
     assert ("optim", "lr") not in fast and ("reward", "weights") not in fast
+
+
+def test_paper_recipes_follow_the_references():
+    """Values taken from the reference code (each config's header comment cites the file)."""
+    for b in ("flux", "qwenimage"):
+        dance = load_config(f"configs/paper/{b}_dancegrpo.yaml")
+        assert dance.algorithm.init_same_noise  # every DanceGRPO launch script passes --init_same_noise
+        t = dance.train  # 8 GPUs: 2 prompts x 12 per rank, a step every 12 samples -> 2 steps per iteration
+        per_rank = t.prompts_per_iter * t.images_per_prompt // 8
+        assert (
+            per_rank,
+            t.train_batch_size * t.grad_accum,
+            per_rank // (t.train_batch_size * t.grad_accum),
+        ) == (
+            24,
+            12,
+            2,
+        )
+        assert dance.model.true_cfg_scale == 1.0 and dance.sampling.schedule == "shift"  # --cfg 0.0, shift 3
+    flux, qwen = (load_config(f"configs/paper/{b}_flowgrpo_fast.yaml") for b in ("flux", "qwenimage"))
+    assert flux.model.max_sequence_length == 128 and qwen.model.max_sequence_length == 512
+    assert flux.algorithm.adv_std == "group" and qwen.algorithm.adv_std == "global"  # global_std False / True
+    assert flux.algorithm.sde_window_range == [0, 3] and qwen.algorithm.sde_window_range == [0, 5]
+    fast = _diff("configs/paper/flux_flowgrpo_fast.yaml", "configs/paper/qwenimage_flowgrpo_fast.yaml")
+    assert {
+        ("model", "max_sequence_length"),
+        ("algorithm", "adv_std"),
+        ("algorithm", "sde_window_range"),
+    } <= fast
