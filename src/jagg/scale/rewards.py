@@ -4,6 +4,8 @@ All three are CLIP models scoring cos(image embedding, text embedding), with dif
     hpsv2      open_clip ViT-H-14 + HPS_v2.1_compressed.pt (hub repo xswu/HPSv2); reward = cos (~0.25-0.37).
                Built as the ``hpsv2`` package does internally (open_clip model, then the checkpoint's
                ``state_dict``), without that package: its 1.2.0 wheel is broken (missing BPE vocab, old pins).
+               Preprocessed as hpsv2's validation transform (``ResizeMaxSize``: longest side to 224, zero
+               padding to a square); tests/test_hpsv2_reference.py checks the scores against hpsv2 itself.
     pickscore  transformers CLIPModel yuvalkirstain/PickScore_v1, tokenizer of laion/CLIP-ViT-H-14-laion2B-s32B-b79K.
                ``scale="cosine"`` (default): cos, as DanceGRPO (~0.22); ``scale="flow_grpo"``: logit_scale * cos / 26,
                as Flow-GRPO (~0.85); ``scale="logit"``: logit_scale * cos, the PickScore paper's score (~22).
@@ -11,8 +13,9 @@ All three are CLIP models scoring cos(image embedding, text embedding), with dif
 
 Departures from the references, all deliberate:
     * Preprocessing runs as torch ops on the decoded (B, 3, H, W) tensor in [0, 1] (no PIL round trip, no uint8
-      quantisation): bicubic resize of the short side with antialiasing, centre crop, clamp to [0, 1], CLIP
-      mean/std. The references go through PIL, so scores differ in the ~3rd decimal.
+      quantisation). PickScore / CLIPScore: bicubic resize of the short side with antialiasing, centre crop, clamp
+      to [0, 1], CLIP mean/std; the references go through PIL, so scores differ in the ~3rd decimal. HPSv2:
+      hpsv2's own tensor transform (``hps_preprocess``), equal to it on the same pixels.
     * Text is always padded to the model's context length (77), which makes scores independent of the batch.
     * CLIPScore uses the constant 100 rather than the model's ``logit_scale.exp()`` (equal for CLIP-L).
 Every reward is also constructible from an already-built model + tokenizer (``from_model``), which is how the
@@ -81,6 +84,30 @@ def clip_bpe_tokenizer(context_length: int = 77):
     return tok
 
 
+def hps_preprocess(images: Tensor, size: int, mean=CLIP_MEAN, std=CLIP_STD) -> Tensor:
+    """(B, 3, H, W) in [0, 1] -> (B, 3, size, size): hpsv2's validation transform as batched tensor ops.
+
+    ``hpsv2/src/open_clip/transform.py`` (``image_transform(..., light_augmentation=True)`` after ``ToTensor``):
+    ``ResizeMaxSize`` scales the longest side to ``size`` (bicubic with antialiasing, no clamp) and zero-pads
+    the short side symmetrically (extra pixel right / bottom), then ``MaskAwareNormalize`` applies mean / std.
+    An image already ``size`` on its longest side is left as is there (a non-square one then fails in the ViT);
+    here it is padded.
+    """
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
+    x = images.float()
+    h, w = x.shape[-2:]
+    scale = size / max(h, w)
+    if scale != 1.0:
+        h, w = round(h * scale), round(w * scale)
+        x = F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+    pad_h, pad_w = size - h, size - w
+    x = F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2))  # zeros: black, as hpsv2
+    m = torch.tensor(mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x - m) / s
+
+
 class _ClipReward:
     """Shared batching / device / no-grad plumbing. Subclasses implement ``_embed(pixels, prompts)``."""
 
@@ -109,6 +136,10 @@ class _ClipReward:
         """(B, 3, S, S) normalised pixels, B prompts -> unnormalised image and text embeddings (B, D)."""
         raise NotImplementedError
 
+    def _preprocess(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) in [0, 1] -> (B, 3, S, S) model input (CLIP's short-side resize and centre crop)."""
+        return clip_preprocess(images, self.image_size, self.mean, self.std)
+
     def _scale(self, cos: Tensor) -> Tensor:
         return cos
 
@@ -120,7 +151,7 @@ class _ClipReward:
         out = []
         for i in range(0, len(prompts), self.batch_size):
             chunk = images[i : i + self.batch_size].to(self.device)
-            pixels = clip_preprocess(chunk, self.image_size, self.mean, self.std).to(self.dtype)
+            pixels = self._preprocess(chunk).to(self.dtype)
             img, txt = self._embed(pixels, list(prompts[i : i + self.batch_size]))
             out.append(F.cosine_similarity(img.float(), txt.float(), dim=-1))  # (b,)
         return torch.cat(out)
@@ -182,6 +213,9 @@ class HPSv2Reward(_ClipReward):
         mean = getattr(model.visual, "image_mean", None) or CLIP_MEAN
         std = getattr(model.visual, "image_std", None) or CLIP_STD
         super().__init__(model, tokenizer, size, mean=mean, std=std, **kwargs)
+
+    def _preprocess(self, images: Tensor) -> Tensor:
+        return hps_preprocess(images, self.image_size, self.mean, self.std)
 
     def _embed(self, pixels: Tensor, prompts: list[str]) -> tuple[Tensor, Tensor]:
         tokens = self.tokenizer(prompts).to(self.device)  # (B, 77)
@@ -302,6 +336,7 @@ __all__ = [
     "WeightsUnavailableError",
     "clip_bpe_tokenizer",
     "clip_preprocess",
+    "hps_preprocess",
     "load_hps_state_dict",
     "unavailable_message",
 ]
