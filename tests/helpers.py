@@ -108,7 +108,8 @@ def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grp
 
 def previous_step_loss(x, x_next, s, s_next, old_lp, adv, a: dict, ref_velocity, scale, log):
     """The per-step loss exactly as ``Trainer._step_loss`` wrote it before ``GRPOStepLoss`` existed: the
-    reference the tests hold ``GRPOStepLoss`` to, bit for bit. ``a``: kind, noise_level, clip_range, kl_beta."""
+    reference the tests hold ``GRPOStepLoss`` to, bit for bit. ``a``: kind, noise_level, clip_range, kl_beta.
+    One later change is carried over: the KL divides by Flow-GRPO's ``std_dev_t`` (issue 13), not ``step.std``."""
 
     def step_loss(i, v):
         step = sde_step_with_logprob(
@@ -126,7 +127,7 @@ def previous_step_loss(x, x_next, s, s_next, old_lp, adv, a: dict, ref_velocity,
                     noise_level=a["noise_level"],
                     prev_sample=x_next[i],
                 )
-            loss = loss + a["kl_beta"] * gaussian_mean_kl(step.mean, ref.mean, step.std).mean()
+            loss = loss + a["kl_beta"] * gaussian_mean_kl(step.mean, ref.mean, step.std_dev_t).mean()
         log.append((loss.item(), stats))
         return loss * scale
 

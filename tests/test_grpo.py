@@ -165,3 +165,44 @@ def test_grpo_step_loss_on_policy_ratios_are_one_and_kl_needs_a_reference():
     assert len(loss.log) == 3 and all(st.ratio_max_dev == 0.0 for _, st in loss.log)
     with pytest.raises(ValueError, match="ref_velocity"):
         GRPOStepLoss(x, x, s, s_next, adv, adv, "dance", 0.7, 0.2, kl_beta=0.1)
+
+
+@pytest.mark.parametrize(
+    ("kind", "noise_level", "kl"),
+    [
+        # g^2 = 0.49 * 0.6 / 0.4 = 0.735; d mu / d v = (1 + g^2 (1 - 0.6) / (2 * 0.6)) * dt = 1.245 * -0.2 = -0.249
+        # KL = 0.249^2 / (2 g^2) = 0.042177551 (the step variance g^2 |dt| would give 0.210887755, |dt| = 0.2 x)
+        ("flow_grpo", 0.7, 0.042177551020408155),
+        # g = eta = 0.3: d mu / d v = (1 + 0.09 * 0.4 / 1.2) * -0.2 = -0.206; KL = 0.206^2 / (2 * 0.09)
+        ("dance", 0.3, 0.23575555555555547),
+        # CPS: std = 0.4 sin(0.4 pi) = 0.380423 (the step std, unchanged); d mu / d v = -0.6 * 0.6
+        # + sqrt(0.4^2 - std^2) * 0.4 = -0.310557; KL = 0.310557^2 / (2 std^2)
+        ("cps", 0.8, 0.33321212922508603),
+    ],
+)
+def test_kl_divides_by_flow_grpo_std_dev_t(kind, noise_level, kl):
+    """Flow-GRPO scripts/train_flux.py: beta * mean((mu - mu_ref)^2) / (2 std_dev_t^2), std_dev_t without sqrt(dt).
+
+    One step from sigma 0.6 to 0.4, v - v_ref = 1 everywhere, zero advantages (the surrogate is 0), beta = 1:
+    the loss is the KL term alone, hand-computed above.
+    """
+    x = torch.randn(1, 2, 3, 4, dtype=torch.float64)  # (T=1, B=2, ...)
+    v = torch.randn(2, 3, 4, dtype=torch.float64)
+    s, s_next = torch.tensor([0.6], dtype=torch.float64), torch.tensor([0.4], dtype=torch.float64)
+    step = sde_step_with_logprob(x[0], v, s[0], s_next[0], kind=kind, noise_level=noise_level)
+    loss = GRPOStepLoss(
+        x,
+        step.prev_sample[None],
+        s,
+        s_next,
+        step.log_prob[None],
+        torch.zeros(2, dtype=torch.float64),
+        kind,
+        noise_level,
+        clip_range=0.2,
+        kl_beta=1.0,
+        ref_velocity=lambda z, t: v - 1.0,
+    )
+    assert loss(0, v).item() == pytest.approx(kl, rel=1e-12)
+    expected_std_dev_t = {"flow_grpo": 0.7 * 1.5**0.5, "dance": 0.3, "cps": float(step.std)}[kind]
+    assert float(step.std_dev_t) == pytest.approx(expected_std_dev_t, rel=1e-12)

@@ -106,7 +106,11 @@ class GRPOStepLoss:
         logp_i[b]     = mean over elements of log N(x_{i+1}; mu_i, std_i^2)     (the stored sample's log-prob)
         r_i[b]        = exp(logp_i[b] - old_log_prob[i, b])
         L_i           = mean_b max(-A_b r_i[b], -A_b clip(r_i[b], 1 - eps, 1 + eps))
-                        + kl_beta * mean_b mean_elements (mu_i - mu_ref_i)^2 / (2 std_i^2)   (if ref_velocity)
+                        + kl_beta * mean_b mean_elements (mu_i - mu_ref_i)^2 / (2 std_dev_t_i^2)   (if ref_velocity)
+
+    with Flow-GRPO's std_dev_t (``SDEStep.std_dev_t``, ``scripts/train_flux.py``): the diffusion coefficient g
+    without the step's sqrt(|dt|) for the ``flow_grpo`` and ``dance`` kinds (so the term is |dt| times the exact
+    KL of the two step Gaussians), the step std for ``cps`` (where the two coincide).
 
     and ``loss(i, v)`` returns ``scale * L_i`` (the trainer's scale is 1 / (grad_accum * T)). The KL reference
     mean mu_ref_i comes from ``ref_velocity(x_i, sigma_i)`` without autograd. Every call appends
@@ -161,6 +165,6 @@ class GRPOStepLoss:
                     noise_level=self.noise_level,
                     prev_sample=self.x_next[i],
                 )
-            loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, step.std).mean()
+            loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, step.std_dev_t).mean()
         self.log.append((loss.item(), stats))
         return loss if self.scale == 1.0 else loss * self.scale

@@ -30,12 +30,15 @@ SDE_KINDS: tuple[str, ...] = ("flow_grpo", "dance", "cps", "ode")
 
 @dataclass
 class SDEStep:
-    """Result of one sampling step: next sample, its log-prob (B,), the mean and the std."""
+    """Result of one sampling step: next sample, its log-prob (B,), the mean, the std and Flow-GRPO's std_dev_t."""
 
     prev_sample: Tensor  # (B, ...) the next (less noisy) latent x_{t_next}
     log_prob: Tensor  # (B,) float32 or float64: mean over non-batch elements
     mean: Tensor  # (B, ...) the Gaussian mean mu
     std: Tensor  # broadcastable to mean; 0 for ODE steps
+    # What Flow-GRPO's ``sde_step_with_logprob`` returns as ``std_dev_t`` and its KL divides by: the diffusion
+    # coefficient g WITHOUT the sqrt(|dt|) of the step std (flow_grpo, dance), the step std itself (cps); 0 (ode).
+    std_dev_t: Tensor | None = None
 
 
 # --------------------------------------------------------------------------- schedules
@@ -148,6 +151,7 @@ def sde_step_with_logprob(
         g = diffusion_coefficient(kind, sig, sig_next, noise_level)
         mean = x * (1 + g**2 * dt / (2 * sig)) + v * (1 + g**2 * (1 - sig) / (2 * sig)) * dt
         std = g * torch.sqrt(-dt)
+    std_dev_t = g if kind in ("flow_grpo", "dance") else std
 
     if prev_sample is None:
         noise = torch.randn(x.shape, generator=generator, dtype=dtype, device=x.device)
@@ -161,4 +165,4 @@ def sde_step_with_logprob(
         log_prob = -((prev_sample - mean) ** 2).flatten(1).mean(dim=1)
     else:
         log_prob = gaussian_log_prob(prev_sample, mean, std)
-    return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+    return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std, std_dev_t=std_dev_t)
