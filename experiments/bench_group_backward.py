@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.engine.grpo import clipped_ppo_loss
+from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.profiling import SavedActivationMeter
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import group_backward, group_cost
@@ -84,11 +84,17 @@ def make_group(name: str, w: int, batch: int, size: int, seed: int):
             for j in range(w)
         ]
 
-    def step_loss(j, v):
-        lp = sde_step_with_logprob(
-            latents[j], v, sig[j], sig[j + 1], kind="dance", noise_level=0.3, prev_sample=steps[j].prev_sample
-        ).log_prob
-        return clipped_ppo_loss(lp, steps[j].log_prob, adv, clip_range=1e-4)[0]
+    step_loss = GRPOStepLoss(  # on-policy: the stored samples and old log-probs are this model's
+        x=latents,
+        x_next=torch.stack([st.prev_sample for st in steps]),
+        sigma=sig[:w],
+        sigma_next=sig[1 : w + 1],
+        old_log_prob=torch.stack([st.log_prob for st in steps]),
+        advantages=adv,
+        kind="dance",
+        noise_level=0.3,
+        clip_range=1e-4,
+    )
 
     return bb, velocity, latents, sig[:w], step_loss
 

@@ -20,8 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.config import BackwardConfig, load_config
+from jagg.common import SeedStream, atomic_write_text, command_line, run_metadata, set_threads, write_table
+from jagg.config import TINY_RUN, BackwardConfig, load_config
 from jagg.engine.profiling import SavedActivationMeter
 from jagg.engine.strategies import GroupCost, trajectory_cost
 from jagg.loop.components import build_components
@@ -70,16 +70,7 @@ WORLD_BATCH = [
     "algorithm.kl_beta=0.0",
     "optim.ema_decay=0.0",
 ]
-QUICK = [
-    "model.source=tiny",
-    "reward.weights={jpeg: 1.0}",
-    "reward.eval=[jpeg]",
-    "train.prompts_per_iter=2",
-    "train.images_per_prompt=2",
-    "train.train_batch_size=4",
-    "sampling.num_steps=6",
-    "algorithm.sde_window_range=[0, 4]",
-]
+QUICK = [*TINY_RUN, "sampling.num_steps=6", "algorithm.sde_window_range=[0, 4]"]
 
 
 def strategies_for(cfg, algo: str) -> list[BackwardConfig]:
@@ -108,7 +99,7 @@ def time_strategies(
 ) -> dict[str, list[dict]]:
     """Per strategy, one row per iteration: rollout phases (shared) + that strategy's update."""
     rows: dict[str, list[dict]] = {s_key(s): [] for s in strategies}
-    trainer.update(trainer.rollout(10_000), strategies[0])  # warm-up, not recorded
+    trainer.update(trainer.rollout(0, SeedStream.WARMUP), strategies[0])  # warm-up, not recorded
     for it in range(iterations):
         ro = trainer.rollout(it)
         k = it % len(strategies)
@@ -151,7 +142,7 @@ def update_cost(trainer: Trainer, s: BackwardConfig, row: dict) -> GroupCost:
 
 
 def peak_activation_mb(trainer: Trainer, s: BackwardConfig) -> float:
-    ro = trainer.rollout(20_000)
+    ro = trainer.rollout(0, SeedStream.MEMORY)
     with SavedActivationMeter() as meter:
         trainer.update(ro, s)
     return meter.peak_mb
