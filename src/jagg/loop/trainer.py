@@ -270,6 +270,7 @@ class Trainer:
             noise_level=a.noise_level,
             clip_range=a.clip_range,
             kl_beta=a.kl_beta if self.reference is not None else 0.0,
+            kl_std=a.kl_std,
             ref_velocity=self.velocity(ro.cond.select(idx), self.reference) if self.reference else None,
             scale=scale,
             log=[] if log is None else log,
