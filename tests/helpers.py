@@ -109,7 +109,8 @@ def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grp
 def previous_step_loss(x, x_next, s, s_next, old_lp, adv, a: dict, ref_velocity, scale, log):
     """The per-step loss exactly as ``Trainer._step_loss`` wrote it before ``GRPOStepLoss`` existed: the
     reference the tests hold ``GRPOStepLoss`` to, bit for bit. ``a``: kind, noise_level, clip_range, kl_beta.
-    One later change is carried over: the KL divides by Flow-GRPO's ``std_dev_t`` (issue 13), not ``step.std``."""
+    One later change is carried over: the KL divides by Flow-GRPO's ``std_dev_t`` (issue 13) unless
+    ``a["kl_std"] == "step"`` (the former ``step.std``)."""
 
     def step_loss(i, v):
         step = sde_step_with_logprob(
@@ -127,7 +128,8 @@ def previous_step_loss(x, x_next, s, s_next, old_lp, adv, a: dict, ref_velocity,
                     noise_level=a["noise_level"],
                     prev_sample=x_next[i],
                 )
-            loss = loss + a["kl_beta"] * gaussian_mean_kl(step.mean, ref.mean, step.std_dev_t).mean()
+            std = step.std_dev_t if a.get("kl_std", "flow_grpo") == "flow_grpo" else step.std
+            loss = loss + a["kl_beta"] * gaussian_mean_kl(step.mean, ref.mean, std).mean()
         log.append((loss.item(), stats))
         return loss * scale
 

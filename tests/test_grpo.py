@@ -206,3 +206,32 @@ def test_kl_divides_by_flow_grpo_std_dev_t(kind, noise_level, kl):
     assert loss(0, v).item() == pytest.approx(kl, rel=1e-12)
     expected_std_dev_t = {"flow_grpo": 0.7 * 1.5**0.5, "dance": 0.3, "cps": float(step.std)}[kind]
     assert float(step.std_dev_t) == pytest.approx(expected_std_dev_t, rel=1e-12)
+
+
+@pytest.mark.parametrize(("kind", "noise_level"), [("flow_grpo", 0.7), ("dance", 0.3), ("cps", 0.8)])
+def test_kl_std_step_is_the_exact_step_kl(kind, noise_level):
+    """``kl_std="step"`` divides by the step variance (the exact KL of the two step Gaussians; the world recipe
+    was tuned with it), which is Flow-GRPO's term divided by |dt| for the flow_grpo / dance kinds."""
+    x = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    v = torch.randn(2, 3, 4, dtype=torch.float64)
+    s, s_next = torch.tensor([0.6], dtype=torch.float64), torch.tensor([0.4], dtype=torch.float64)
+    step = sde_step_with_logprob(x[0], v, s[0], s_next[0], kind=kind, noise_level=noise_level)
+    args = (x, step.prev_sample[None], s, s_next, step.log_prob[None], torch.zeros(2, dtype=torch.float64))
+    kw = dict(
+        kind=kind, noise_level=noise_level, clip_range=0.2, kl_beta=1.0, ref_velocity=lambda z, t: v - 1.0
+    )
+    exact = GRPOStepLoss(*args, **kw, kl_std="step")(0, v).item()
+    flow = GRPOStepLoss(*args, **kw)(0, v).item()
+    ref = sde_step_with_logprob(x[0], v - 1.0, s[0], s_next[0], kind=kind, noise_level=noise_level)
+    assert exact == pytest.approx(gaussian_mean_kl(step.mean, ref.mean, step.std).mean().item(), rel=1e-12)
+    ratio = 1.0 if kind == "cps" else 0.2  # |dt|
+    assert flow == pytest.approx(ratio * exact, rel=1e-12)
+    with pytest.raises(ValueError, match="kl_std"):
+        GRPOStepLoss(*args, **kw, kl_std="bogus")
+
+
+def test_world_recipe_keeps_the_step_kl_it_was_tuned_with():
+    from jagg.config import load_config
+
+    assert load_config("configs/world/flux_dancegrpo.yaml").algorithm.kl_std == "step"
+    assert load_config("configs/paper/flux_dancegrpo.yaml").algorithm.kl_std == "flow_grpo"

@@ -10,6 +10,7 @@ import torch
 from helpers import previous_step_loss
 from jagg.common import SeedStream, generator
 from jagg.config import TINY_OVERRIDES, load_config
+from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES, trajectory_cost
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer, TrainingAborted
@@ -252,10 +253,14 @@ def test_stored_outputs_are_read_before_the_first_optimizer_step_only(tmp_path):
     assert m_early["skipped_steps"] == 1  # the NaN signals made the first update non-finite
 
 
-def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("kl_std", ["flow_grpo", "step"])
+def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path, kl_std):
     """``Trainer.grpo_loss`` (the engine's ``GRPOStepLoss`` on a rollout's trained steps, KL reference on) gives
     every step's loss and gradient exactly as the formula the trainer inlined before."""
-    trainer = make_trainer(tiny_cfg(tmp_path, "algorithm.kl_beta=0.1"))
+    trainer = make_trainer(tiny_cfg(tmp_path, "algorithm.kl_beta=0.1", f"algorithm.kl_std={kl_std}"))
+    with torch.no_grad():  # move the policy off the reference, or the KL term would be exactly 0
+        for p in trainer.params:
+            p.add_(1e-2 * torch.randn_like(p))
     ro = trainer.rollout(0)
     idx = slice(3, 6)  # the second micro-batch
     steps = ro.trained[idx]  # (b, T)
@@ -272,13 +277,22 @@ def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path):
         sig[steps.T + 1],
         ro.traj.log_probs[:, idx][steps.T, cols],
         ro.advantages[idx],
-        dict(kind=a.sde_kind, noise_level=a.noise_level, clip_range=a.clip_range, kl_beta=a.kl_beta),
+        dict(
+            kind=a.sde_kind,
+            noise_level=a.noise_level,
+            clip_range=a.clip_range,
+            kl_beta=a.kl_beta,
+            kl_std=kl_std,
+        ),
         trainer.velocity(ro.cond.select(idx), trainer.reference),
         scale,
         [],
     )
     velocity = trainer.velocity(ro.cond.select(idx))
-    assert len(new) == steps.shape[1] and new.kl_beta == 0.1
+    assert len(new) == steps.shape[1] and new.kl_beta == 0.1 and new.kl_std == kl_std
+    with torch.no_grad():  # the KL term is really there
+        v0 = velocity(new.x[0], new.sigma[0])
+        assert new(0, v0).item() != GRPOStepLoss(**{**vars(new), "kl_beta": 0.0, "log": []})(0, v0).item()
     for i in range(len(new)):
         out = []
         for fn in (old, new):

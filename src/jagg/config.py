@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.grpo import KL_STD
 from jagg.engine.sde import SDE_KINDS
 from jagg.engine.strategies import validate_routing
 from jagg.errors import ConfigError
@@ -89,6 +90,7 @@ class AlgorithmConfig:
     adv_unbiased: bool = True
     adv_std: str = "group"  # group | global
     kl_beta: float = 0.0
+    kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
 
 
 @dataclass
@@ -325,6 +327,7 @@ def validate(cfg: Config) -> None:
     _require(a.adv_clip > 0, f"algorithm.adv_clip must be > 0, got {a.adv_clip}")
     _require(a.adv_std in ("group", "global"), f"algorithm.adv_std must be group|global, got {a.adv_std!r}")
     _require(a.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {a.kl_beta}")
+    _require(a.kl_std in KL_STD, f"algorithm.kl_std must be one of {list(KL_STD)}, got {a.kl_std!r}")
     ALGORITHMS[a.name].validate(a, s.num_steps)
     try:  # the one routing validator (the engine's)
         validate_routing(b.group_size, b.jagg_frac, b.strategy, b.endpoints)

@@ -95,6 +95,9 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     return ((mean - ref_mean) ** 2 / (2 * std**2)).flatten(1).mean(dim=1)
 
 
+KL_STD = ("flow_grpo", "step")  # which std the KL penalty divides by (GRPOStepLoss.kl_std)
+
+
 @dataclass
 class GRPOStepLoss:
     """The per-step GRPO loss of T trained steps of a micro-batch of B trajectories: ``loss(i, v_i)``.
@@ -110,7 +113,8 @@ class GRPOStepLoss:
 
     with Flow-GRPO's std_dev_t (``SDEStep.std_dev_t``, ``scripts/train_flux.py``): the diffusion coefficient g
     without the step's sqrt(|dt|) for the ``flow_grpo`` and ``dance`` kinds (so the term is |dt| times the exact
-    KL of the two step Gaussians), the step std for ``cps`` (where the two coincide).
+    KL of the two step Gaussians), the step std for ``cps`` (where the two coincide). ``kl_std="step"`` uses the
+    step std for every kind instead: the exact KL of the two step Gaussians (the world recipe was tuned with it).
 
     and ``loss(i, v)`` returns ``scale * L_i`` (the trainer's scale is 1 / (grad_accum * T)). The KL reference
     mean mu_ref_i comes from ``ref_velocity(x_i, sigma_i)`` without autograd. Every call appends
@@ -140,8 +144,11 @@ class GRPOStepLoss:
     ref_velocity: Callable[[Tensor, Tensor], Tensor] | None = None
     scale: float = 1.0
     log: list[tuple[float, PPOStats]] = field(default_factory=list)
+    kl_std: str = "flow_grpo"  # "flow_grpo": Flow-GRPO's std_dev_t; "step": the step std (the exact step KL)
 
     def __post_init__(self) -> None:
+        if self.kl_std not in KL_STD:
+            raise ValueError(f"kl_std must be one of {KL_STD}, got {self.kl_std!r}")
         if self.kl_beta > 0 and self.ref_velocity is None:
             raise ValueError("kl_beta > 0 needs ref_velocity (the reference model's velocity)")
 
@@ -165,6 +172,7 @@ class GRPOStepLoss:
                     noise_level=self.noise_level,
                     prev_sample=self.x_next[i],
                 )
-            loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, step.std_dev_t).mean()
+            std = step.std_dev_t if self.kl_std == "flow_grpo" else step.std
+            loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, std).mean()
         self.log.append((loss.item(), stats))
         return loss if self.scale == 1.0 else loss * self.scale
