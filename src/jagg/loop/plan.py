@@ -5,7 +5,26 @@ The transformer is built from its config on the meta device (no memory, no weigh
 architecture (``KNOWN_CONFIGS``). LoRA is applied on the meta model to count adapter parameters. The plan lists
 the trained steps per sample, their groups and strategies (``jagg.engine.strategies.plan_groups``), the transformer
 forward / backward passes per sample for the exact baseline and the configured strategy, and a per-rank memory
-estimate under FSDP2 full sharding.
+plan under FSDP2 full sharding (``memory_plan``) that says per GPU size (80 GB, 141 GB) whether the run fits.
+
+Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as sold):
+    transformer   sharded weights (trained fp32 master, frozen LoRA base in the compute dtype), gradients,
+                  AdamW moments + the multi-tensor step's temporaries (~1 copy), EMA, two unsharded blocks in
+                  flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the gradients the
+                  ``joint`` endpoint mode holds, the KL reference copy
+    resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
+                  ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
+                  ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``), cached prompt
+                  embeddings held in memory. Parameter counts come from the published architectures built on
+                  the meta device (``AUX_MODELS``; the published counts if a library cannot)
+    activations   the update's: ``graphs alive`` (``trajectory_cost``) x batch x tokens x hidden x layers, block
+                  inputs only with gradient checkpointing (+ one block recomputed), ~34 bytes per token and
+                  hidden unit per layer without (Korthikanti et al. 2022, SDPA attention); true CFG doubles
+                  them. The no-grad forwards of rollout / evaluation are transient and not simultaneous
+    reserve       3 GiB for the CUDA context, NCCL and allocator fragmentation (assumed)
+    host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
+                  largest other model on the host while loading; checkpoints move shards only; export gathers
+                  the exported weights on rank 0 once
 """
 
 from __future__ import annotations
@@ -193,40 +212,271 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     return p
 
 
-def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool) -> None:
-    model, source = meta_transformer(cfg)
+# --------------------------------------------------------------------------- memory
+# Models a paper-scale run keeps besides the transformer: (what, how to build it on the meta device, published
+# parameter count). Architectures are the hub repos' config.json values (open_clip's bundled ViT-H-14 config for
+# HPSv2.1); the published count is the fallback when a library cannot build one on the meta device.
+_T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+_CLIP_L_TEXT = dict(
+    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
+)
+_CLIP_L_VISION = dict(
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, patch_size=14
+)
+_CLIP_H_TEXT = dict(
+    vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16
+)
+_CLIP_H_VISION = dict(
+    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14
+)
+_QWEN25_VL_7B = dict(
+    text_config=dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584
+    ),
+    tie_word_embeddings=False,
+)
+_FLUX_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=16,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+
+
+def _build_aux(name: str):
+    import transformers as tf
+
+    if name == "t5_xxl":
+        return tf.T5EncoderModel(tf.T5Config(feed_forward_proj="gated-gelu", **_T5_XXL))
+    if name == "clip_l_text":
+        return tf.CLIPTextModel(tf.CLIPTextConfig(max_position_embeddings=77, **_CLIP_L_TEXT))
+    if name == "qwen25_vl_7b":
+        return tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**_QWEN25_VL_7B))
+    if name == "hpsv2":
+        import open_clip
+
+        return open_clip.create_model("ViT-H-14", pretrained=None, device="meta")
+    if name in ("pickscore", "clipscore"):
+        text, vision, proj = (
+            (_CLIP_H_TEXT, _CLIP_H_VISION, 1024)
+            if name == "pickscore"
+            else (_CLIP_L_TEXT, _CLIP_L_VISION, 768)
+        )
+        return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=proj))
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+
+    return AutoencoderKL(**_FLUX_VAE) if name == "flux_vae" else AutoencoderKLQwenImage()  # its defaults
+
+
+AUX_MODELS = {  # name -> (description, published parameter count)
+    "t5_xxl": ("T5-XXL encoder (google/t5-v1_1-xxl)", 4.762e9),
+    "clip_l_text": ("CLIP-L text (openai/clip-vit-large-patch14)", 123.1e6),
+    "qwen25_vl_7b": ("Qwen2.5-VL-7B (with its vision tower)", 8.292e9),
+    "flux_vae": ("FLUX.1-dev VAE", 83.8e6),
+    "qwenimage_vae": ("Qwen-Image VAE", 126.9e6),
+    "hpsv2": ("HPSv2.1: open_clip ViT-H-14", 986.1e6),
+    "pickscore": ("PickScore: CLIP ViT-H-14", 986.1e6),
+    "clipscore": ("CLIPScore: CLIP ViT-L/14", 427.6e6),
+}
+TEXT_ENCODERS = {"flux": ("t5_xxl", "clip_l_text"), "qwenimage": ("qwen25_vl_7b",)}
+GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
+CUDA_RESERVE = 3 * GIB  # CUDA context, NCCL buffers and allocator fragmentation (an assumption, not measured)
+HOST_BASELINE = 4 * GIB  # one rank's Python + torch + CUDA libraries on the host (measured ~0.8 GiB on CPU)
+ACT_BYTES_PER_TOKEN_HIDDEN = (
+    34  # one transformer layer's saved activations, bf16, SDPA attention (Korthikanti+22)
+)
+PROMPT_LRU = 512  # CachedTextEncoder's default in-memory cache (jagg.scale.pipelines)
+HPDV2_TRAIN_PROMPTS = 100_000  # order of magnitude of HPDv2's train prompts, when data.*_limit is unset
+_aux_cache: dict[str, int] = {}
+
+
+def aux_params(name: str) -> int:
+    """Parameters of ``AUX_MODELS[name]``, counted on the meta device (published count if that fails)."""
+    if name not in _aux_cache:
+        try:
+            with torch.device("meta"):
+                model = _build_aux(name)
+            _aux_cache[name] = sum(p.numel() for p in model.parameters())
+        except Exception:  # a library too old / missing: the published number
+            _aux_cache[name] = int(AUX_MODELS[name][1])
+    return _aux_cache[name]
+
+
+def _reward_dtype_bytes(kwargs: dict) -> int:
+    d = str(kwargs.get("dtype", "fp32")).removeprefix("torch.")
+    return 2 if d in ("bf16", "bfloat16", "fp16", "float16", "half") else 4
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank bytes of one configuration (``memory_plan``); GPU lines are on every rank unless noted."""
+
+    gpu: dict[str, float]  # resident items (checkpointing as configured)
+    activations: dict[bool, float]  # gradient checkpointing on / off -> bytes of the update's activations
+    no_grad: float  # transient peak of a rollout / evaluation forward (not at the same time as the update)
+    host: dict[str, float]  # "rank 0" / "other ranks" peak host bytes
+    checkpointing: bool
+
+    def total(self, checkpointing: bool | None = None) -> float:
+        ckpt = self.checkpointing if checkpointing is None else checkpointing
+        return sum(self.gpu.values()) + max(self.activations[ckpt], self.no_grad) + CUDA_RESERVE
+
+    def fits(self, gpu_gb: int, checkpointing: bool | None = None) -> bool:
+        return self.total(checkpointing) <= gpu_gb * 1e9
+
+
+def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, model=None) -> MemoryPlan:
+    """Bytes per rank of every resident model, gradients, optimizer state, activations, and host memory.
+
+    ``graphs``: autograd graphs alive at once in the update (``trajectory_cost(...).graphs_alive``);
+    ``held_grad``: the ``joint`` endpoint mode's unsharded gradients held during its backward.
+    """
+    model = model if model is not None else meta_transformer(cfg)[0]
+    m, t, s, d = cfg.model, cfg.train, cfg.sampling, cfg.data
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
     blocks = [*getattr(model, "transformer_blocks", []), *getattr(model, "single_transformer_blocks", [])]
     n_block = max((sum(x.numel() for x in blk.parameters()) for blk in blocks), default=0)
-    t = cfg.train
-    store = 8 if t.precision == "fp64" else 4  # bf16 = autocast over fp32 master weights
-    compute = 2 if t.precision == "bf16" else store
+    master = (
+        8 if t.precision == "fp64" else 4
+    )  # trained parameters (bf16 = autocast over fp32 master weights)
+    compute = 2 if t.precision == "bf16" else master  # activations; frozen parameters stay in this dtype
     r = world_size
-    params, grads, adam = n_all * store / r, n_train * store / r, 2 * n_train * 4 / r
-    ema = n_train * store / r if cfg.optim.ema_decay > 0 else 0
-    gathered = 2 * n_block * compute  # two unsharded blocks in flight (current + prefetch)
-    p.section(f"memory per rank (FSDP2 full shard over {r}; transformer from {source}, no weights read)")
-    p.add("parameters", f"{n_all / 1e9:.2f}B total, {n_train / 1e6:.1f}M trainable")
-    p.add("weights (sharded)", f"{params / GIB:.1f} GiB")
-    p.add("gradients (sharded)", f"{grads / GIB:.1f} GiB")
-    p.add("AdamW state (sharded)", f"{adam / GIB:.1f} GiB" + (f" + EMA {ema / GIB:.1f} GiB" if ema else ""))
-    p.add("unsharded blocks in flight", f"{gathered / GIB:.2f} GiB")
-    # joint endpoints under FSDP2: the later graph's gradient for a unit waits unsharded (autograd buffers) until
-    # the earlier graph reaches that unit; summed over the backward that is up to every trainable parameter.
-    held = n_train * compute if held_grad else 0
-    if held:
-        p.add("unsharded gradients held (joint)", f"up to {held / GIB:.1f} GiB (batched/sequential: 0)")
-    p.add("total before activations", f"{(params + grads + adam + ema + gathered + held) / GIB:.1f} GiB")
-    hidden = model.config.num_attention_heads * model.config.attention_head_dim
-    s = cfg.sampling
-    txt = cfg.model.max_sequence_length if cfg.model.backbone == "flux" else 64
-    tokens = (s.latent_size // 2) ** 2 + txt
-    per_graph = t.train_batch_size * tokens * hidden * len(blocks) * compute
-    p.add(
-        "activations",
-        f"~{per_graph / GIB:.2f} GiB per forward graph with gradient checkpointing (block inputs only; "
-        f"{tokens} tokens x {hidden} x {len(blocks)} blocks x batch {t.train_batch_size}); the exact backward "
-        f"holds 1 graph at a time, the configured strategy and mode up to {graphs}"
-        + ("" if cfg.model.gradient_checkpointing else "; without checkpointing ~10-20x more per graph"),
+    gpu = {
+        "transformer weights (sharded)": (n_train * master + (n_all - n_train) * compute) / r,
+        "gradients (sharded)": n_train * master / r,
+        "AdamW moments (sharded)": 2 * n_train * 4 / r,
+    }
+    if cfg.optim.ema_decay > 0:
+        gpu["EMA (sharded)"] = n_train * master / r
+    gpu["AdamW step temporaries (foreach)"] = n_train * 4 / r  # torch's multi-tensor AdamW: ~1 copy
+    gpu["unsharded blocks in flight"] = 2 * n_block * compute  # current + prefetched block
+    n_block_train = max(
+        (sum(x.numel() for x in blk.parameters() if x.requires_grad) for blk in blocks), default=0
     )
+    gpu["unsharded gradients of one block"] = n_block_train * (compute + 4)  # + fp32 reduce-scatter copy
+    if held_grad:
+        # joint endpoints under FSDP2: the later graph's gradient for a unit waits unsharded until the earlier
+        # graph reaches that unit; summed over the backward that is up to every trainable parameter.
+        gpu["unsharded gradients held (joint)"] = n_train * compute
+    if cfg.algorithm.kl_beta > 0:
+        gpu["KL reference (unsharded copy)"] = n_all * compute
+    pretrained = m.source == "pretrained"
+    aux: dict[str, int] = {}
+    if pretrained:
+        if not d.precompute_embeddings:
+            aux.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[m.backbone]})
+        vae = "flux_vae" if m.backbone == "flux" else "qwenimage_vae"
+        aux[vae] = aux_params(vae) * compute
+        for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
+            if name in AUX_MODELS:
+                aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}))
+    gpu.update({f"{AUX_MODELS[k][0]}": v for k, v in aux.items()})
+    if pretrained and not d.embedding_cache:  # CachedTextEncoder keeps rows on the GPU without a cache dir
+        prompts = PROMPT_LRU
+        if d.precompute_embeddings:  # every train + eval prompt stays in memory
+            prompts = (d.train_limit or HPDV2_TRAIN_PROMPTS) + (d.eval_limit or HPDV2_TRAIN_PROMPTS)
+        gpu["prompt embeddings (in memory)"] = prompts * embedding_bytes(cfg, model)
+    # activations of the update: per graph, B samples x tokens x hidden x layers
+    hidden = model.config.num_attention_heads * model.config.attention_head_dim
+    txt = (
+        m.max_sequence_length if m.backbone == "flux" else 64
+    )  # Flux pads T5 to the max; Qwen: typical prompt
+    tokens = (s.latent_size // 2) ** 2 + txt
+    cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
+    per_layer = t.train_batch_size * cfg_mult * tokens * hidden  # elements
+    activations = {
+        # checkpointing: block inputs of every layer per graph + one block recomputed at a time
+        True: graphs * per_layer * len(blocks) * compute + per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
+        False: graphs * per_layer * len(blocks) * ACT_BYTES_PER_TOKEN_HIDDEN,
+    }
+    # no-grad forwards (rollout at train_batch_size, evaluation in chunks of up to 32 per rank): one block's
+    # intermediates at a time, ~20 x hidden per token (qkv, attention output, 4x MLP) in the compute dtype
+    lg = cfg.log
+    eval_batch = min(32, -(-lg.eval_prompts * lg.eval_images_per_prompt // r)) if lg.eval_every else 0
+    no_grad = max(t.train_batch_size, eval_batch) * cfg_mult * tokens * hidden * 20 * compute
+    # host: rank 0 holds the loaded transformer once (memory-mapped safetensors, load dtype), every rank the
+    # largest other model while it loads it (weights are read to the host, then moved to the GPU).
+    load_bytes = n_all * (2 if t.precision == "bf16" else 4) if pretrained else 0
+    staging = max(
+        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in aux.items()], default=0
+    )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
+    host = {"rank 0": HOST_BASELINE + load_bytes + staging, "other ranks": HOST_BASELINE + staging}
+    return MemoryPlan(
+        gpu=gpu, activations=activations, no_grad=no_grad, host=host, checkpointing=m.gradient_checkpointing
+    )
+
+
+def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool) -> None:
+    model, source = meta_transformer(cfg)
+    mp = memory_plan(cfg, world_size, graphs, held_grad, model)
+    m, t, d = cfg.model, cfg.train, cfg.data
+    n_all = sum(x.numel() for x in model.parameters())
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    p.section(
+        f"memory per rank (FSDP2 full shard over {world_size}; transformer from {source}, no weights read; "
+        "GiB = 2^30 bytes)"
+    )
+    p.add("parameters", f"{n_all / 1e9:.2f}B total, {n_train / 1e6:.1f}M trainable")
+    for key, b in mp.gpu.items():
+        p.add(key, gib(b))
+    if m.source == "pretrained":
+        if d.precompute_embeddings:
+            p.add("text encoders", "freed after precomputing (data.precompute_embeddings)")
+        per_prompt = embedding_bytes(cfg, model)
+        if d.embedding_cache:
+            where = f"on disk in data.embedding_cache={d.embedding_cache} (~{gib(per_prompt * 1e5)} per 1e5)"
+        elif d.precompute_embeddings:
+            where = "ALL prompts in GPU memory on every rank: set data.embedding_cache"
+        else:
+            where = f"an in-memory LRU of {PROMPT_LRU} prompts per rank (GPU)"
+        p.add("prompt embeddings: where", f"{per_prompt / 2**20:.2f} MiB per prompt; {where}")
+    else:
+        p.add("text encoder, decoder, rewards", "the embedded world's (under 0.1 GiB)")
+    ckpt = mp.checkpointing
+    p.add(
+        "activations (update)",
+        f"{gib(mp.activations[True])} with gradient checkpointing, {gib(mp.activations[False])} without "
+        f"(up to {graphs} graph(s) alive: {cfg.backward.strategy}/{cfg.backward.endpoints}; configured: "
+        f"{'with' if ckpt else 'without'})",
+    )
+    p.add("no-grad forwards (rollout / eval)", f"{gib(mp.no_grad)} transient (not during the update)")
+    p.add("CUDA context + allocator slack", f"{gib(CUDA_RESERVE)} (assumed)")
+    p.add(
+        "total per GPU",
+        f"{gib(mp.total())} ({gib(mp.total(not ckpt))} {'without' if ckpt else 'with'} checkpointing)",
+    )
+    for size in GPU_SIZES_GB:
+        verdict = "fits" if mp.fits(size) else "does NOT fit"
+        p.add(f"{size} GB GPU ({size * 1e9 / GIB:.1f} GiB)", f"{verdict} ({gib(mp.total())} needed)")
+    p.add(
+        "host memory per rank",
+        f"rank 0 ~{gib(mp.host['rank 0'])} (loaded transformer once + largest other model + runtime), "
+        f"other ranks ~{gib(mp.host['other ranks'])}; node ~"
+        f"{gib(mp.host['rank 0'] + (world_size - 1) * mp.host['other ranks'])}; checkpoints: shards only",
+    )
+    export = n_all * 2 if m.lora_rank == 0 and t.precision == "bf16" else n_train * 4
+    p.add("export (rank 0 host, once)", gib(export))
+
+
+def embedding_bytes(cfg: Config, model) -> int:
+    """Bytes of one prompt's cached text conditioning (bf16 rows; the mask and pooled vector included)."""
+    m = cfg.model
+    width = model.config.joint_attention_dim
+    if m.backbone == "flux":
+        return m.max_sequence_length * (width * 2 + 8) + 768 * 2
+    rows = 64 * (2 if m.true_cfg_scale > 1 else 1)  # a typical prompt (+ the negative prompt with true CFG)
+    return rows * (width * 2 + 8)

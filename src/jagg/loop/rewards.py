@@ -18,18 +18,33 @@ from jagg.config import Config
 from jagg.errors import ConfigError
 from jagg.rewards import REWARDS, Reward, build_reward
 
+REWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def check_reward_names(cfg: Config) -> None:
-    """``ConfigError`` naming the key when ``reward.weights`` or ``reward.eval`` names an unknown reward."""
+    """``ConfigError`` naming the key when ``reward.weights`` or ``reward.eval`` names an unknown reward, or a
+    ``reward.kwargs.<name>.dtype`` is not a dtype name."""
     for key, names in (("reward.weights", list(cfg.reward.weights)), ("reward.eval", cfg.reward.eval)):
         unknown = [n for n in names if n not in REWARDS]
         if unknown:
             raise ConfigError(f"{key}: unknown reward {unknown[0]!r}; known: {sorted(REWARDS)}")
+    for name, kwargs in cfg.reward.kwargs.items():
+        dtype = kwargs.get("dtype") if isinstance(kwargs, dict) else None
+        if dtype is not None and dtype not in REWARD_DTYPES:
+            raise ConfigError(
+                f"reward.kwargs.{name}.dtype must be one of {sorted(REWARD_DTYPES)}, got {dtype!r}"
+            )
 
 
 def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:
-    """``build_reward(name, **kwargs)``; on a GPU, factories that accept a ``device`` get the run's device."""
+    """``build_reward(name, **kwargs)``; on a GPU, factories that accept a ``device`` get the run's device.
+
+    ``dtype`` may be given by name in the config (``reward.kwargs: {hpsv2: {dtype: bf16}}``): fp32 | bf16 | fp16
+    (the CLIP rewards run their model in that dtype; the dry-run memory plan counts it).
+    """
     kwargs = dict(kwargs)
+    if isinstance(kwargs.get("dtype"), str):  # checked by check_reward_names
+        kwargs["dtype"] = REWARD_DTYPES[kwargs["dtype"]]
     factory = REWARDS.get(name)
     if factory is not None and device.type == "cuda" and "device" not in kwargs:
         params = inspect.signature(factory).parameters.values()
