@@ -102,6 +102,6 @@ def test_cli_end_to_end_subprocess(tmp_path):
     meta = json.loads((run_dir / "run.json").read_text())
     assert {"git_sha", "hardware", "versions", "config", "seed"} <= set(meta)
     assert meta["config"]["backward"]["strategy"] == "jagg"
-    assert (run_dir / "checkpoint.pt").is_file()
+    assert (run_dir / "checkpoint" / ".metadata").is_file()  # sharded (DCP) checkpoint directory
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 2 and "already exists" in again.stderr

@@ -117,5 +117,6 @@ def test_torchrun_cli_two_processes_rank0_writes(tmp_path):
     assert [r["iteration"] for r in rows] == [1, 2]  # written once (rank 0), not once per rank
     assert all(r["onpolicy_ratio_max_dev"] == 0.0 for r in rows)
     assert json.loads((run_dir / "run.json").read_text())["world_size"] == WORLD
-    assert (run_dir / "checkpoint.pt").is_file()
+    shards = sorted(p.name for p in (run_dir / "checkpoint").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # sharded checkpoint: one file per rank
     assert out.stdout.count("done:") == 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from jagg.config import load_config
+from jagg.loop.checkpoint import read_checkpoint
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
 from jagg.models import build_tiny_backbone
@@ -197,7 +198,8 @@ def test_pretrained_pipeline_trains_two_iterations(pipelines, tmp_path, backbone
     assert all(m["onpolicy_ratio_max_dev"] == 0.0 and m["skipped_steps"] == 0 for m in metrics[1:])
     assert "eval_random_test_mean" in metrics[-1]
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
-    assert (tmp_path / "checkpoint.pt").is_file() and (tmp_path / "samples" / "iter_00002.png").is_file()
+    assert (tmp_path / "checkpoint" / ".metadata").is_file()
+    assert (tmp_path / "samples" / "iter_00002.png").is_file()
 
 
 @pytest.mark.parametrize("backbone", ["flux", "qwenimage"])
@@ -214,8 +216,8 @@ def test_lora_run_changes_only_adapters(pipelines, tmp_path, backbone):
     trainer.fit()
     changed = {n for n, p in named.items() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert len(state["trainable"]) == len(trainable)  # adapter-only checkpoint
+    state = read_checkpoint(tmp_path / "checkpoint")
+    assert {k.removeprefix("model.") for k in state if k.startswith("model.")} == trainable  # adapters only
 
 
 def test_embedding_cache_precompute_and_release(pipelines, tmp_path):

@@ -12,6 +12,7 @@ from jagg.common import SeedStream, generator
 from jagg.config import TINY_OVERRIDES, load_config
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES, trajectory_cost
+from jagg.loop.checkpoint import find_checkpoint, read_checkpoint, trainable_names
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer, TrainingAborted
 from jagg.rewards import REWARDS
@@ -66,7 +67,7 @@ def test_smoke_two_iterations_on_policy(tmp_path, config, backbone, strategy):
         assert m["skipped_steps"] == 0 and m["optimizer_steps"] == 2
         assert all(map(torch.isfinite, map(torch.tensor, (m["loss"], m["grad_norm"]))))
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params))
-    assert (tmp_path / "checkpoint.pt").is_file()
+    assert find_checkpoint(tmp_path) == tmp_path / "checkpoint"  # sharded (DCP) checkpoint directory
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
 
@@ -147,7 +148,7 @@ def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypat
         trainer.fit()
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))  # no update went through
     assert trainer.metrics[-1]["skipped_steps"] == 2 and trainer.iteration == 2
-    assert (tmp_path / "checkpoint.pt").is_file()
+    assert find_checkpoint(tmp_path) is not None
 
 
 def test_gradient_checkpointing_gives_identical_training(tmp_path):
@@ -179,8 +180,9 @@ def test_ema_tracks_parameters_and_is_used_for_eval(tmp_path):
     assert moved
     e, i, p = moved[0]
     assert not torch.equal(e, p) and not torch.equal(e, i)
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert ckpt["ema"] is not None and len(ckpt["ema"]) == len(trainer.params)
+    ckpt = read_checkpoint(tmp_path / "checkpoint")
+    ema = [ckpt[f"ema.{n}"] for n in trainable_names(trainer.backbone)]
+    assert len(ema) == len(trainer.params) and all(torch.equal(a, b) for a, b in zip(ema, trainer.ema))
 
 
 def test_bf16_autocast_smoke(tmp_path):

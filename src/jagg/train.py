@@ -1,12 +1,15 @@
 """Command line: ``python -m jagg.train --config configs/world/flux_dancegrpo.yaml [key=value ...]``.
 
-    --resume     continue the run in log.run_dir from its checkpoint
-    --overwrite  replace an existing run directory
-    --dry-run    validate the config and print the plan (steps, groups, passes, memory); no weights, no writes
+    --resume        continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded)
+    --overwrite     replace an existing run directory
+    --dry-run       validate the config and print the plan (steps, groups, passes, memory); no weights, no writes
+    --export OUT    no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
+                    folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
 Invalid configs exit with status 2 and one line naming the key, before anything is written.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
-nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics, checkpoints and grids.
+nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
+writes its own shards of a checkpoint. ``--export`` runs under torchrun too (any world size; rank 0 writes).
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (offline, no weights)")
     ap.add_argument(
+        "--export",
+        metavar="OUT_DIR",
+        help="no training: export the weights of log.run_dir's checkpoint to OUT_DIR and exit",
+    )
+    ap.add_argument(
         "--world-size",
         type=int,
         default=int(os.environ.get("WORLD_SIZE", 1)),
@@ -63,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
+    from jagg.loop.checkpoint import find_checkpoint
     from jagg.loop.components import build_components, check_config  # the registries: world, diffusers
 
     try:
@@ -73,9 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         _fail(str(err))
     run_dir = Path(cfg.log.run_dir)
-    ckpt = run_dir / "checkpoint.pt"
-    if args.resume and not ckpt.is_file():
-        _fail(f"--resume: missing checkpoint {ckpt} (log.run_dir={cfg.log.run_dir})")
+    ckpt = find_checkpoint(run_dir)
+    if args.export:
+        if args.resume or args.overwrite:
+            _fail("--export does not train: drop --resume / --overwrite (train first, then export)")
+        if ckpt is None:
+            _fail(f"--export: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={cfg.log.run_dir})")
+        return _export(cfg, Path(args.export))
+    if args.resume and ckpt is None:
+        _fail(f"--resume: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={cfg.log.run_dir})")
     if not args.resume and run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
         _fail(
             f"log.run_dir={cfg.log.run_dir} already exists; pass --resume to continue or --overwrite to replace"
@@ -112,8 +127,25 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingAborted as err:
         _fail(str(err), code=3)
     if info.is_main:
-        print(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {ckpt}")
+        print(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {trainer.checkpoint_path}/")
     del trainer, comp  # the sharded model and its gloo / NCCL work objects go before the process group
+    _shutdown()
+    return 0
+
+
+def _export(cfg, out_dir: Path) -> int:
+    """``--export``: the checkpoint's weights to ``out_dir`` (``jagg.loop.export.export_run``), no training."""
+    set_threads(1)
+    from jagg.loop.export import export_run
+    from jagg.scale.distributed import DistInfo, init_distributed
+
+    init_distributed()
+    try:
+        out = export_run(cfg, out_dir)
+    except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
+        _fail(str(err))
+    if DistInfo.current().is_main:
+        print(f"exported: {out}")
     _shutdown()
     return 0
 

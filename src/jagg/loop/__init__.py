@@ -4,9 +4,11 @@
     components  build_components: picks the model source (world / tiny / pretrained); checks the config
                 against the full registries before anything is written
     rewards     imports every module that registers a reward; builds a run's rewards on its device
-    checkpoint  checkpoint state: gathered from / loaded into the trainer's parts (FSDP-aware)
+    placement   where the trained backbone lives: LoRA, dtypes, device, FSDP2 shards received from rank 0
+    checkpoint  checkpoint state, sharded (torch.distributed.checkpoint): each rank saves / loads its shards
+    export      the trained weights once, on rank 0: a diffusers transformer folder or a peft LoRA adapter
     grids       PNG sample grids and their geometry
-    plan        the ``--dry-run`` plan (steps, groups, passes, memory) without weights
+    plan        the ``--dry-run`` plan (steps, groups, passes, memory per rank and GPU size) without weights
 
 Layer: top; it may import every other layer. Nothing in ``jagg`` imports it except ``jagg.train``.
 """

@@ -16,16 +16,17 @@ Multi-process (torchrun, FSDP2): every rank draws the same prompts, noise, SDE w
 whole global batch and keeps its contiguous share (micro-batch k of the global batch is sampled with the SDE
 seed (seed_it + k) wherever it runs, so the rollouts equal a single-process run's). Rewards are gathered
 before the group advantages, so a prompt group may span ranks. The backbone is sharded per block after LoRA
-is applied; the backward strategies are unchanged (FSDP2 reduce-scatters on each backward). Only rank 0
-writes metrics, checkpoints and sample grids; ``train.grad_accum`` counts micro-batches per rank.
+is applied, each rank receiving its shards of rank 0's weights (``placement``); the backward strategies are
+unchanged (FSDP2 reduce-scatters on each backward). Only rank 0 writes metrics and sample grids; every rank
+writes its own shards of a checkpoint; ``train.grad_accum`` counts micro-batches per rank.
 
-Elsewhere in this layer: the model parts (``components``), the rewards and their device (``rewards``),
-checkpoint state (``checkpoint``), sample grids (``grids``).
+Elsewhere in this layer: the model parts (``components``), where the trained model lives (``placement``), the
+rewards and their device (``rewards``), sharded checkpoint state (``checkpoint``), the weights' export
+(``export``), sample grids (``grids``).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import resource
@@ -46,15 +47,13 @@ from jagg.engine.grpo import GRPOStepLoss, group_advantages
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats, trajectory_backward
-from jagg.loop.checkpoint import Progress, load_checkpoint, save_checkpoint
+from jagg.loop.checkpoint import Progress, checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
 from jagg.loop.grids import save_grid
+from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_reward
 from jagg.models import Backbone, Components, TextCond
 from jagg.rewards import Reward, WeightedRewards
-from jagg.scale.distributed import DistInfo, full_tensor, shard_backbone
-from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+from jagg.scale.distributed import DistInfo, full_tensor
 
 
 class TrainingAborted(RuntimeError):
@@ -95,23 +94,15 @@ class Trainer:
         validate_world_size(cfg, self.dist.world_size)
         self.device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
         self.dtype = DTYPES[t.precision]
-        param_dtype = torch.float32 if t.precision == "bf16" else self.dtype  # bf16 = autocast, fp32 master
-        backbone = comp.backbone
-        if cfg.model.lora_rank > 0:  # before sharding and before the optimizer sees the parameters
-            self._apply_lora(backbone)
-        # Multi-process: cast on the host; fully_shard then moves only this rank's shard to the device.
-        if self.dist.enabled:
-            self.backbone = backbone.to(dtype=param_dtype)
-        else:
-            self.backbone = backbone.to(self.device, param_dtype)
-        if cfg.model.gradient_checkpointing:
-            self.backbone.transformer.enable_gradient_checkpointing()
-        self.reference = None
-        if cfg.algorithm.kl_beta > 0:  # an unsharded frozen copy (small models; KL is off at paper scale)
-            self.reference = copy.deepcopy(self.backbone).requires_grad_(False).to(self.device)
-        if self.dist.enabled:
-            shard_backbone(self.backbone, mp_policy=self._mixed_precision())
-            self.backbone.to(self.device)  # buffers and unsharded leftovers (no-op for the shards)
+        # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, and
+        # under FSDP2 the shards of rank 0's weights (jagg.loop.placement)
+        self.backbone, self.reference = place_backbone(
+            cfg,
+            comp.backbone,
+            device=self.device,
+            dist=self.dist,
+            reference=cfg.algorithm.kl_beta > 0,  # unsharded frozen copy (small models; no KL at paper scale)
+        )
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -137,22 +128,6 @@ class Trainer:
         self.metrics: list[dict] = []
 
     # ------------------------------------------------------------------ setup helpers
-    def _apply_lora(self, backbone: Backbone) -> None:
-        """peft LoRA on the transformer (rank, alpha, targets from model.*); same init on every rank."""
-        m = self.cfg.model
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.cfg.train.seed)
-            targets = m.lora_targets or DEFAULT_TARGETS[m.backbone]
-            apply_lora(backbone, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets)
-
-    def _mixed_precision(self):
-        """FSDP2 policy: bf16 compute and all-gathers, fp32 gradient reduction, when train.precision=bf16."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        if self.dtype != torch.bfloat16:
-            return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
     def _build_reward(self, name: str) -> Reward:
         """Reward ``name`` with reward.kwargs[name], on the training device when it takes one."""
         return build_run_reward(name, self.cfg.reward.kwargs.get(name, {}), self.device)
@@ -463,14 +438,15 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoint.pt"
+        """The run's checkpoint directory (``jagg.loop.checkpoint``: sharded, DCP)."""
+        return checkpoint_dir(self.run_dir)
 
     def save_checkpoint(self) -> None:
-        """Atomically write the checkpoint (``jagg.loop.checkpoint``); a collective: every rank calls it."""
+        """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
         progress = Progress(self.iteration, self.consecutive_skips, self.metrics, self.ema)
         save_checkpoint(
-            self.checkpoint_path,
-            params=self.params,
+            self.run_dir,
+            model=self.backbone,
             optimizer=self.optimizer,
             progress=progress,
             config=self.cfg.to_dict(),
@@ -478,9 +454,13 @@ class Trainer:
         )
 
     def load_checkpoint(self) -> None:
-        """Restore weights, optimizer, EMA, RNG states, counters and metrics from ``checkpoint_path``."""
+        """Restore weights, optimizer, EMA, RNG states, counters and metrics from the run's checkpoint
+        (each rank reads its shards; the checkpoint may come from another world size)."""
+        path = find_checkpoint(self.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"no complete checkpoint under {self.run_dir}")
         progress = load_checkpoint(
-            self.checkpoint_path, params=self.params, optimizer=self.optimizer, dist=self.dist
+            path, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
         )
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips

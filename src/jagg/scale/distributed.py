@@ -8,6 +8,10 @@ after a backward FSDP2 reduce-scatters its gradients once. Hence (docs/decisions
     JAGG            one joint backward over two forwards -> 1 reduce-scatter per unit
 (``tests/test_distributed.py`` counts them with ``CollectiveCounter``). Apply LoRA before sharding.
 
+Loading without the full model on every rank: ``shard_from_rank0`` shards a model whose weights only rank 0
+holds (the others build it on the meta device) and sends each rank its slices; ``cast_parameters`` keeps
+frozen parameters (the LoRA base) in the compute dtype and only the trained ones in fp32.
+
 CPU: gloo works for FSDP2 in torch 2.14 (FSDP2 calls ``dist.reduce_scatter_single`` /
 ``dist.all_gather_single``, both implemented by gloo); use one thread per process.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -214,33 +218,90 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
-def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``full`` laid out like ``like`` (a DTensor: this rank's shard, via ``distribute_tensor``; call on every
-    rank), on ``like``'s device and dtype."""
-    full = full.to(device=like.device, dtype=like.dtype)
-    if not is_sharded(like):
-        return full
-    from torch.distributed.tensor import distribute_tensor
+def cast_parameters(
+    module: nn.Module,
+    *,
+    trainable: torch.dtype,
+    frozen: torch.dtype,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """In place: trainable parameters to ``trainable``, frozen ones to ``frozen``, floating buffers to
+    ``trainable`` (and everything to ``device`` when given). Free on the meta device. Returns ``module``.
 
-    return distribute_tensor(full, like.device_mesh, like.placements)
+    With LoRA under bf16 autocast this keeps the frozen base in bf16 (the dtype it was loaded in) and only
+    the adapters in fp32; full fine-tuning has no frozen parameters.
+    """
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t if device is None else t.to(device)
+        frozen_param = isinstance(t, nn.Parameter) and not t.requires_grad
+        return t.to(device=device, dtype=frozen if frozen_param else trainable)
+
+    return module._apply(convert)
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` with every sharded state tensor gathered to a full CPU tensor."""
-    sd = optimizer.state_dict()
-    state = {
-        pid: {k: full_tensor(v).cpu() if torch.is_tensor(v) else v for k, v in st.items()}
-        for pid, st in sd["state"].items()
-    }
-    return {**sd, "state": state}
+def _non_persistent_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(owner, name) of every buffer ``state_dict`` leaves out."""
+    return [
+        (m, b)
+        for m in module.modules()
+        for b in sorted(m._non_persistent_buffers_set)
+        if m._buffers.get(b) is not None
+    ]
 
 
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, params: list, sd: dict) -> None:
-    """Inverse of ``full_optimizer_state`` for the single parameter group over ``params``."""
-    state = {}
-    for pid, st in sd["state"].items():
-        p = params[int(pid)]
-        state[pid] = {
-            k: shard_like(v, p) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in st.items()
-        }
-    optimizer.load_state_dict({**sd, "state": state})
+def shard_from_rank0(
+    module: nn.Module,
+    shard: Callable[[nn.Module], object],
+    *,
+    device: torch.device | str,
+    trainable: torch.dtype,
+    frozen: torch.dtype,
+) -> nn.Module:
+    """Shard ``module`` in place (``shard``, e.g. ``shard_backbone``) with the weights rank 0 holds; no other
+    rank ever holds more than its shards plus one full tensor in transit. Call on every rank.
+
+    Rank 0's ``module`` holds the weights; the other ranks' may be built on the meta device (what
+    ``jagg.scale.pretrained.load_backbone(meta=True)`` returns) or hold anything (it is overwritten). Every
+    rank moves its copy to the meta device (rank 0 keeps a reference to its full state dict), sets the
+    parameter dtypes (``cast_parameters``: free on meta), shards, allocates only its shards on ``device``
+    (``to_empty``) and receives them from rank 0 tensor by tensor
+    (``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``:
+    each tensor is broadcast in rank 0's dtype and copied, converted, into the local shard). Buffers left
+    out of ``state_dict`` are broadcast too. Host peak: rank 0 its loaded weights + its shards; other ranks
+    their shards + the largest single tensor.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    info = DistInfo.current()
+    full = module.state_dict() if info.is_main else {}  # references: rank 0's weights stay alive until loaded
+    extra = [(m, b, m._buffers[b]) for m, b in _non_persistent_buffers(module)]
+    module.to("meta")
+    cast_parameters(module, trainable=trainable, frozen=frozen)
+    shard(module)
+    module.to_empty(device=device)
+    set_model_state_dict(
+        module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    del full
+    with torch.no_grad():
+        for m, b, value in extra:
+            buf = m._buffers[b]
+            if info.is_main:
+                buf.copy_(value)
+            dist.broadcast(buf, src=0)
+    return module
+
+
+def broadcast_module(module: nn.Module, *, device: torch.device | str) -> nn.Module:
+    """Every parameter and buffer of an unsharded ``module`` set to rank 0's, on ``device`` (call on every
+    rank; other ranks' copies may be on the meta device). For small frozen copies (the KL reference)."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module.to_empty(device=device)
+    else:
+        module.to(device)
+    with torch.no_grad():
+        for t in (*module.parameters(), *module.buffers()):
+            dist.broadcast(t.data, src=0)
+    return module

@@ -37,8 +37,15 @@ def _subfolder(path: str, sub: str) -> str | None:
     return sub
 
 
-def load_transformer(name: str, name_or_path: str | None = None, *, dtype: torch.dtype = torch.bfloat16):
-    """The real diffusers transformer class of backbone ``name`` with pretrained weights in ``dtype``."""
+def load_transformer(
+    name: str, name_or_path: str | None = None, *, dtype: torch.dtype = torch.bfloat16, meta: bool = False
+):
+    """The real diffusers transformer class of backbone ``name`` with pretrained weights in ``dtype``.
+
+    ``meta=True``: the same architecture (its ``config.json`` only) on the meta device, no weights read: what
+    ranks other than 0 build under FSDP2 (``jagg.scale.distributed.shard_from_rank0`` sends them their
+    shards of rank 0's weights). Weights load with ``low_cpu_mem_usage`` (no random init first).
+    """
     if name not in BACKBONES:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {name!r}")
     cls = BACKBONES[name].transformer_cls
@@ -46,9 +53,16 @@ def load_transformer(name: str, name_or_path: str | None = None, *, dtype: torch
 
     def load(p: str, local: bool):
         sub = _subfolder(p, "transformer")
-        return cls.from_pretrained(p, subfolder=sub, torch_dtype=dtype, local_files_only=local)
+        if meta:
+            config = cls.load_config(p, subfolder=sub, local_files_only=local)
+            with torch.device("meta"):
+                return cls.from_config(config).to(dtype)
+        return cls.from_pretrained(
+            p, subfolder=sub, torch_dtype=dtype, local_files_only=local, low_cpu_mem_usage=True
+        )
 
-    return load_or_explain(load, repo, what=f"{name} transformer weights", how=_HOW if name == "flux" else "")
+    what = f"{name} transformer " + ("config" if meta else "weights")
+    return load_or_explain(load, repo, what=what, how=_HOW if name == "flux" else "")
 
 
 def load_backbone(
@@ -58,14 +72,16 @@ def load_backbone(
     dtype: torch.dtype = torch.bfloat16,
     gradient_checkpointing: bool = False,
     device: str | torch.device | None = None,
+    meta: bool = False,
     **adapter_kwargs,
 ) -> Backbone:
-    """``FluxBackbone`` / ``QwenImageBackbone`` around the pretrained transformer.
+    """``FluxBackbone`` / ``QwenImageBackbone`` around the pretrained transformer (``meta``: see
+    ``load_transformer``).
 
     ``adapter_kwargs`` go to the adapter (``guidance_scale`` for Flux, ``true_cfg_scale`` for Qwen-Image).
     Gradient checkpointing is diffusers' own (per transformer block); it gives bit-identical gradients.
     """
-    transformer = load_transformer(name, name_or_path, dtype=dtype)
+    transformer = load_transformer(name, name_or_path, dtype=dtype, meta=meta)
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     backbone = BACKBONES[name](transformer, **adapter_kwargs)
@@ -167,7 +183,9 @@ def build_pretrained_components(cfg: Config) -> Components:
     """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
 
     Weights load in bf16 when ``train.precision=bf16`` (else fp32); text encoders and VAE go to the training
-    device, the transformer stays on CPU for the trainer to place (and shard). With
+    device, the transformer stays on CPU for the trainer to place (and shard). Under several processes only
+    rank 0 reads the transformer's weights; the other ranks build it on the meta device and receive their
+    shards from rank 0 when the trainer shards it (``jagg.loop.placement``). With
     ``data.precompute_embeddings`` every train/eval prompt is encoded first (rank-strided into
     ``data.embedding_cache`` when set) and the text encoders are freed.
     """
@@ -177,7 +195,8 @@ def build_pretrained_components(cfg: Config) -> Components:
     adapter = (
         {"guidance_scale": m.guidance_scale} if m.backbone == "flux" else {"true_cfg_scale": m.true_cfg_scale}
     )
-    backbone = load_backbone(m.backbone, m.path, dtype=dtype, **adapter)
+    info = DistInfo.current()
+    backbone = load_backbone(m.backbone, m.path, dtype=dtype, meta=not info.is_main, **adapter)
     decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=dtype), device=device)
     if decoder.vae.config.get("latent_channels", decoder.vae.config.get("z_dim")) != backbone.latent_channels:
         raise ConfigError(f"model.path={m.path}: VAE latent channels do not match the transformer's")
@@ -190,7 +209,6 @@ def build_pretrained_components(cfg: Config) -> Components:
     train = load_prompts(d.train_prompts, limit=d.train_limit)
     evals = load_prompts(d.eval_prompts, limit=d.eval_limit)
     if d.precompute_embeddings:
-        info = DistInfo.current()
         text.precompute(list(train.prompts) + list(evals.prompts), info.rank, info.world_size)
         info.barrier()
         text.release()

@@ -1,0 +1,124 @@
+"""The export step: a run's trained weights written once, by rank 0, in the format their library loads.
+
+    full fine-tuning  a diffusers transformer folder (``save_pretrained``: ``config.json`` + safetensors), for
+                      ``FluxTransformer2DModel`` / ``QwenImageTransformer2DModel.from_pretrained(folder)`` and
+                      hence ``FluxPipeline.from_pretrained(base, transformer=...)``
+    LoRA              the adapter only, via ``jagg.scale.lora.export_lora``: ``adapter_config.json`` +
+                      ``adapter_model.safetensors`` (peft) and ``pytorch_lora_weights.safetensors`` (diffusers'
+                      ``load_lora_weights``)
+
+Which weights: the EMA weights when the run keeps an EMA (``optim.ema_decay > 0``; what evaluation scores),
+else the trained ones. dtype: a full model in the compute dtype of ``train.precision`` (bf16 for the paper
+configs: the published checkpoints' dtype, what inference runs in; half the size of the fp32 master
+weights), else the master dtype; adapters as trained (fp32). Under FSDP2 the weights are gathered one tensor
+at a time (every rank joins each all-gather) and only rank 0 keeps a CPU copy, so rank 0's host peak is the
+exported weights once (FLUX.1-dev in bf16: ~22 GiB) and the other ranks hold nothing extra. Written into
+``OUT.tmp`` and renamed, so ``OUT`` is complete or absent.
+
+``export_run``: the same from the checkpoint in ``log.run_dir``, without training
+(``python -m jagg.train --config ... --export OUT``): builds the components, places the backbone like the
+trainer (``jagg.loop.placement``; any world size, DCP reshards), loads only the weights, exports.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from jagg.config import Config
+from jagg.loop.checkpoint import find_checkpoint, load_weights, trainable_names
+from jagg.loop.placement import DTYPES, place_backbone
+from jagg.models import BACKBONES, Backbone
+from jagg.scale.distributed import DistInfo, full_tensor
+from jagg.scale.lora import export_lora
+
+
+def _gather(tensors: dict[str, torch.Tensor], dist: DistInfo, dtype: torch.dtype | None) -> dict:
+    """Full CPU copies on rank 0 (floating tensors in ``dtype`` when given), {} elsewhere; one all-gather
+    per tensor, every rank calls it."""
+    out = {}
+    for name, t in tensors.items():
+        full = full_tensor(t.detach())
+        if dist.is_main:
+            cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+            out[name] = full.to("cpu", cast).contiguous()
+        del full
+    return out
+
+
+def export_trained(
+    cfg: Config,
+    backbone: Backbone,
+    out_dir: str | Path,
+    *,
+    dist: DistInfo,
+    ema: list[torch.Tensor] | None = None,
+) -> Path:
+    """Write ``backbone``'s weights (``ema``, laid out like its trainable parameters, replaces them) to
+    ``out_dir`` in the format of the module docstring. A collective under FSDP2; rank 0 writes."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    trained = dict(zip(trainable_names(backbone), ema, strict=True)) if ema is not None else {}
+    if cfg.model.lora_rank > 0:
+        named = dict(backbone.named_parameters())
+        state = _gather({n: trained.get(n, named[n]) for n in trainable_names(backbone)}, dist, None)
+        if dist.is_main:
+            export_lora(backbone, tmp, state=state, base_model=cfg.model.path)
+    else:
+        dtype = DTYPES[cfg.train.precision]
+        prefix = "transformer."
+        sd = {k: trained.get(prefix + k, v) for k, v in backbone.transformer.state_dict().items()}
+        full = _gather(sd, dist, dtype)
+        if dist.is_main:
+            _save_transformer(cfg.model.backbone, backbone.transformer.config, full, tmp)
+    if dist.is_main:
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    dist.barrier()
+    return out
+
+
+def _save_transformer(backbone: str, config, state: dict[str, torch.Tensor], out: Path) -> None:
+    """``save_pretrained`` of a fresh transformer of the backbone's diffusers class holding ``state``
+    (built on the meta device and given the tensors: no second copy)."""
+    cls = BACKBONES[backbone].transformer_cls
+    with torch.device("meta"):
+        model: nn.Module = cls.from_config(dict(config))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.save_pretrained(str(out))
+
+
+def export_run(cfg: Config, out_dir: str | Path) -> Path:
+    """Export the checkpoint of ``cfg.log.run_dir`` to ``out_dir`` without training (module docstring):
+    the EMA weights when the checkpoint holds them. Every rank calls it; ``FileNotFoundError`` when the run
+    has no checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dist = DistInfo.current()
+    path = find_checkpoint(cfg.log.run_dir)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint under log.run_dir={cfg.log.run_dir}: train first")
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    t = cfg.train
+    device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
+    backbone, _ = place_backbone(cfg, _load_backbone(cfg, dist), device=device, dist=dist)
+    load_weights(path, backbone, ema=any(k.startswith("ema.") for k in keys))
+    return export_trained(cfg, backbone, out_dir, dist=dist)
+
+
+def _load_backbone(cfg: Config, dist: DistInfo) -> Backbone:
+    """The run's backbone before training, nothing else (no text encoders, VAE or rewards): pretrained
+    weights on rank 0 and the meta device elsewhere, as ``build_pretrained_components`` loads it."""
+    if cfg.model.source != "pretrained":
+        from jagg.loop.components import build_components
+
+        return build_components(cfg).backbone
+    from jagg.scale.pretrained import load_backbone
+
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    return load_backbone(cfg.model.backbone, cfg.model.path, dtype=dtype, meta=not dist.is_main)

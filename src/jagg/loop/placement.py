@@ -1,0 +1,94 @@
+"""Where the trained backbone lives: LoRA, parameter dtypes, device, and FSDP2 shards loaded from rank 0.
+
+    dtypes        ``train.precision=bf16``: the trained parameters are fp32 master weights under bf16 autocast;
+                  frozen parameters (the LoRA base) stay in bf16, the dtype they were loaded in, and are never
+                  upcast. fp32 / fp64: every parameter in that dtype.
+    one process   the backbone is cast and moved to the training device.
+    N processes   only rank 0 holds the loaded weights (``model.source=pretrained`` builds the transformer on
+                  the meta device on the other ranks); every rank shards its copy per block
+                  (``shard_backbone``), allocates only its own shards and receives them from rank 0 one tensor
+                  at a time (``jagg.scale.distributed.shard_from_rank0``). No rank but 0 ever holds the full
+                  model, and rank 0 holds it once, in the dtype it was loaded in.
+
+The trainer and the export step (``jagg.loop.export``) place the backbone the same way, so a checkpoint's
+keys and shapes match whichever of them loads it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from jagg.config import Config
+from jagg.models import Backbone
+from jagg.scale.distributed import (
+    DistInfo,
+    broadcast_module,
+    cast_parameters,
+    shard_backbone,
+    shard_from_rank0,
+)
+from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def parameter_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype]:
+    """(trained, frozen) parameter dtypes of ``train.precision``: bf16 -> (fp32 master, bf16)."""
+    compute = DTYPES[precision]
+    return (torch.float32 if compute == torch.bfloat16 else compute), compute
+
+
+def mixed_precision(precision: str):
+    """FSDP2 policy: bf16 compute and all-gathers, fp32 gradient reduction, when ``precision`` is bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if DTYPES[precision] != torch.bfloat16:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def apply_run_lora(cfg: Config, backbone: Backbone) -> None:
+    """peft LoRA on the transformer (rank, alpha, targets from model.*); the same init on every rank."""
+    m = cfg.model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        targets = m.lora_targets or DEFAULT_TARGETS[m.backbone]
+        apply_lora(backbone, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets)
+
+
+def place_backbone(
+    cfg: Config,
+    backbone: Backbone,
+    *,
+    device: torch.device,
+    dist: DistInfo,
+    reference: bool = False,
+) -> tuple[Backbone, Backbone | None]:
+    """LoRA (``model.lora_rank > 0``), gradient checkpointing, dtypes, device and, under several processes,
+    FSDP2 sharding with rank 0's weights (module docstring). Returns (backbone, reference): ``reference`` asks
+    for an unsharded frozen copy of the initial model on every rank (the KL reference; small models only)."""
+    trained, frozen = parameter_dtypes(cfg.train.precision)
+    if cfg.model.lora_rank > 0:  # before sharding and before the optimizer sees the parameters
+        apply_run_lora(cfg, backbone)
+    if cfg.model.gradient_checkpointing:
+        backbone.transformer.enable_gradient_checkpointing()
+    ref = None
+    if not dist.enabled:
+        cast_parameters(backbone, trainable=trained, frozen=frozen, device=device)
+        if reference:
+            ref = copy.deepcopy(backbone).requires_grad_(False)
+        return backbone, ref
+    if reference:  # cast first (free on the meta ranks), so the copy has the trained model's dtypes
+        cast_parameters(backbone, trainable=trained, frozen=frozen)
+        ref = broadcast_module(copy.deepcopy(backbone).requires_grad_(False), device=device)
+    policy = mixed_precision(cfg.train.precision)
+    shard_from_rank0(
+        backbone,
+        lambda b: shard_backbone(b, mp_policy=policy),
+        device=device,
+        trainable=trained,
+        frozen=frozen,
+    )
+    return backbone, ref
