@@ -45,7 +45,7 @@ format: $(STAMP) ## Auto-format with ruff
 	$(PY) -m ruff check --fix src tests experiments
 
 bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image backbones -> results/bench_group_backward.csv
-	$(PY) experiments/bench_group_backward.py --out results/bench_group_backward.csv
+	$(PY) experiments/bench_group_backward.py --repeats 15 --out results/bench_group_backward.csv
 
 gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights: real Flux / Qwen-Image architectures, one DanceGRPO trajectory's update, exact vs every JAGG mode, LoRA and full -> results/gpu/ (without CUDA: tiny configs -> runs/gpu_check/)
 	$(PY) experiments/gpu_check.py
