@@ -52,6 +52,6 @@ def test_committed_notebook_shows_its_outputs(name):
     assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "run `make notebooks`"
     assert not [o for o in _outputs(nb) if o["output_type"] == "error"]
     pngs = _pngs(nb)
-    assert pngs and all(len(p) < 60_000 for p in pngs)
+    assert pngs and all(len(p) < 100_000 for p in pngs)  # Table 1 has ~24 bars: ~70 KB at 72 dpi
     assert path.stat().st_size < 300_000
     assert str(ROOT) not in path.read_text()  # nothing machine-specific in the outputs
