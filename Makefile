@@ -34,7 +34,7 @@ test: $(STAMP) ## Run the test suite (creates .venv if missing)
 	$(PY) -m pytest -q
 
 test-dist: $(STAMP) ## 2-process FSDP2 tests on CPU (gloo): group backward, trainer, torchrun CLI, checkpoints / loading / export
-	$(PY) -m pytest -q tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py
+	$(PY) -m pytest -q tests/test_dist_harness.py tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py
 
 lint: $(STAMP) ## ruff check + format check
 	$(PY) -m ruff check src tests experiments
