@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import make_grpo_step_loss, make_model, straight_path_latents
-from jagg.engine.diagnostics import flat_grad, group_gradient_cosines
-from jagg.engine.strategies import group_backward
+from jagg.engine.diagnostics import GroupCosine, flat_grad, group_gradient_cosines, route_by_cosine
+from jagg.engine.strategies import group_backward, plan_groups
 
 SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08], dtype=torch.float64)
 
@@ -73,3 +74,59 @@ def test_w2_is_exact_for_any_model():
     module, velocity, latents, sig, step_loss = _problem("flux", t=4)
     out = group_gradient_cosines(velocity, latents, sig, step_loss, list(module.parameters()), group_size=2)
     assert len(out) == 2 and all(c.rel_norm_err < 1e-10 for c in out)
+
+
+class GrowingNonlinearity(torch.nn.Module):
+    """Theorem 1's linear field plus a nonlinear term whose weight grows as t falls (1 = noise, 0 = data):
+    v = A z + b t + c + gamma (1 - t)^3 sin(M z). Early (high-noise) groups are nearly linear, late ones not."""
+
+    def __init__(self, d: int, gamma: float) -> None:
+        super().__init__()
+        self.A = torch.nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.b, self.c = torch.nn.Parameter(torch.randn(d)), torch.nn.Parameter(torch.randn(d))
+        self.M = torch.nn.Parameter(20 * torch.randn(d, d) / d**0.5)
+        self.gamma = gamma
+
+    def forward(self, z, t):
+        t = torch.as_tensor(t, dtype=z.dtype).expand(z.shape[0])[:, None]
+        flat = z.flatten(1)
+        v = flat @ self.A.T + t * self.b + self.c + self.gamma * (1 - t) ** 3 * torch.sin(flat @ self.M.T)
+        return v.view(z.shape)
+
+
+def _routing_for(gamma: float, w: int, min_cosine: float = 0.95) -> tuple[list[bool], list[float]]:
+    torch.manual_seed(0)
+    shape = (2, 2, 4, 4)
+    model = GrowingNonlinearity(32, gamma).double()
+    sigmas = torch.linspace(0.98, 0.02, 13, dtype=torch.float64)  # 12 trained steps on a straight path
+    latents = straight_path_latents(shape, sigmas[:-1], seed=1)
+    loss = make_grpo_step_loss(model, latents, sigmas[:-1], sigmas[1:], seed=2)
+    cos = group_gradient_cosines(model, latents, sigmas[:-1], loss, list(model.parameters()), group_size=w)
+    return route_by_cosine(cos, min_cosine), [c.cosine for c in cos]
+
+
+def test_auto_routing_sends_early_groups_to_jagg_and_late_ones_to_exact():
+    """12 trained steps, W = 3: the nonlinearity grows as t falls, so the cosine falls along the trajectory
+    (here 0.9999, 0.983, 0.961, 0.799) and the rule routes a leading run of groups to JAGG, the rest to exact."""
+    routing, cosines = _routing_for(gamma=10.0, w=3)
+    assert cosines == sorted(cosines, reverse=True) and cosines[0] > 0.99 and cosines[-1] < 0.9, cosines
+    assert routing[0] and not routing[-1], (routing, cosines)
+    assert routing == sorted(routing, reverse=True), (routing, cosines)  # a leading run of JAGG groups
+    assert routing == [True, True, True, False]
+    plans = plan_groups(12, 3, 0.0, "jagg", routing)
+    assert [p.strategy == "jagg" for p in plans] == [r and len(p.steps) > 1 for r, p in zip(routing, plans)]
+
+
+def test_auto_routing_on_a_linear_model_routes_everything_to_jagg():
+    routing, cosines = _routing_for(gamma=0.0, w=4)
+    assert all(c > 1 - 1e-10 for c in cosines) and all(routing) and len(routing) == 3  # Theorem 1
+
+
+def test_groups_of_two_always_qualify():
+    routing, cosines = _routing_for(gamma=10.0, w=2)
+    assert all(routing) and len(routing) == 6
+    assert route_by_cosine([GroupCosine(0, (0, 1), "jagg", 0.5, 1.0)], 0.9) == [True]  # rounding, not error
+    assert route_by_cosine([GroupCosine(0, (0, 1, 2), "jagg", 0.5, 1.0)], 0.9) == [False]
+    assert route_by_cosine([], 0.9) == []
+    with pytest.raises(ValueError, match="min_cosine"):
+        route_by_cosine([], 1.5)

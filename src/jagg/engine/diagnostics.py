@@ -93,3 +93,22 @@ def group_gradient_cosines(
         for p, grad in zip(params, saved, strict=True):
             p.grad = grad
     return out
+
+
+def route_by_cosine(cosines: Sequence[GroupCosine], min_cosine: float, strategy: str = "jagg") -> list[bool]:
+    """Per group position: True (use ``strategy``) where its gradient's cosine to the exact one is at least
+    ``min_cosine``, False (exact) elsewhere.
+
+    ``cosines`` come from ``group_gradient_cosines`` (one micro-batch, or several: a position qualifies only if
+    every measurement of it does). A group of two steps always qualifies: JAGG is exact there (alpha = (0, 1)),
+    so a cosine below 1 can only be rounding. Positions that were not measured (single-step groups) stay exact.
+    """
+    if not -1.0 <= min_cosine <= 1.0:
+        raise ValueError(f"min_cosine must be in [-1, 1], got {min_cosine!r}")
+    ok: dict[int, bool] = {}
+    for c in cosines:
+        if c.strategy != strategy:
+            continue
+        good = len(c.steps) == 2 or c.cosine >= min_cosine
+        ok[c.group] = ok.get(c.group, True) and good
+    return [ok.get(g, False) for g in range(max(ok, default=-1) + 1)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -366,11 +366,19 @@ def validate_routing(group_size: int, jagg_frac: float, strategy: str, endpoints
         raise ValueError(f"backward.endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
 
 
-def plan_groups(num_steps: int, group_size: int, jagg_frac: float, strategy: str) -> list[GroupPlan]:
+def plan_groups(
+    num_steps: int,
+    group_size: int,
+    jagg_frac: float,
+    strategy: str,
+    routing: Sequence[bool] | None = None,
+) -> list[GroupPlan]:
     """Cut ``num_steps`` time-sorted trained steps into consecutive groups of ``group_size``.
 
     The last group may be shorter. The first ``round(jagg_frac * n_groups)`` groups (round half up) use
-    ``strategy``; the rest, and any group of a single step, use the exact per-step backward.
+    ``strategy``; the rest, and any group of a single step, use the exact per-step backward. ``routing`` (one
+    bool per group position, e.g. from ``jagg.engine.diagnostics.route_by_cosine``) replaces the jagg_frac rule:
+    group g uses ``strategy`` where ``routing[g]`` is true, exact elsewhere and beyond its length.
     """
     validate_routing(group_size, jagg_frac, strategy)
     starts = range(0, num_steps, group_size)
@@ -379,8 +387,8 @@ def plan_groups(num_steps: int, group_size: int, jagg_frac: float, strategy: str
     plans = []
     for g, s in enumerate(starts):
         steps = tuple(range(s, min(s + group_size, num_steps)))
-        routed = g < n_routed and len(steps) > 1
-        plans.append(GroupPlan(steps, strategy if routed else "exact"))
+        chosen = g < n_routed if routing is None else g < len(routing) and bool(routing[g])
+        plans.append(GroupPlan(steps, strategy if chosen and len(steps) > 1 else "exact"))
     return plans
 
 
@@ -395,15 +403,16 @@ def trajectory_backward(
     jagg_frac: float,
     endpoints: str = "batched",
     outputs: Tensor | None = None,
+    routing: Sequence[bool] | None = None,
 ) -> GroupStats:
-    """Backward over all T trained steps of a trajectory with ``jagg_frac`` routing.
+    """Backward over all T trained steps of a trajectory with ``jagg_frac`` routing (or explicit ``routing``).
 
     ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) must be sorted by time (sigma decreasing);
     ``step_loss(i, v)`` takes the index i into the T trained steps. ``endpoints`` and ``outputs`` (T, B, ...)
     are passed to ``group_backward`` for each group.
     """
     total = None
-    for plan in plan_groups(latents.shape[0], group_size, jagg_frac, strategy):
+    for plan in plan_groups(latents.shape[0], group_size, jagg_frac, strategy, routing):
         idx = list(plan.steps)
         stats = group_backward(
             velocity,
