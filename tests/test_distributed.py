@@ -185,3 +185,31 @@ def test_jagg_differs_from_exact(fsdp_results):
     va, vb = torch.cat([g.flatten() for g in a.values()]), torch.cat([g.flatten() for g in b.values()])
     cos = torch.nn.functional.cosine_similarity(va, vb, dim=0).item()
     assert 0 < cos < 1 - 1e-6
+
+
+def cosine_worker(rank: int, out_dir: str) -> None:
+    """group_gradient_cosines on the sharded model (dot products per shard + all-reduce) vs one process."""
+    from jagg.engine.diagnostics import group_gradient_cosines
+    from jagg.scale.distributed import shard_backbone
+
+    rows = list(range(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD))
+    ref, group = _problem()
+    lat, sig, cond, loss = group(list(range(B_GLOBAL)))
+    single = group_gradient_cosines(ref.bind(cond), lat, sig, loss, list(ref.parameters()), group_size=W)
+    sharded, group = _problem()
+    shard_backbone(sharded)
+    lat, sig, cond, loss = group(rows)
+    params = [p for p in sharded.parameters() if p.requires_grad]
+    multi = group_gradient_cosines(sharded.bind(cond), lat, sig, loss, params, group_size=W)
+    with open(os.path.join(out_dir, f"cos{rank}.json"), "w") as f:
+        json.dump({"single": [c.cosine for c in single], "multi": [c.cosine for c in multi]}, f)
+
+
+def test_group_cosines_under_fsdp2_equal_one_process(tmp_path):
+    """The automatic routing's measurement under FSDP2: no rank gathers a full gradient, same cosines."""
+    out = run_ranks("test_distributed:cosine_worker", WORLD, tmp_path)
+    for r in range(WORLD):
+        res = json.loads((out / f"cos{r}.json").read_text())
+        assert len(res["multi"]) == len(res["single"]) == 1  # one group of W = 4
+        assert 0 < res["single"][0] < 1 - 1e-6
+        assert res["multi"] == pytest.approx(res["single"], abs=1e-6)

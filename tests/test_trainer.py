@@ -315,3 +315,41 @@ def test_named_seed_streams_keep_the_previous_seeds():
     assert generator(1, SeedStream.FINETUNE, 4).initial_seed() == before(
         1, 50_004
     )  # cosine rollout(50_000 + it)
+
+
+@pytest.mark.parametrize(("min_cosine", "routed"), [(-1.0, "jagg"), (1.0, "exact")])
+def test_auto_routing_calibrates_logs_and_routes(tmp_path, min_cosine, routed):
+    """``backward.jagg_frac=auto``: the cosine of the group's JAGG gradient to its exact one is measured at
+    iteration 0 (and every ``calibrate_every``), logged, and decides the routing. The tiny DanceGRPO run trains
+    3 steps = one group of W = 3: a threshold of -1 routes it to JAGG (2 backward passes per sample), 1.0 (which
+    an approximate group cannot reach) to exact (3), as the cost model says. The routing survives a resume."""
+    cfg = tiny_cfg(
+        tmp_path,
+        "backward.jagg_frac=auto",
+        f"backward.min_cosine={min_cosine}",
+        "backward.calibrate_every=2",
+        "train.iterations=3",
+        "log.checkpoint_every=1",
+    )
+    trainer = make_trainer(cfg)
+    rows = trainer.fit()
+    assert [("routing" in r) for r in rows] == [True, False, True]  # iterations 0 and 2
+    cal = rows[0]
+    assert cal["routing"] == [routed] and len(cal["calibration_cosines"]) == 1
+    assert 0.0 < cal["calibration_cosines"][0] < 1.0 and cal["time_calibrate_s"] > 0
+    expected = trajectory_cost(3, strategy=routed, group_size=3, jagg_frac=1.0)
+    per_sample = expected.backward_passes
+    assert all(r["backward_passes_per_sample"] == per_sample for r in rows)
+    resumed = make_trainer(cfg)
+    resumed.load_checkpoint()
+    assert resumed.routing == trainer.routing == [routed == "jagg"]
+
+
+def test_jagg_frac_auto_is_validated(tmp_path):
+    from jagg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"backward.jagg_frac must be a number in \[0, 1\] or 'auto'"):
+        tiny_cfg(tmp_path, "backward.jagg_frac=sometimes")
+    with pytest.raises(ConfigError, match="backward.min_cosine"):
+        tiny_cfg(tmp_path, "backward.jagg_frac=auto", "backward.min_cosine=2")
+    assert tiny_cfg(tmp_path, "backward.jagg_frac=0.5").backward.jagg_frac == 0.5

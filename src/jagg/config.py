@@ -97,7 +97,9 @@ class AlgorithmConfig:
 class BackwardConfig:
     strategy: str = "jagg"  # exact | jagg | endpoints | uniform
     group_size: int = 3  # W
-    jagg_frac: float = 0.6
+    jagg_frac: float | str = 0.6  # leading fraction of groups on `strategy`, or "auto" (measured, see below)
+    min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
+    calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
     endpoints: str = "batched"  # batched | joint (paper-literal) | sequential (one graph alive)
     reuse_rollout: bool = (
         True  # intermediate signals from the rollout's outputs before the first optimizer step
@@ -204,10 +206,15 @@ def _coerce(key: str, tp, value):
     """Check ``value`` against the annotation ``tp`` (int -> float is allowed); return the value."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        return _coerce(key, next(a for a in args if a is not type(None)), value)
+        for a in args[:-1]:  # the first type that accepts the value
+            try:
+                return _coerce(key, a, value)
+            except ConfigError:
+                pass
+        return _coerce(key, args[-1], value)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -329,10 +336,17 @@ def validate(cfg: Config) -> None:
     _require(a.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {a.kl_beta}")
     _require(a.kl_std in KL_STD, f"algorithm.kl_std must be one of {list(KL_STD)}, got {a.kl_std!r}")
     ALGORITHMS[a.name].validate(a, s.num_steps)
+    auto = isinstance(b.jagg_frac, str)
+    _require(
+        not auto or b.jagg_frac == "auto",
+        f"backward.jagg_frac must be a number in [0, 1] or 'auto', got {b.jagg_frac!r}",
+    )
     try:  # the one routing validator (the engine's)
-        validate_routing(b.group_size, b.jagg_frac, b.strategy, b.endpoints)
+        validate_routing(b.group_size, 1.0 if auto else b.jagg_frac, b.strategy, b.endpoints)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _require(-1.0 <= b.min_cosine <= 1.0, f"backward.min_cosine must be in [-1, 1], got {b.min_cosine}")
+    _require(b.calibrate_every >= 1, f"backward.calibrate_every must be >= 1, got {b.calibrate_every}")
     _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
     _require(o.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {o.max_grad_norm}")

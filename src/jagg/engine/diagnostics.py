@@ -34,6 +34,46 @@ def flat_grad(params: Iterable[torch.nn.Parameter]) -> Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
 
 
+def _local_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
+    """This rank's part of every gradient in float64 (a DTensor's local shard under FSDP2; zeros where None)."""
+    out = []
+    for p in params:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out.append((g.to_local() if hasattr(g, "to_local") else g).detach().double().flatten())
+    return out
+
+
+def _sharded_sums(a: list[Tensor], b: list[Tensor], sharded: bool) -> tuple[float, float, float, float]:
+    """(<a, b>, |a|^2, |b|^2, |a - b|^2) over all parameters: local sums, then one all-reduce across the ranks
+    when the gradients are sharded, so no rank ever holds a full gradient."""
+    sums = torch.stack(
+        [
+            sum((x * y).sum() for x, y in zip(a, b)),
+            sum((x * x).sum() for x in a),
+            sum((y * y).sum() for y in b),
+            sum(((x - y) ** 2).sum() for x, y in zip(a, b)),
+        ]
+    )
+    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+        device = a[0].device if a else torch.device("cpu")
+        sums = sums.to("cuda" if torch.distributed.get_backend() == "nccl" else device)
+        torch.distributed.all_reduce(sums)
+    return tuple(float(x) for x in sums.cpu())
+
+
+def _compare(a: list[Tensor], ref: list[Tensor], sharded: bool) -> tuple[float, float]:
+    """(cosine, relative error) of ``a`` vs ``ref``: on the flat vectors in one process, from all-reduced
+    sums when the gradients are sharded (never gathering a full gradient)."""
+    if not sharded:
+        fa, fr = torch.cat(a), torch.cat(ref)
+        return (
+            torch.nn.functional.cosine_similarity(fa, fr, dim=0).item(),
+            ((fa - fr).norm() / fr.norm()).item(),
+        )
+    dot, n_a, n_ref, n_diff = _sharded_sums(a, ref, sharded)
+    return dot / max(n_a * n_ref, 1e-300) ** 0.5, (n_diff / max(n_ref, 1e-300)) ** 0.5
+
+
 def group_gradient_cosines(
     velocity: Velocity,
     latents: Tensor,
@@ -58,6 +98,7 @@ def group_gradient_cosines(
     left as it was (each gradient is taken from zero and the previous gradients are put back).
     """
     params = list(params)
+    sharded = any(hasattr(p, "to_local") for p in params)  # FSDP2 parameters are DTensors
     saved = [p.grad for p in params]
     out = []
     try:
@@ -77,18 +118,11 @@ def group_gradient_cosines(
                     strategy,
                     endpoints=endpoints,
                 )
-                grads[strategy] = flat_grad(params).double()
+                grads[strategy] = _local_grads(params)
             ref = grads["exact"]
             for strategy in strategies:
-                out.append(
-                    GroupCosine(
-                        group=g,
-                        steps=tuple(idx),
-                        strategy=strategy,
-                        cosine=torch.nn.functional.cosine_similarity(grads[strategy], ref, dim=0).item(),
-                        rel_norm_err=((grads[strategy] - ref).norm() / ref.norm()).item(),
-                    )
-                )
+                cos, rel = _compare(grads[strategy], ref, sharded)
+                out.append(GroupCosine(g, tuple(idx), strategy, cos, rel))
     finally:
         for p, grad in zip(params, saved, strict=True):
             p.grad = grad

@@ -50,6 +50,7 @@ class Progress:
     consecutive_skips: int
     metrics: list[dict]
     ema: list[torch.Tensor] | None
+    routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
 
 
 @contextmanager
@@ -131,6 +132,7 @@ def save_checkpoint(
             "iteration": progress.iteration,
             "consecutive_skips": progress.consecutive_skips,
             "metrics": progress.metrics,
+            "routing": progress.routing,
             "rng": rng,
             "config": config,
             "optimizer_saved": stepped,
@@ -191,6 +193,7 @@ def load_checkpoint(
         consecutive_skips=meta["consecutive_skips"],
         metrics=meta["metrics"],
         ema=ema,
+        routing=meta.get("routing"),
     )
 
 

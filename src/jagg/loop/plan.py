@@ -155,14 +155,27 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     p.add("train reward / eval", f"{rewards} / {', '.join(cfg.reward.eval)}")
 
     T = trained_steps_per_sample(cfg)
-    groups = plan_groups(T, b.group_size, b.jagg_frac, b.strategy)
+    auto = (
+        b.jagg_frac == "auto"
+    )  # routed at run time by measured cosines: planned here as if every group qualifies
+    frac = 1.0 if auto else b.jagg_frac
+    groups = plan_groups(T, b.group_size, frac, b.strategy)
     p.section(
         f"update (backward.strategy={b.strategy}, W={b.group_size}, jagg_frac={b.jagg_frac}, "
         f"endpoints={b.endpoints}, reuse_rollout={b.reuse_rollout})"
     )
     p.add("trained steps per sample", f"{T} of {s.num_steps}")
     for g, plan in enumerate(groups):
-        p.add(f"group {g}", f"steps {list(plan.steps)} -> {plan.strategy}")
+        p.add(
+            f"group {g}",
+            f"steps {list(plan.steps)} -> {plan.strategy}" + (" (if its cosine qualifies)" * auto),
+        )
+    if auto:
+        p.add(
+            "routing",
+            f"auto: cos(JAGG, exact) per group measured at iteration 0 and every {b.calibrate_every}; "
+            f"JAGG where >= {b.min_cosine}; the costs below assume every group qualifies",
+        )
     n_micro = max(1, t.prompts_per_iter * t.images_per_prompt // world_size // t.train_batch_size)
     reused = min(n_micro, t.grad_accum) if b.reuse_rollout else 0
     p.add(
@@ -170,7 +183,7 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
         f"{reused} of {n_micro} micro-batches per iteration (before the 1st step)",
     )
     cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
-    route = dict(group_size=b.group_size, jagg_frac=b.jagg_frac)
+    route = dict(group_size=b.group_size, jagg_frac=frac)
     exact = trajectory_cost(T, strategy="exact", **route)
     p.section(
         "cost per sample by endpoint mode (passes of one micro-batch; FSDP2 collectives per sharded unit;"

@@ -43,6 +43,7 @@ from torch import Tensor
 from jagg.common import SeedStream, atomic_write_text, generator
 from jagg.config import BackwardConfig, Config, validate_world_size
 from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.diagnostics import group_gradient_cosines, route_by_cosine
 from jagg.engine.grpo import GRPOStepLoss, group_advantages
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.sde import shifted_linear_sigmas
@@ -126,6 +127,9 @@ class Trainer:
         self.iteration = 0
         self.consecutive_skips = 0
         self.metrics: list[dict] = []
+        self.routing: list[bool] | None = (
+            None  # backward.jagg_frac=auto: per group position, set by calibrate
+        )
 
     # ------------------------------------------------------------------ setup helpers
     def _build_reward(self, name: str) -> Reward:
@@ -281,7 +285,8 @@ class Trainer:
                 loss,
                 strategy=b.strategy,
                 group_size=b.group_size,
-                jagg_frac=b.jagg_frac,
+                jagg_frac=1.0 if b.jagg_frac == "auto" else b.jagg_frac,
+                routing=self.routing if b.jagg_frac == "auto" else None,
                 endpoints=b.endpoints,
                 outputs=_at_steps(ro.traj.outputs, idx, steps).to(self.device) if reuse else None,
             )
@@ -411,9 +416,42 @@ class Trainer:
                     p.copy_(s)
 
     # ------------------------------------------------------------------ one iteration
+    def calibrate(self, ro: Rollout) -> dict:
+        """``backward.jagg_frac=auto``: measure, on the rollout's first micro-batch, the cosine between each group
+        position's ``backward.strategy`` gradient and its exact gradient over the trainable parameters
+        (``group_gradient_cosines``; sharded dot products under FSDP2), and route each position to the strategy
+        where the cosine is at least ``backward.min_cosine``, to exact elsewhere (``route_by_cosine``).
+        Returns the metrics (cosines, routing, seconds); gradients are left as they were."""
+        b = self.cfg.backward
+        t0 = time.perf_counter()
+        idx = slice(0, self.cfg.train.train_batch_size)
+        steps = ro.trained[idx]
+        loss = self.grpo_loss(ro, steps, idx, scale=1.0)
+        cosines = group_gradient_cosines(
+            self.velocity(ro.cond.select(idx)),
+            loss.x,
+            loss.sigma,
+            loss,
+            self.params,
+            group_size=b.group_size,
+            strategies=(b.strategy,),
+            endpoints=b.endpoints,
+        )
+        self.routing = route_by_cosine(cosines, b.min_cosine, b.strategy)
+        return {
+            "calibration_cosines": [c.cosine for c in cosines],
+            "routing": [b.strategy if r else "exact" for r in self.routing],
+            "time_calibrate_s": time.perf_counter() - t0,
+        }
+
     def train_iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
         ro = self.rollout(it)
+        t_rollout = time.perf_counter() - t0
+        b, cal = self.cfg.backward, {}
+        auto = b.jagg_frac == "auto" and b.strategy != "exact"
+        if auto and (self.routing is None or it % b.calibrate_every == 0):
+            cal = self.calibrate(ro)  # reported as time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
         upd = self.update(ro)
         t2 = time.perf_counter()
@@ -425,9 +463,10 @@ class Trainer:
         for name, score in ro.components.items():
             row[f"reward_{name}_mean"], row[f"reward_{name}_std"] = score.mean().item(), score.std().item()
         row.update(upd)
+        row.update(cal)
         row.update(ro.timing)
         row.update(
-            time_rollout_s=t1 - t0,
+            time_rollout_s=t_rollout,
             time_update_s=t2 - t1,
             time_iteration_s=t2 - t0,
             lr=self.optimizer.param_groups[0]["lr"],
@@ -443,7 +482,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
-        progress = Progress(self.iteration, self.consecutive_skips, self.metrics, self.ema)
+        progress = Progress(self.iteration, self.consecutive_skips, self.metrics, self.ema, self.routing)
         save_checkpoint(
             self.run_dir,
             model=self.backbone,
@@ -464,7 +503,7 @@ class Trainer:
         )
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
-        self.metrics = progress.metrics
+        self.metrics, self.routing = progress.metrics, progress.routing
         self._write_metrics()
 
     def _write_metrics(self) -> None:
