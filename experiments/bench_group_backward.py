@@ -24,7 +24,7 @@ import torch
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.profiling import SavedActivationMeter
-from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import group_backward, group_cost
 from jagg.models import TextCond, build_tiny_backbone
 
@@ -70,32 +70,17 @@ def make_group(name: str, w: int, batch: int, size: int, seed: int):
     x0, eps = torch.randn(2, batch, 16, size, size, generator=g)
     latents = torch.stack([(1 - t) * x0 + t * eps for t in sig[:w]])
     adv = torch.randn(batch, generator=g)
-    with torch.no_grad():
-        steps = [
-            sde_step_with_logprob(
-                latents[j],
-                velocity(latents[j], sig[j]),
-                sig[j],
-                sig[j + 1],
-                kind="dance",
-                noise_level=0.3,
-                generator=g,
-            )
-            for j in range(w)
-        ]
-
-    step_loss = GRPOStepLoss(  # on-policy: the stored samples and old log-probs are this model's
-        x=latents,
-        x_next=torch.stack([st.prev_sample for st in steps]),
-        sigma=sig[:w],
-        sigma_next=sig[1 : w + 1],
-        old_log_prob=torch.stack([st.log_prob for st in steps]),
-        advantages=adv,
+    step_loss = GRPOStepLoss.on_policy(
+        velocity,
+        latents,
+        sig[:w],
+        sig[1 : w + 1],
+        adv,
         kind="dance",
         noise_level=0.3,
         clip_range=1e-4,
+        generator=g,
     )
-
     return bb, velocity, latents, sig[:w], step_loss
 
 

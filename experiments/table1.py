@@ -15,7 +15,9 @@ without grad from the rollout). A second table sweeps W and jagg_frac.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import statistics
 import time
 from pathlib import Path
@@ -130,9 +132,7 @@ def update_cost(trainer: Trainer, s: BackwardConfig, row: dict) -> GroupCost:
         trajectory_cost(row["T"], **route, reuse_outputs=s.reuse_rollout and k < t.grad_accum)
         for k in range(n_micro)
     ]
-    total = costs[0]
-    for c in costs[1:]:
-        total = total + c
+    total = functools.reduce(operator.add, costs)
     for k in ("forward_passes", "forward_passes_with_grad", "backward_passes", "backward_calls"):
         if getattr(total, k) != row[k]:
             raise AssertionError(

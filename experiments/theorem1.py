@@ -18,7 +18,7 @@ from torch import nn
 
 from jagg.common import command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
+from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import group_backward, t_weights
 
 SHAPE = (4, 4, 4)  # (C, H, W) latent
@@ -53,23 +53,8 @@ def group_error(gamma: float, kappa: float, w: int, seed: int, batch: int = 4) -
         [(1 - t) * x0 + t * eps + kappa * 4 * a * (1 - a) * d for t, a in zip(sig[:w], alpha, strict=True)]
     )
     adv = torch.randn(batch, dtype=torch.float64)
-    with torch.no_grad():
-        steps = [
-            sde_step_with_logprob(
-                latents[j], model(latents[j], sig[j]), sig[j], sig[j + 1], kind="dance", noise_level=0.3
-            )
-            for j in range(w)
-        ]
-    step_loss = GRPOStepLoss(  # on-policy: the stored samples and old log-probs are this model's
-        x=latents,
-        x_next=torch.stack([st.prev_sample for st in steps]),
-        sigma=sig[:w],
-        sigma_next=sig[1 : w + 1],
-        old_log_prob=torch.stack([st.log_prob for st in steps]),
-        advantages=adv,
-        kind="dance",
-        noise_level=0.3,
-        clip_range=0.2,
+    step_loss = GRPOStepLoss.on_policy(
+        model, latents, sig[:w], sig[1 : w + 1], adv, kind="dance", noise_level=0.3, clip_range=0.2
     )
 
     grads = {}

@@ -155,6 +155,48 @@ class GRPOStepLoss:
     def __len__(self) -> int:
         return self.x.shape[0]
 
+    @classmethod
+    @torch.no_grad()
+    def on_policy(
+        cls,
+        velocity: Callable[[Tensor, Tensor], Tensor],
+        x: Tensor,
+        sigma: Tensor,
+        sigma_next: Tensor,
+        advantages: Tensor,
+        *,
+        kind: str,
+        noise_level: float,
+        clip_range: float,
+        generator: torch.Generator | None = None,
+    ) -> GRPOStepLoss:
+        """The loss of a group sampled by ``velocity`` itself: step i's next latent and old log-prob come from
+        one SDE step at (x_i, sigma_i) (drawn with ``generator``), so every ratio is 1 at these parameters.
+        What a rollout stores, for benchmarks and numerical experiments on a given group of inputs x (T, B, ...)."""
+        steps = [
+            sde_step_with_logprob(
+                x[i],
+                velocity(x[i], sigma[i]),
+                sigma[i],
+                sigma_next[i],
+                kind=kind,
+                noise_level=noise_level,
+                generator=generator,
+            )
+            for i in range(x.shape[0])
+        ]
+        return cls(
+            x=x,
+            x_next=torch.stack([st.prev_sample for st in steps]),
+            sigma=sigma,
+            sigma_next=sigma_next,
+            old_log_prob=torch.stack([st.log_prob for st in steps]),
+            advantages=advantages,
+            kind=kind,
+            noise_level=noise_level,
+            clip_range=clip_range,
+        )
+
     def __call__(self, i: int, v: Tensor) -> Tensor:
         x, s, s_next = self.x[i], self.sigma[i], self.sigma_next[i]
         step = sde_step_with_logprob(

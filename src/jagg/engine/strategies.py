@@ -16,7 +16,9 @@ Steps whose row is all zeros need no forward at all, so the endpoints ablation a
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -496,7 +498,4 @@ def trajectory_cost(
         group_cost(len(p.steps), p.strategy, endpoints, reuse_outputs)
         for p in plan_groups(num_steps, group_size, jagg_frac, strategy)
     ]
-    total = costs[0]
-    for c in costs[1:]:
-        total = total + c
-    return total
+    return functools.reduce(operator.add, costs)
