@@ -194,25 +194,34 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
         f"    {'mode':<26}{'forwards (grad)':>16}{'bwd passes':>11}{'bwd calls':>10}"
         f"{'all-gathers':>12}{'reduce-scat.':>13}{'graphs alive':>13}"
     )
+    # every mode's cost of the configured strategy, with and without stored outputs (exact has no modes)
+    costs = {
+        (mode, reuse): trajectory_cost(T, strategy=b.strategy, endpoints=mode, reuse_outputs=reuse, **route)
+        for mode in ENDPOINT_MODES
+        for reuse in (False, True)
+    }
     rows = [("exact", exact, b.strategy == "exact")]
     if b.strategy != "exact":
-        for mode in ENDPOINT_MODES:
-            for reuse in (False, True):
-                c = trajectory_cost(T, strategy=b.strategy, endpoints=mode, reuse_outputs=reuse, **route)
-                mark = mode == b.endpoints and reuse == (reused > 0)
-                rows.append((f"{b.strategy}/{mode}" + ("+stored" if reuse else ""), c, mark))
+        rows += [
+            (
+                f"{b.strategy}/{mode}" + ("+stored" if reuse else ""),
+                c,
+                (mode, reuse) == (b.endpoints, reused > 0),
+            )
+            for (mode, reuse), c in costs.items()
+        ]
     for name, c, mark in rows:
         p.lines.append(
             f"  {'*' if mark else ' '} {name:<26}{f'{c.forward_passes} ({c.forward_passes_with_grad})':>16}"
             f"{c.backward_passes:>11}{c.backward_calls:>10}{c.all_gathers:>12}{c.reduce_scatters:>13}"
             f"{c.graphs_alive:>13}"
         )
-    ours = trajectory_cost(T, strategy=b.strategy, endpoints=b.endpoints, reuse_outputs=reused > 0, **route)
+    ours = costs[(b.endpoints, reused > 0)]
     p.add("backward passes saved", f"{1 - ours.backward_passes / exact.backward_passes:.0%}")
     p.add(
         "update time saved (pass counting, bwd = 2 fwd)",
-        f"{1 - ours.time() / exact.time():.0%} with stored outputs, "
-        f"{1 - trajectory_cost(T, strategy=b.strategy, endpoints=b.endpoints, **route).time() / exact.time():.0%} without",
+        f"{1 - costs[(b.endpoints, True)].time() / exact.time():.0%} with stored outputs, "
+        f"{1 - costs[(b.endpoints, False)].time() / exact.time():.0%} without",
     )
     p.add("rollout forwards per sample", s.num_steps * cfg_mult)
     _memory(
