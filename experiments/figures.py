@@ -21,7 +21,7 @@ TARGETS = [
     ("Theorem 1", "theorem1.csv", "theorem1.png", theorem1.plot),
     ("Table 1", "table1.csv", "table1_update_reduction.png", table1.render),
     ("cosine", "cosine.csv", "cosine_per_group.png", cosine.render),
-    ("reward curves", "curves", "reward_curves.png", curves.render),
+    ("reward curves", "curves", ".", curves.render),  # one reward_curves_<recipe>.png per recipe
 ]
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     for what, source, figure, regenerate in TARGETS:
         path = Path(args.results) / source
-        if path.is_file() or any(path.glob("*_seed*.csv")):
+        if path.is_file() or any(path.glob("*/*_seed*.csv")):
             regenerate(path, Path(args.figures) / figure)
             print(f"{what}: regenerated from {path} -> {Path(args.figures) / figure}")
         else:

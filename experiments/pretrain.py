@@ -215,7 +215,49 @@ def write_report(
         + ". Full manifests (configs, versions, "
         "SHAs) in `cache/world/*.json`; all numbers in `results/world.json`.",
     ]
+    lines += judge_section(world, m)
     (results / "world.md").write_text("\n".join(lines) + "\n")
+
+
+def judge_section(world: World, m: dict) -> list[str]:
+    """results/world.md's report on the eval-only attribute judge, from its manifest."""
+    j, mj = m["attr_judge"]["metrics"], m["attr_judge"]
+
+    def acc(d: dict) -> str:
+        return f"{_fmt(d['exact'])} ({_fmt(d['color'])} / {_fmt(d['shape'])} / {_fmt(d['position'])})"
+
+    lines = [
+        "",
+        "## Eval-only attribute judge (`attr_judge`)",
+        f"`AttrJudge` ({mj['num_params']:,} params, {mj['train_seconds']:.0f} s): CoordConv input, 5x5 / 3x3 "
+        "convolutions with max pooling and a dropout MLP (`attr`: a stride-2 GELU tower with average pooling), "
+        f"seed {mj['seed']} (`attr`: {m['attr']['seed']}), trained on its own renders, half of them passed "
+        "through the pretrained backbones (SDEdit from sigma in "
+        f"{mj['config']['train']['sdedit_sigma']}), with its own augmentation. It is a metric only: "
+        "`reward.weights` refuses it. Exact match (colour / shape / position in brackets) on fresh renders "
+        "whose content is known:",
+        "",
+        "| images | attr_judge | attr |",
+        "|---|---|---|",
+    ]
+    for key in [k for k in j if k == "clean_renders" or k.startswith("degraded_by_")]:
+        lines.append(f"| {key.replace('_', ' ')} | {acc(j[key]['attr_judge'])} | {acc(j[key]['attr'])} |")
+    per = j[f"agreement_on_{BACKBONE_NAMES[0]}_samples"]["n"] // len(world.prompts)
+    lines += [
+        "",
+        f"On base-model samples (ODE, every prompt x {per}), whose content nobody labelled, the two judges' "
+        "exact-match verdicts against the prompt:",
+        "",
+        "| samples of | attr_judge exact | attr exact | verdicts agree | Cohen's kappa |",
+        "|---|---|---|---|---|",
+    ]
+    for n in BACKBONE_NAMES:
+        a = j[f"agreement_on_{n}_samples"]
+        lines.append(
+            f"| {n} | {_fmt(a['exact_attr_judge'])} | {_fmt(a['exact_attr'])} | {_fmt(a['agree'])} | "
+            f"{_fmt(a['kappa'])} |"
+        )
+    return lines
 
 
 def main() -> None:

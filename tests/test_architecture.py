@@ -36,7 +36,7 @@ LAYERS = [  # top first; the packages on one line are siblings
     ["jagg.world", "jagg.scale"],
     ["jagg.config"],
     ["jagg.engine", "jagg.models", "jagg.rewards"],
-    ["jagg.errors", "jagg.common"],
+    ["jagg.errors", "jagg.common", "jagg.stats"],
 ]
 MEMBERS = {"jagg.train": "jagg.loop"}  # the CLI stays at its path (`python -m jagg.train`), in the top layer
 PUBLIC_API = "jagg"  # the package __init__: may import the engine (and below) only

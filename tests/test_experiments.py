@@ -69,8 +69,10 @@ def test_drivers_quick_then_figures(tmp_path):
     curves.main(
         [
             "--quick",
+            "--recipes",
+            "flowgrpo_fast",
             "--seeds",
-            "1",
+            "2",
             "--strategies",
             "exact",
             "jagg",
@@ -78,13 +80,16 @@ def test_drivers_quick_then_figures(tmp_path):
             str(tmp_path / "runs"),
             "--out",
             str(res / "curves"),
-            "--figure",
-            str(figs / "curves.png"),
+            "--figures",
+            str(figs),
             *TINY,
         ]
     )
-    assert {p.name for p in (res / "curves").glob("*.csv")} == {"exact_seed0.csv", "jagg_seed0.csv"}
-    assert "Final held-out rewards" in (res / "curves" / "summary.md").read_text()
+    csvs = {p.name for p in (res / "curves" / "flowgrpo_fast").glob("*.csv")}
+    assert csvs == {f"{s}_seed{k}.csv" for s in ("exact", "jagg") for k in (0, 1)}
+    summary = (res / "curves" / "summary.md").read_text()
+    assert "Paired differences to exact" in summary and "| jpeg | AUC |" in summary
+    assert not (res / "curves.partial").exists()
 
     for f in figs.glob("*.png"):
         f.unlink()
@@ -93,7 +98,7 @@ def test_drivers_quick_then_figures(tmp_path):
         "theorem1.png",
         "table1_update_reduction.png",
         "cosine_per_group.png",
-        "reward_curves.png",
+        "reward_curves_flowgrpo_fast.png",
     }
 
 

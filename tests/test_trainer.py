@@ -353,3 +353,52 @@ def test_jagg_frac_auto_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="backward.min_cosine"):
         tiny_cfg(tmp_path, "backward.jagg_frac=auto", "backward.min_cosine=2")
     assert tiny_cfg(tmp_path, "backward.jagg_frac=0.5").backward.jagg_frac == 0.5
+
+
+@pytest.mark.parametrize(("min_cosine", "w", "passes"), [(-1.0, 3, 2), (1.0, 2, 3)])
+def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w, passes):
+    """``backward.group_size=auto``: each candidate W is measured and routed; the W whose routed update the
+    cost model predicts cheapest is kept. Tiny DanceGRPO trains T = 3 steps. With every cosine accepted, W = 3
+    is one JAGG group (2 forwards + 2 backwards) and beats W = 2 ([2-step JAGG group] + [1 exact step]: 3 + 3).
+    With no approximate group accepted, W = 3 falls back to exact (3 + 3) and ties with W = 2 (its 2-step group
+    is exact JAGG and always qualifies): the tie goes to the smaller W. W and the routing survive a resume."""
+    cfg = tiny_cfg(
+        tmp_path,
+        "backward.jagg_frac=auto",
+        "backward.group_size=auto",
+        "backward.group_sizes=[2, 3]",
+        f"backward.min_cosine={min_cosine}",
+        "train.iterations=2",
+        "log.checkpoint_every=1",
+    )
+    trainer = make_trainer(cfg)
+    rows = trainer.fit()
+    cal = rows[0]
+    assert cal["group_size"] == w == trainer.group_size
+    by_w = cal["calibration_by_group_size"]
+    assert set(by_w) == {"2", "3"} and by_w["2"]["routing"][0] is True  # a 2-step group always qualifies
+    assert by_w[str(w)]["predicted_cost"] <= min(c["predicted_cost"] for c in by_w.values())
+    assert all(r["backward_passes_per_sample"] == passes for r in rows)
+    resumed = make_trainer(cfg)
+    resumed.load_checkpoint()
+    assert resumed.group_size == w and resumed.routing == trainer.routing
+
+
+def test_group_size_auto_is_validated(tmp_path):
+    from jagg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="set backward.jagg_frac=auto too"):
+        tiny_cfg(tmp_path, "backward.group_size=auto")
+    with pytest.raises(ConfigError, match="backward.group_size must be an integer >= 1 or 'auto'"):
+        tiny_cfg(tmp_path, "backward.group_size=big", "backward.jagg_frac=auto")
+    with pytest.raises(ConfigError, match="backward.group_sizes must be a non-empty list of integers >= 2"):
+        tiny_cfg(
+            tmp_path, "backward.group_size=auto", "backward.jagg_frac=auto", "backward.group_sizes=[1, 3]"
+        )
+
+
+def test_eval_only_judges_are_refused_as_training_rewards(tmp_path):
+    from jagg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="reward.weights: attr_judge is an eval-only judge"):
+        tiny_cfg(tmp_path, "reward.weights={jpeg: 1.0, attr_judge: 1.0}")

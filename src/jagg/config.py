@@ -26,6 +26,7 @@ from jagg.engine.grpo import KL_STD
 from jagg.engine.sde import SDE_KINDS
 from jagg.engine.strategies import validate_routing
 from jagg.errors import ConfigError
+from jagg.rewards import EVAL_ONLY
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
@@ -96,7 +97,8 @@ class AlgorithmConfig:
 @dataclass
 class BackwardConfig:
     strategy: str = "jagg"  # exact | jagg | endpoints | uniform
-    group_size: int = 3  # W
+    group_size: int | str = 3  # W, or "auto": chosen from `group_sizes` at each calibration (see below)
+    group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
     jagg_frac: float | str = 0.6  # leading fraction of groups on `strategy`, or "auto" (measured, see below)
     min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
     calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
@@ -104,6 +106,16 @@ class BackwardConfig:
     reuse_rollout: bool = (
         True  # intermediate signals from the rollout's outputs before the first optimizer step
     )
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the trainer measures cosines at run time (jagg_frac is "auto"; group_size may be too)."""
+        return self.strategy != "exact" and self.jagg_frac == "auto"
+
+    @property
+    def candidate_group_sizes(self) -> list[int]:
+        """The group sizes a run may use: ``group_sizes`` under group_size=auto, else ``[group_size]``."""
+        return sorted(set(self.group_sizes)) if self.group_size == "auto" else [int(self.group_size)]
 
 
 @dataclass
@@ -341,8 +353,22 @@ def validate(cfg: Config) -> None:
         not auto or b.jagg_frac == "auto",
         f"backward.jagg_frac must be a number in [0, 1] or 'auto', got {b.jagg_frac!r}",
     )
+    _require(
+        not isinstance(b.group_size, str) or b.group_size == "auto",
+        f"backward.group_size must be an integer >= 1 or 'auto', got {b.group_size!r}",
+    )
+    _require(
+        b.group_size != "auto" or b.jagg_frac == "auto",
+        "backward.group_size=auto chooses W by the measured routing: set backward.jagg_frac=auto too "
+        f"(got jagg_frac={b.jagg_frac!r})",
+    )
+    _require(
+        bool(b.group_sizes) and all(isinstance(w, int) and w >= 2 for w in b.group_sizes),
+        f"backward.group_sizes must be a non-empty list of integers >= 2, got {b.group_sizes!r}",
+    )
     try:  # the one routing validator (the engine's)
-        validate_routing(b.group_size, 1.0 if auto else b.jagg_frac, b.strategy, b.endpoints)
+        for w in b.candidate_group_sizes:
+            validate_routing(w, 1.0 if auto else b.jagg_frac, b.strategy, b.endpoints)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _require(-1.0 <= b.min_cosine <= 1.0, f"backward.min_cosine must be in [-1, 1], got {b.min_cosine}")
@@ -374,6 +400,12 @@ def validate(cfg: Config) -> None:
     )
     _require(t.device in ("cpu", "cuda", "auto"), f"train.device must be cpu|cuda|auto, got {t.device!r}")
     _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")
+    trained_on = sorted(EVAL_ONLY & set(cfg.reward.weights))
+    _require(
+        not trained_on,
+        f"reward.weights: {', '.join(trained_on)} is an eval-only judge (allowed in reward.eval only): "
+        "a metric the policy trains on is no longer an independent check",
+    )
     named = set(cfg.reward.weights) | set(cfg.reward.eval)
     extra = sorted(set(cfg.reward.kwargs) - named)
     _require(

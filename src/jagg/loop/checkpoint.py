@@ -51,6 +51,7 @@ class Progress:
     metrics: list[dict]
     ema: list[torch.Tensor] | None
     routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
+    group_size: int | None = None  # backward.group_size=auto: the last calibrated W
 
 
 @contextmanager
@@ -133,6 +134,7 @@ def save_checkpoint(
             "consecutive_skips": progress.consecutive_skips,
             "metrics": progress.metrics,
             "routing": progress.routing,
+            "group_size": progress.group_size,
             "rng": rng,
             "config": config,
             "optimizer_saved": stepped,
@@ -194,6 +196,7 @@ def load_checkpoint(
         metrics=meta["metrics"],
         ema=ema,
         routing=meta.get("routing"),
+        group_size=meta.get("group_size"),
     )
 
 

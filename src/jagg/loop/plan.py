@@ -159,9 +159,12 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
         b.jagg_frac == "auto"
     )  # routed at run time by measured cosines: planned here as if every group qualifies
     frac = 1.0 if auto else b.jagg_frac
-    groups = plan_groups(T, b.group_size, frac, b.strategy)
+    W = max(b.candidate_group_sizes)  # group_size=auto: planned with the largest candidate
+    groups = plan_groups(T, W, frac, b.strategy)
     p.section(
-        f"update (backward.strategy={b.strategy}, W={b.group_size}, jagg_frac={b.jagg_frac}, "
+        f"update (backward.strategy={b.strategy}, W={W}"
+        + (f" of auto {b.candidate_group_sizes}" if b.group_size == "auto" else "")
+        + f", jagg_frac={b.jagg_frac}, "
         f"endpoints={b.endpoints}, reuse_rollout={b.reuse_rollout})"
     )
     p.add("trained steps per sample", f"{T} of {s.num_steps}")
@@ -183,7 +186,7 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
         f"{reused} of {n_micro} micro-batches per iteration (before the 1st step)",
     )
     cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
-    route = dict(group_size=b.group_size, jagg_frac=frac)
+    route = dict(group_size=W, jagg_frac=frac)
     exact = trajectory_cost(T, strategy="exact", **route)
     p.section(
         "cost per sample by endpoint mode (passes of one micro-batch; FSDP2 collectives per sharded unit;"

@@ -47,7 +47,7 @@ from jagg.engine.diagnostics import group_gradient_cosines, route_by_cosine
 from jagg.engine.grpo import GRPOStepLoss, group_advantages
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.engine.strategies import GroupStats, trajectory_backward
+from jagg.engine.strategies import GroupStats, group_cost, plan_groups, trajectory_backward
 from jagg.loop.checkpoint import Progress, checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
 from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
@@ -127,9 +127,10 @@ class Trainer:
         self.iteration = 0
         self.consecutive_skips = 0
         self.metrics: list[dict] = []
-        self.routing: list[bool] | None = (
-            None  # backward.jagg_frac=auto: per group position, set by calibrate
-        )
+        # backward.jagg_frac=auto: the routing per group position; backward.group_size=auto: W. Set by calibrate.
+        self.routing: list[bool] | None = None
+        b = cfg.backward
+        self.group_size: int | None = None if b.calibrated else b.candidate_group_sizes[0]
 
     # ------------------------------------------------------------------ setup helpers
     def _build_reward(self, name: str) -> Reward:
@@ -284,7 +285,7 @@ class Trainer:
                 loss.sigma,
                 loss,
                 strategy=b.strategy,
-                group_size=b.group_size,
+                group_size=self.group_size if backward is None else b.group_size,
                 jagg_frac=1.0 if b.jagg_frac == "auto" else b.jagg_frac,
                 routing=self.routing if b.jagg_frac == "auto" else None,
                 endpoints=b.endpoints,
@@ -417,40 +418,64 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def calibrate(self, ro: Rollout) -> dict:
-        """``backward.jagg_frac=auto``: measure, on the rollout's first micro-batch, the cosine between each group
-        position's ``backward.strategy`` gradient and its exact gradient over the trainable parameters
-        (``group_gradient_cosines``; sharded dot products under FSDP2), and route each position to the strategy
-        where the cosine is at least ``backward.min_cosine``, to exact elsewhere (``route_by_cosine``).
-        Returns the metrics (cosines, routing, seconds); gradients are left as they were."""
+        """Measure, on the rollout's first micro-batch, the cosine between each group position's
+        ``backward.strategy`` gradient and its exact gradient over the trainable parameters
+        (``group_gradient_cosines``, the function ``make cosine`` uses; sharded dot products under FSDP2) and
+        route by it (``route_by_cosine``):
+
+        * ``backward.jagg_frac=auto``: a position uses the strategy where its cosine is at least
+          ``backward.min_cosine``, exact elsewhere.
+        * ``backward.group_size=auto`` (needs jagg_frac=auto): every W in ``backward.group_sizes`` is measured
+          and routed that way, and the W whose routed update the cost model (``group_cost``: forwards +
+          2 x backwards) predicts cheapest is kept (ties: the smaller W, closer to exact). Every JAGG group of
+          every candidate has passed the cosine test, so W is chosen by cost among gradients of known quality.
+
+        Returns the metrics (cosines and routing of the kept W, W, and per candidate cosines / routing /
+        predicted cost when W is auto, seconds); gradients are left as they were."""
         b = self.cfg.backward
         t0 = time.perf_counter()
         idx = slice(0, self.cfg.train.train_batch_size)
         steps = ro.trained[idx]
         loss = self.grpo_loss(ro, steps, idx, scale=1.0)
-        cosines = group_gradient_cosines(
-            self.velocity(ro.cond.select(idx)),
-            loss.x,
-            loss.sigma,
-            loss,
-            self.params,
-            group_size=b.group_size,
-            strategies=(b.strategy,),
-            endpoints=b.endpoints,
-        )
-        self.routing = route_by_cosine(cosines, b.min_cosine, b.strategy)
-        return {
+        velocity = self.velocity(ro.cond.select(idx))
+        reuse = b.reuse_rollout and ro.traj.outputs is not None
+        candidates = {}
+        for w in b.candidate_group_sizes:
+            cosines = group_gradient_cosines(
+                velocity,
+                loss.x,
+                loss.sigma,
+                loss,
+                self.params,
+                group_size=w,
+                strategies=(b.strategy,),
+                endpoints=b.endpoints,
+            )
+            measured = route_by_cosine(cosines, b.min_cosine, b.strategy)
+            plans = plan_groups(steps.shape[1], w, 1.0, b.strategy, measured)
+            cost = sum(group_cost(len(p.steps), p.strategy, b.endpoints, reuse).time() for p in plans)
+            candidates[w] = (cosines, [p.strategy != "exact" for p in plans], cost)
+        w = min(candidates, key=lambda k: (candidates[k][2], k))
+        cosines, self.routing, _ = candidates[w]
+        self.group_size = w
+        row = {
             "calibration_cosines": [c.cosine for c in cosines],
             "routing": [b.strategy if r else "exact" for r in self.routing],
-            "time_calibrate_s": time.perf_counter() - t0,
+            "group_size": w,
         }
+        if b.group_size == "auto":
+            row["calibration_by_group_size"] = {
+                str(k): {"cosines": [c.cosine for c in cs], "routing": r, "predicted_cost": cost}
+                for k, (cs, r, cost) in candidates.items()
+            }
+        return row | {"time_calibrate_s": time.perf_counter() - t0}
 
     def train_iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
         ro = self.rollout(it)
         t_rollout = time.perf_counter() - t0
         b, cal = self.cfg.backward, {}
-        auto = b.jagg_frac == "auto" and b.strategy != "exact"
-        if auto and (self.routing is None or it % b.calibrate_every == 0):
+        if b.calibrated and (self.group_size is None or self.routing is None or it % b.calibrate_every == 0):
             cal = self.calibrate(ro)  # reported as time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
         upd = self.update(ro)
@@ -482,7 +507,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
-        progress = Progress(self.iteration, self.consecutive_skips, self.metrics, self.ema, self.routing)
+        progress = Progress(
+            self.iteration, self.consecutive_skips, self.metrics, self.ema, self.routing, self.group_size
+        )
         save_checkpoint(
             self.run_dir,
             model=self.backbone,
@@ -504,6 +531,7 @@ class Trainer:
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
         self.metrics, self.routing = progress.metrics, progress.routing
+        self.group_size = progress.group_size or self.group_size
         self._write_metrics()
 
     def _write_metrics(self) -> None:

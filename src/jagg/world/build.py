@@ -17,15 +17,19 @@ from jagg.rewards.jpeg import JpegReward
 from jagg.world.pretrained import (
     ARTEFACTS,
     BACKBONE_NAMES,
+    EVAL_JUDGE_TRAIN,
+    EVAL_JUDGES,
     FLOW_TRAIN,
     JUDGE_TRAIN,
     JUDGES,
     SAMPLE_SHIFT,
     SAMPLE_STEPS,
     default_cache_dir,
+    dependencies,
     environment,
     expected_config,
     is_up_to_date,
+    load_pretrained,
     load_text_encoder,
     new_module,
     read_manifest,
@@ -36,11 +40,14 @@ from jagg.world.scene import World
 from jagg.world.text import WordTokenizer
 from jagg.world.train import (
     DEGRADATIONS,
+    agreement,
     attribute_accuracy,
     clip_retrieval_accuracy,
+    generator_degrade,
     preference_pairs,
     render_pool,
     sample_images,
+    train_attr_judge,
     train_attributes,
     train_clip,
     train_flow,
@@ -132,8 +139,44 @@ def hack_probe(world: World, rewards: dict, prompts: list[str]) -> dict:
     }
 
 
+@torch.no_grad()
+def evaluate_eval_judge(judge, attr, backbones: dict, text_encoder, world: World) -> dict:
+    """The eval-only judge on known content (fresh clean renders; fresh renders degraded by each backbone),
+    and its agreement with the training classifier ``attr`` on base-model samples whose content is unknown
+    (the exact-match verdicts against the prompt: fraction equal, Cohen's kappa)."""
+    images, labels = render_pool(world, world.prompts, EVAL_PER_PROMPT, seed=EVAL_SEED)
+    prompts = [world.prompts[i] for i in labels.tolist()]
+    out: dict = {
+        "clean_renders": {
+            n: attribute_accuracy(m, world, images, prompts)
+            for n, m in (("attr_judge", judge), ("attr", attr))
+        }
+    }
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    for name, backbone in backbones.items():
+        cfg = EVAL_JUDGE_TRAIN["attr_judge"]
+        degraded = generator_degrade(
+            [backbone], text_encoder, world, images, prompts, gen, cfg.sdedit_sigma, cfg.sdedit_steps
+        )
+        out[f"degraded_by_{name}"] = {
+            n: attribute_accuracy(m, world, degraded, prompts)
+            for n, m in (("attr_judge", judge), ("attr", attr))
+        }
+        reps = [p for p in world.prompts for _ in range(SAMPLES_PER_TRAIN_PROMPT)]
+        samples = sample_images(backbone, text_encoder, world, reps, EVAL_SEED, SAMPLE_STEPS, SAMPLE_SHIFT)
+        truth = world.labels(reps)
+        verdict = {
+            n: m.predict(samples).eq(truth).all(-1) for n, m in (("attr_judge", judge), ("attr", attr))
+        }
+        out[f"agreement_on_{name}_samples"] = agreement(verdict["attr_judge"], verdict["attr"]) | {
+            "exact_attr_judge": verdict["attr_judge"].float().mean().item(),
+            "exact_attr": verdict["attr"].float().mean().item(),
+        }
+    return out
+
+
 def _manifest(name: str, stats: dict, metrics: dict) -> dict:
-    seed = (JUDGE_TRAIN.get(name) or FLOW_TRAIN[name]).seed
+    seed = (JUDGE_TRAIN.get(name) or FLOW_TRAIN.get(name) or EVAL_JUDGE_TRAIN[name]).seed
     return {"name": name, "config": expected_config(name), "seed": seed, "git_sha": git_sha()} | (
         environment() | stats | {"metrics": metrics}
     )
@@ -153,6 +196,12 @@ def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = prin
             model, stats = train_clip(world, tok, JUDGE_TRAIN[name])
         metrics = evaluate_judge(name, model, world)
         manifest = _manifest(name, stats, metrics)
+    elif name in EVAL_JUDGES:
+        backbones = {n: load_pretrained(n, cache_dir)[0].requires_grad_(False) for n in BACKBONE_NAMES}
+        text_encoder = load_text_encoder(cache_dir)
+        model, stats = train_attr_judge(world, list(backbones.values()), text_encoder, EVAL_JUDGE_TRAIN[name])
+        metrics = evaluate_eval_judge(model, attr_reward(cache_dir).model, backbones, text_encoder, world)
+        manifest = _manifest(name, stats, metrics)
     else:
         text_encoder = load_text_encoder(cache_dir)  # frozen, trained first
         model = new_module(name, world)
@@ -168,7 +217,7 @@ def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = prin
             ),
         }
         manifest = _manifest(name, stats, metrics)
-        manifest["depends_on"] = {"text_encoder": read_manifest("text_encoder", cache_dir)["sha256"]}
+    manifest["depends_on"] = {d: read_manifest(d, cache_dir)["sha256"] for d in dependencies(name)}
     manifest = save_artefact(name, model, manifest, cache_dir)
     log(f"[pretrain] {name}: {stats['train_seconds']:.0f} s, final loss {stats['final_loss']:.4f}, {metrics}")
     return manifest

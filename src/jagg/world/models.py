@@ -102,3 +102,42 @@ class AttrClassifier(nn.Module):
     def predict(self, images: Tensor) -> Tensor:
         """(B, 3) long: argmax colour, shape, position."""
         return torch.stack([lg.argmax(-1) for lg in self(images)], dim=-1)
+
+
+class AttrJudge(nn.Module):
+    """Eval-only attribute judge: colour / shape / position heads, built to be independent of ``AttrClassifier``.
+
+    A different architecture (CoordConv input: two coordinate channels, so position is read from explicit
+    coordinates rather than from where a stride-2 tower's pooled cells fall; 5x5 then 3x3 convolutions with ReLU
+    and max pooling; a dropout MLP head), a different seed and different training data (renders degraded the
+    way generated images are: see ``jagg.world.train.train_attr_judge``). The policy never trains against it;
+    it is the held-out check on the ``attr`` reward (reward name ``attr_judge``, eval only).
+    """
+
+    def __init__(self, num_classes: tuple[int, int, int], size: int = 16, hidden: int = 128) -> None:
+        super().__init__()
+        ys, xs = torch.meshgrid(torch.linspace(-1, 1, size), torch.linspace(-1, 1, size), indexing="ij")
+        self.register_buffer("coords", torch.stack([xs, ys])[None], persistent=False)  # (1, 2, H, W)
+        self.features = nn.Sequential(
+            nn.Conv2d(5, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        self.mlp = nn.Sequential(nn.Linear(64 * (size // 4) ** 2, hidden), nn.ReLU(), nn.Dropout(0.1))
+        self.heads = nn.ModuleList(nn.Linear(hidden, n) for n in num_classes)
+
+    def forward(self, images: Tensor) -> list[Tensor]:
+        x = torch.cat([images * 2 - 1, self.coords.expand(images.shape[0], -1, -1, -1)], dim=1)
+        h = self.mlp(self.features(x))
+        return [head(h) for head in self.heads]
+
+    @torch.no_grad()
+    def predict(self, images: Tensor) -> Tensor:
+        """(B, 3) long: argmax colour, shape, position."""
+        return torch.stack([lg.argmax(-1) for lg in self(images)], dim=-1)

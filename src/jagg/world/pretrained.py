@@ -4,11 +4,13 @@ Artefacts (``cache/world/<name>.safetensors`` + ``<name>.json``), built in this 
     text_encoder  frozen text tower of a tiny CLIP (conditions both backbones)
     clip, pref, attr  the judges behind the ``clip`` / ``pref`` / ``attr`` rewards
     flux, qwenimage   FluxTransformer2DModel / QwenImageTransformer2DModel trained by rectified flow
+    attr_judge        eval-only attribute judge (``attr_judge`` metric): another architecture, seed and data
+                      than ``attr`` (renders degraded by the two backbones); never a training reward
 
 Each manifest stores the artefact's full config (world, model, training), seed, git SHA, versions, hardware,
 training time, final loss and held-out metrics. Loading compares the stored config with the one this code
-expects and refuses a mismatch, so a stale cache can never silently pair with new code. Backbones also
-record the sha256 of the text encoder they were trained with.
+expects and refuses a mismatch, so a stale cache can never silently pair with new code. Backbones record
+the sha256 of the text encoder they were trained with, the eval judge those of the backbones too.
 """
 
 from __future__ import annotations
@@ -26,16 +28,17 @@ from torch import nn
 from jagg.common import hardware, versions
 from jagg.errors import ArtefactError
 from jagg.models import BACKBONES, Backbone, tiny_flux_config, tiny_qwenimage_config
-from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
+from jagg.world.models import AttrClassifier, AttrJudge, PreferenceModel, TinyCLIP
 from jagg.world.scene import World, WorldConfig
 from jagg.world.text import WordTokenizer, WorldTextEncoder
-from jagg.world.train import FlowTrainConfig, JudgeTrainConfig
+from jagg.world.train import EvalJudgeTrainConfig, FlowTrainConfig, JudgeTrainConfig
 
 FORMAT_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[3]
 JUDGES = ("text_encoder", "clip", "pref", "attr")
 BACKBONE_NAMES = ("flux", "qwenimage")
-ARTEFACTS = JUDGES + BACKBONE_NAMES
+EVAL_JUDGES = ("attr_judge",)  # eval-only: trained after the backbones, on renders they degraded
+ARTEFACTS = JUDGES + BACKBONE_NAMES + EVAL_JUDGES
 
 # Training budgets (tuned so each backbone trains in minutes on one CPU thread and lands at a base
 # held-out attribute accuracy in [0.2, 0.7]: recognisable objects with headroom for RL).
@@ -45,6 +48,7 @@ JUDGE_TRAIN = {
     "pref": JudgeTrainConfig(steps=600, seed=3),
     "attr": JudgeTrainConfig(steps=500, seed=4),
 }
+EVAL_JUDGE_TRAIN = {"attr_judge": EvalJudgeTrainConfig()}
 FLOW_TRAIN = {
     "flux": FlowTrainConfig(steps=450, seed=5),
     "qwenimage": FlowTrainConfig(steps=500, seed=6),
@@ -80,6 +84,8 @@ def expected_config(name: str, world_config: WorldConfig | None = None) -> dict:
             "train": asdict(FLOW_TRAIN[name]),
             "latent": "pixel space: z = 2 * image - 1, (B, 3, H, W)",
         }
+    elif name in EVAL_JUDGES:
+        cfg |= {"train": asdict(EVAL_JUDGE_TRAIN[name]), "degraded_by": list(BACKBONE_NAMES)}
     else:
         raise ValueError(f"artefact must be one of {ARTEFACTS}, got {name!r}")
     cfg["architecture"] = architecture_signature(new_module(name, world))
@@ -102,6 +108,8 @@ def new_module(name: str, world: World) -> nn.Module:
         return PreferenceModel(len(tok), max_len=tok.max_len)
     if name == "attr":
         return AttrClassifier(world.num_classes)
+    if name == "attr_judge":
+        return AttrJudge(world.num_classes, world.size)
     if name not in BACKBONE_NAMES:
         raise ValueError(f"artefact must be one of {ARTEFACTS}, got {name!r}")
     return BACKBONES[name].from_config(world_backbone_config(name, world), seed=FLOW_TRAIN[name].seed)
@@ -169,14 +177,23 @@ def check_artefact(name: str, cache_dir: Path | None = None, world_config: World
         )
     if manifest.get("sha256") != sha256(weights):
         raise ArtefactError(f"{weights} does not match the sha256 in its manifest; run `make pretrain`")
-    if name in BACKBONE_NAMES:
-        te = read_manifest("text_encoder", cache)
-        if te is None or te.get("sha256") != manifest.get("depends_on", {}).get("text_encoder"):
+    for dep in dependencies(name):
+        found = read_manifest(dep, cache)
+        if found is None or found.get("sha256") != manifest.get("depends_on", {}).get(dep):
             raise ArtefactError(
-                f"cached backbone {name!r} was trained with a different text encoder than the cached one; "
+                f"cached {name!r} was trained with a different {dep!r} than the cached one; "
                 "run `make pretrain` to retrain it"
             )
     return manifest
+
+
+def dependencies(name: str) -> tuple[str, ...]:
+    """The cached artefacts ``name`` was trained with (their sha256 is recorded in its manifest)."""
+    if name in BACKBONE_NAMES:
+        return ("text_encoder",)
+    if name in EVAL_JUDGES:
+        return ("text_encoder", *BACKBONE_NAMES)
+    return ()
 
 
 def load_module(

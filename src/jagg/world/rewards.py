@@ -5,6 +5,9 @@
           (faithful clean render > degraded variant) pairs; penalises the noisy-background hack     (logit)
     attr  GenEval analogue: 1 if the attribute classifier reads the prompt's colour, shape and position
           exactly, else 0                                                                          ({0, 1})
+    attr_judge  eval only: exact attribute match read by an independent judge (``AttrJudge``: another
+          architecture, seed and augmentation, trained on renders degraded by the generators); the
+          held-out check on ``attr``, refused as a training reward (``jagg.rewards.EVAL_ONLY``)   ({0, 1})
     attr_soft  the same classifier's probability of the prompt's colour x shape x position: a dense training
           signal (every image of a group is ranked, not only right / wrong); ``attr`` stays the metric ([0, 1])
 
@@ -22,7 +25,7 @@ import torch
 from torch import Tensor
 
 from jagg.rewards import register_reward
-from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
+from jagg.world.models import AttrClassifier, AttrJudge, PreferenceModel, TinyCLIP
 from jagg.world.pretrained import load_module
 from jagg.world.scene import World
 from jagg.world.text import WordTokenizer
@@ -70,9 +73,9 @@ class PrefReward(_WorldReward):
 class AttrReward(_WorldReward):
     """Exact attribute match (0/1), or the probability of the prompt's attributes when ``soft``."""
 
-    model: AttrClassifier
+    model: AttrClassifier | AttrJudge
 
-    def __init__(self, model: AttrClassifier, world: World, soft: bool = False) -> None:
+    def __init__(self, model: AttrClassifier | AttrJudge, world: World, soft: bool = False) -> None:
         super().__init__(model, world)
         self.soft = soft
 
@@ -114,3 +117,9 @@ def attr_reward(cache_dir: str | Path | None = None, soft: bool = False) -> Attr
 def attr_soft_reward(cache_dir: str | Path | None = None) -> AttrReward:
     """Embedded-world soft attribute score: probability of the prompt's colour x shape x position."""
     return attr_reward(cache_dir, soft=True)
+
+
+@register_reward("attr_judge")
+def attr_judge_reward(cache_dir: str | Path | None = None) -> AttrReward:
+    """Eval-only exact attribute match by the independent ``AttrJudge`` (needs ``make pretrain``)."""
+    return AttrReward(*_load("attr_judge", cache_dir))

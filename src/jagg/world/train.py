@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from jagg.engine.sampling import sample_trajectory
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.models import Backbone
-from jagg.world.models import AttrClassifier, PreferenceModel, TinyCLIP
+from jagg.world.models import AttrClassifier, AttrJudge, PreferenceModel, TinyCLIP
 from jagg.world.scene import Attributes, World
 from jagg.world.text import WordTokenizer, WorldTextEncoder
 
@@ -215,6 +215,99 @@ def train_attributes(world: World, cfg: JudgeTrainConfig) -> tuple[AttrClassifie
     return model.eval(), stats
 
 
+# --------------------------------------------------------------------------- eval-only attribute judge
+@dataclass(frozen=True)
+class EvalJudgeTrainConfig:
+    """Data and steps of the eval-only attribute judge (``AttrJudge``)."""
+
+    steps: int = 2000
+    batch: int = 128
+    lr: float = 2e-3
+    per_prompt: int = 40  # clean renders per prompt, and as many generator-degraded ones
+    sdedit_sigma: tuple[float, float] = (0.15, 0.5)  # SDEdit start noise, uniform in this range
+    sdedit_steps: int = 6
+    seed: int = 11
+
+
+@torch.no_grad()
+def generator_degrade(
+    backbones: list[Backbone],
+    text_encoder: WorldTextEncoder,
+    world: World,
+    images: Tensor,
+    prompts: list[str],
+    gen: torch.Generator,
+    sigma_range: tuple[float, float] = (0.15, 0.5),
+    steps: int = 6,
+    chunk: int = 512,
+) -> Tensor:
+    """Renders passed through a generator, SDEdit-style (Meng et al. 2022): noise each image to
+    sigma0 ~ U(sigma_range), then integrate the rectified-flow ODE back to 0 with a pretrained backbone
+    conditioned on the image's own prompt (Euler, ``steps`` steps; backbones alternate over the images).
+    The result carries the generator's textures, soft edges and colour shifts while its content stays the
+    render's (the start noise is low enough that the layout survives), so its labels are known."""
+    lo, hi = sigma_range
+    x0 = world.encode(images)
+    s0 = lo + (hi - lo) * torch.rand(len(images), generator=gen)
+    eps = torch.randn(x0.shape, generator=gen)
+    x = (1 - s0.view(-1, 1, 1, 1)) * x0 + s0.view(-1, 1, 1, 1) * eps
+    for k, backbone in enumerate(backbones):
+        rows = torch.arange(k, len(images), len(backbones))
+        for start in range(0, len(rows), chunk):
+            r = rows[start : start + chunk]
+            cond = text_encoder.encode_prompts([prompts[i] for i in r.tolist()])
+            z, s = x[r], s0[r]
+            for j in range(steps):
+                sigma, nxt = s * (1 - j / steps), s * (1 - (j + 1) / steps)
+                z = z + (nxt - sigma).view(-1, 1, 1, 1) * backbone.velocity(z, sigma, cond)
+            x[r] = z
+    return world.decode(x)
+
+
+def judge_augment(images: Tensor, gen: torch.Generator) -> Tensor:
+    """The judge's own augmentation (not ``augment``'s): contrast / brightness / per-channel gain jitter, a
+    random one-pixel shift, and Gaussian noise (sigma ~ U(0, 0.08)) on half the images."""
+    b = images.shape[0]
+    u = lambda lo, hi, *shape: lo + (hi - lo) * torch.rand(b, *shape, generator=gen)  # noqa: E731
+    mean = images.mean(dim=(1, 2, 3), keepdim=True)
+    x = mean + u(0.7, 1.2, 1, 1, 1) * (images - mean) + u(-0.05, 0.05, 1, 1, 1)
+    x = x * u(0.9, 1.1, 3, 1, 1)
+    dy, dx = (int(v) for v in torch.randint(-1, 2, (2,), generator=gen))
+    x = torch.roll(F.pad(x, (1, 1, 1, 1), mode="replicate"), (dy, dx), dims=(2, 3))[..., 1:-1, 1:-1]
+    noisy = torch.rand(b, 1, 1, 1, generator=gen) < 0.5
+    return (x + noisy * u(0.0, 0.08, 1, 1, 1) * torch.randn(x.shape, generator=gen)).clamp(0, 1)
+
+
+def train_attr_judge(
+    world: World,
+    backbones: list[Backbone],
+    text_encoder: WorldTextEncoder,
+    cfg: EvalJudgeTrainConfig,
+) -> tuple[AttrJudge, dict]:
+    """Three cross-entropies on a pool that is half clean renders and half renders passed through the
+    pretrained generators (``generator_degrade``), both with ``judge_augment``."""
+    torch.manual_seed(cfg.seed)
+    model = AttrJudge(world.num_classes, world.size)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    clean, pidx = render_pool(world, world.prompts, cfg.per_prompt, seed=50_000 + cfg.seed)
+    raw, gidx = render_pool(world, world.prompts, cfg.per_prompt, seed=60_000 + cfg.seed)
+    prompts = [world.prompts[i] for i in gidx.tolist()]
+    degraded = generator_degrade(
+        backbones, text_encoder, world, raw, prompts, gen, cfg.sdedit_sigma, cfg.sdedit_steps
+    )
+    images = torch.cat([clean, degraded])
+    labels = world.labels(world.prompts)[torch.cat([pidx, gidx])]  # (N, 3)
+    model.train()
+
+    def loss_fn(_step: int) -> Tensor:
+        j = torch.randint(0, len(images), (cfg.batch,), generator=gen)
+        logits = model(judge_augment(images[j], gen))
+        return sum(F.cross_entropy(lg, labels[j, k]) for k, lg in enumerate(logits))
+
+    stats = fit(model.parameters(), loss_fn, cfg.steps, cfg.lr)
+    return model.eval(), stats
+
+
 # --------------------------------------------------------------------------- flow backbones
 @dataclass(frozen=True)
 class FlowTrainConfig:
@@ -301,3 +394,13 @@ def attribute_accuracy(model: AttrClassifier, world: World, images: Tensor, prom
     return {"exact": hit.all(-1).float().mean().item()} | {
         n: hit[:, k].float().mean().item() for k, n in enumerate(names)
     }
+
+
+def agreement(a: Tensor, b: Tensor) -> dict:
+    """Agreement of two 0/1 verdicts on the same samples: fraction equal and Cohen's kappa (chance-corrected:
+    1 = perfect, 0 = what two independent judges with these base rates would reach)."""
+    a, b = a.float().flatten(), b.float().flatten()
+    po = a.eq(b).float().mean().item()
+    pa, pb = a.mean().item(), b.mean().item()
+    pe = pa * pb + (1 - pa) * (1 - pb)
+    return {"n": a.numel(), "agree": po, "kappa": (po - pe) / (1 - pe) if pe < 1 else float("nan")}
