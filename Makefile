@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test test-dist lint format bench gpu-check hpsv2-ref pretrain clean theorem table1 cosine curves world-rl figures notebooks all
+.PHONY: help venv test test-dist lint format bench gpu-check hpsv2-ref pretrain clean theorem table1 cosine routing curves world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -70,7 +70,10 @@ table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoint
 cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact) -> results/cosine.{csv,md}, paper_figures/cosine_per_group.png
 	$(PY) experiments/cosine.py
 
-curves: $(STAMP) pretrain ## Reward curves, exact / JAGG / ablations x seeds (QUICK=1: a few iterations) -> results/curves/, paper_figures/reward_curves.png
+routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per world backbone x algorithm, timed vs jagg_frac 0.6 -> results/routing.{csv,md}
+	$(PY) experiments/routing.py
+
+curves: $(STAMP) pretrain ## Reward curves: DanceGRPO + Flow-GRPO-Fast x exact / JAGG / auto / endpoints / uniform x 6 paired seeds, CIs and equivalence tests (~45 min; QUICK=1: a smoke run) -> results/curves/, paper_figures/reward_curves_*.png
 	$(PY) experiments/curves.py $(if $(QUICK),--quick,)
 
 world-rl: $(STAMP) pretrain ## DanceGRPO + JAGG on the world, 180 iterations (~13 min): before/after -> results/world_rl_eval.md, paper_figures/world_rl_before_after.png
@@ -86,4 +89,4 @@ figures: $(STAMP) ## Regenerate every table and figure from results/ alone (no t
 notebooks: $(STAMP) ## Execute notebooks/*.ipynb in place from results/ (outputs + figures; walkthrough on the world backbone if pretrained, else random init)
 	$(PY) experiments/run_notebooks.py
 
-all: table1 cosine curves world-rl theorem bench figures notebooks ## Everything (pretraining included), then every figure and notebook
+all: table1 cosine routing curves world-rl theorem bench figures notebooks ## Everything (pretraining included), then every figure and notebook

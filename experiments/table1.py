@@ -114,7 +114,8 @@ def time_strategies(
 
 
 def s_key(s: BackwardConfig) -> str:
-    return f"{s.strategy}/W{s.group_size}/f{s.jagg_frac:g}/{mode_of(s)}"
+    frac = s.jagg_frac if isinstance(s.jagg_frac, str) else f"{s.jagg_frac:g}"  # a number or "auto"
+    return f"{s.strategy}/W{s.group_size}/f{frac}/{mode_of(s)}"
 
 
 def mode_of(s: BackwardConfig) -> str:

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import cosine  # noqa: E402
 import curves  # noqa: E402
 import figures  # noqa: E402
+import routing  # noqa: E402
 import table1  # noqa: E402
 import theorem1  # noqa: E402
 
@@ -146,3 +147,21 @@ def test_attr_underlines_land_under_each_grid_tile(tmp_path):
     below = lambda r, q: img.getpixel(((q * 18 + 1) * 4 + 10, (r * 18 + 17) * 4))  # noqa: E731
     assert below(0, 0) == below(1, 0) == (40, 170, 60) and below(1, 1) == (210, 40, 40)
     assert img.getpixel(((1 * 18 + 1) * 4 + 10, (0 * 18 + 1) * 4 + 10)) == (0, 0, 0)  # tile itself untouched
+
+
+def test_routing_driver_calibrates_every_setup_and_matches_the_cost_model(tmp_path):
+    """``make routing`` in smoke mode: every setup is calibrated with jagg_frac and group_size auto, the chosen
+    W is a candidate, and the backward passes it timed are what the cost model predicts for that routing."""
+    from jagg.engine.strategies import plan_groups
+
+    out = tmp_path / "routing.csv"
+    routing.main(["--quick", "--out", str(out)])
+    _meta_ok(out)
+    df = pd.read_csv(out)
+    assert len(df) == len(routing.table1.SETUPS)
+    for r in df.to_dict("records"):
+        assert str(r["chosen_W"]) in json.loads(r["candidates"])
+        route = [s == "jagg" for s in json.loads(r["routing"])]
+        plans = plan_groups(r["trained_steps"], r["chosen_W"], 1.0, "jagg", route)
+        assert r["bwd_auto"] == sum(2 if p.strategy == "jagg" else len(p.steps) for p in plans)
+    assert "iterations to repay" in out.with_suffix(".md").read_text()
