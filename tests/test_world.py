@@ -147,6 +147,30 @@ def test_backbone_cache_checks_its_text_encoder(tmp_path, world):
     backbone = new_module("qwenimage", world)
     _write(tmp_path, "qwenimage", backbone, expected_config("qwenimage"))
     (tmp_path / "text_encoder.json").write_text(json.dumps({"config": expected_config("text_encoder")}))
-    with pytest.raises(ArtefactError, match="different text encoder"):
+    with pytest.raises(ArtefactError, match="different 'text_encoder'"):
         check_artefact("qwenimage", tmp_path)
-    assert set(ARTEFACTS) == {"text_encoder", "clip", "pref", "attr", "flux", "qwenimage"}
+    assert set(ARTEFACTS) == {"text_encoder", "clip", "pref", "attr", "flux", "qwenimage", "attr_judge"}
+    assert ARTEFACTS.index("attr_judge") > ARTEFACTS.index("qwenimage")  # trained on the backbones' outputs
+
+
+def test_eval_judge_cache_checks_the_backbones_it_was_trained_on(tmp_path, world):
+    te = save_artefact("text_encoder", new_module("text_encoder", world), {}, tmp_path)
+    deps = {"text_encoder": te["sha256"]}
+    for name in ("flux", "qwenimage"):
+        deps[name] = save_artefact(
+            name,
+            new_module(name, world),
+            {"config": expected_config(name), "depends_on": {"text_encoder": te["sha256"]}},
+            tmp_path,
+        )["sha256"]
+    judge = {"config": expected_config("attr_judge"), "depends_on": deps}
+    save_artefact("attr_judge", new_module("attr_judge", world), judge, tmp_path)
+    check_artefact("attr_judge", tmp_path)
+    save_artefact(
+        "attr_judge",
+        new_module("attr_judge", world),
+        judge | {"depends_on": deps | {"flux": "0" * 64}},
+        tmp_path,
+    )
+    with pytest.raises(ArtefactError, match="different 'flux'"):
+        check_artefact("attr_judge", tmp_path)
