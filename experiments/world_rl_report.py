@@ -111,7 +111,33 @@ def paired_change(run: Path) -> list[str]:
             f"| {name} | {sum(a) / n:.3f} | {sum(b) / n:.3f} | {mean:+.3f} | {se:.3f} | {up} / {down} | "
             f"{sign_test_p(up, down):.2g} |"
         )
+    if "attr" in first and "attr_judge" in first:
+        lines += ["", judges_line(first, last, files[0].stem, files[-1].stem)]
     return lines + [""]
+
+
+def judges_line(first: dict, last: dict, first_name: str, last_name: str) -> str:
+    """How often the training classifier (``attr``) and the eval-only judge (``attr_judge``) give the same
+    verdict per sample, before and after; and the samples each says were fixed / broken."""
+
+    def agree(s: dict) -> str:
+        n = len(s["attr"])
+        same = sum(a == j for a, j in zip(s["attr"], s["attr_judge"], strict=True))
+        return f"{same} / {n}"
+
+    moves = {
+        k: (
+            sum(a < b for a, b in zip(first[k], last[k], strict=True)),
+            sum(a > b for a, b in zip(first[k], last[k], strict=True)),
+        )
+        for k in ("attr", "attr_judge")
+    }
+    return (
+        f"Attribute judges: the training classifier `attr` and the eval-only `attr_judge` agree on "
+        f"{agree(first)} samples at {first_name} and {agree(last)} at {last_name}; fixed / broken by `attr` "
+        f"{moves['attr'][0]} / {moves['attr'][1]}, by `attr_judge` {moves['attr_judge'][0]} / "
+        f"{moves['attr_judge'][1]}. An attribute gain counts only where `attr_judge` confirms it."
+    )
 
 
 def markdown(run: Path) -> str:

@@ -165,3 +165,13 @@ def test_routing_driver_calibrates_every_setup_and_matches_the_cost_model(tmp_pa
         plans = plan_groups(r["trained_steps"], r["chosen_W"], 1.0, "jagg", route)
         assert r["bwd_auto"] == sum(2 if p.strategy == "jagg" else len(p.steps) for p in plans)
     assert "iterations to repay" in out.with_suffix(".md").read_text()
+
+
+def test_judges_line_counts_agreement_and_moves():
+    from world_rl_report import judges_line
+
+    first = {"attr": [0, 1, 0, 1], "attr_judge": [0, 1, 1, 0]}
+    last = {"attr": [1, 1, 1, 0], "attr_judge": [0, 1, 1, 0]}
+    line = judges_line(first, last, "eval_0", "eval_9")
+    assert "agree on 2 / 4 samples at eval_0 and 3 / 4 at eval_9" in line
+    assert "by `attr` 2 / 1, by `attr_judge` 0 / 0" in line
