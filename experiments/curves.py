@@ -336,7 +336,7 @@ def plot(recipe_dir: Path, png: Path) -> None:
     fig.suptitle(f"{recipe_dir.name}: mean over seeds +- 1 SE", fontsize=10)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=75)
     plt.close(fig)
 
 
