@@ -199,3 +199,13 @@ def test_reward_dtype_by_name(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--config", "configs/paper/flux_dancegrpo.yaml", "--dry-run", "reward.kwargs.hpsv2.dtype=half"])
     assert exc.value.code == 2 and "reward.kwargs.hpsv2.dtype must be one of" in capsys.readouterr().err
+
+
+def test_dry_run_plans_measured_routing_as_all_jagg_at_the_largest_candidate(capsys):
+    """jagg_frac / group_size = auto are decided at run time; the plan assumes every group qualifies at the
+    largest candidate W (the most memory any choice can need) and says so."""
+    args = ["--config", "configs/paper/flux_dancegrpo.yaml", "--dry-run", "--world-size", "8"]
+    auto = ["backward.jagg_frac=auto", "backward.group_size=auto", "backward.group_sizes=[2, 3, 4]"]
+    assert main([*args, *auto]) == 0
+    out = capsys.readouterr().out
+    assert "W=4 of auto [2, 3, 4], jagg_frac=auto" in out and "(if its cosine qualifies)" in out
