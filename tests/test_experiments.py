@@ -39,6 +39,8 @@ def test_drivers_quick_then_figures(tmp_path):
     _meta_ok(res / "theorem1.csv")
 
     table1.main(["--quick", "--out", str(res / "table1.csv"), "--figure", str(figs / "t1.png")])
+    sweep = pd.read_csv(res / "table1_sweep.csv", comment="#")
+    assert set(sweep.jagg_frac) == {0.0, 0.6, 1.0} and set(sweep.W) == {2, 3, 4}  # the routing really swept
     t1 = pd.read_csv(res / "table1.csv")
     assert len(t1) == 2 * 8 + 2 * 6 and set(t1.strategy) == {"exact", "jagg", "endpoints"}
     assert {"joint", "batched+stored", "batched", "sequential+stored"} <= set(t1["mode"])

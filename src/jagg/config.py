@@ -98,10 +98,10 @@ class AlgorithmConfig:
 class BackwardConfig:
     strategy: str = "jagg"  # exact | jagg | endpoints | uniform
     group_size: int | str = 3  # W, or "auto": chosen from `group_sizes` at each calibration (see below)
-    group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
     jagg_frac: float | str = 0.6  # leading fraction of groups on `strategy`, or "auto" (measured, see below)
     min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
     calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
+    group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
     endpoints: str = "batched"  # batched | joint (paper-literal) | sequential (one graph alive)
     reuse_rollout: bool = (
         True  # intermediate signals from the rollout's outputs before the first optimizer step
