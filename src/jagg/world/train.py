@@ -205,14 +205,26 @@ def train_attributes(world: World, cfg: JudgeTrainConfig) -> tuple[AttrClassifie
     images, pidx = render_pool(world, world.prompts, cfg.per_prompt, seed=30_000 + cfg.seed)
     labels = world.labels(world.prompts)[pidx]  # (N, 3)
     gen = torch.Generator().manual_seed(cfg.seed)
+    stats = fit_attribute_heads(model, images, labels, augment, gen, cfg)
+    return model.eval(), stats
+
+
+def fit_attribute_heads(
+    model: nn.Module,
+    images: Tensor,
+    labels: Tensor,
+    aug: Callable[[Tensor, torch.Generator], Tensor],
+    gen: torch.Generator,
+    cfg: JudgeTrainConfig | EvalJudgeTrainConfig,
+) -> dict:
+    """Sum of the colour, shape and position cross-entropies on augmented random batches of ``images``."""
 
     def loss_fn(_step: int) -> Tensor:
         j = torch.randint(0, len(images), (cfg.batch,), generator=gen)
-        logits = model(augment(images[j], gen))
+        logits = model(aug(images[j], gen))
         return sum(F.cross_entropy(lg, labels[j, k]) for k, lg in enumerate(logits))
 
-    stats = fit(model.parameters(), loss_fn, cfg.steps, cfg.lr)
-    return model.eval(), stats
+    return fit(model.parameters(), loss_fn, cfg.steps, cfg.lr)
 
 
 # --------------------------------------------------------------------------- eval-only attribute judge
@@ -298,13 +310,7 @@ def train_attr_judge(
     images = torch.cat([clean, degraded])
     labels = world.labels(world.prompts)[torch.cat([pidx, gidx])]  # (N, 3)
     model.train()
-
-    def loss_fn(_step: int) -> Tensor:
-        j = torch.randint(0, len(images), (cfg.batch,), generator=gen)
-        logits = model(judge_augment(images[j], gen))
-        return sum(F.cross_entropy(lg, labels[j, k]) for k, lg in enumerate(logits))
-
-    stats = fit(model.parameters(), loss_fn, cfg.steps, cfg.lr)
+    stats = fit_attribute_heads(model, images, labels, judge_augment, gen, cfg)
     return model.eval(), stats
 
 
