@@ -206,6 +206,8 @@ def judge_table(stats: dict, df, strategies: list[str]) -> list[str]:
             verdict = "attribute gain, confirmed by the eval-only judge"
         elif a.lo > 0:
             verdict = "attr rose, NOT confirmed by the eval-only judge"
+        elif j.lo > 0:
+            verdict = "the eval-only judge saw a gain, the training classifier did not"
         else:
             verdict = "no attribute gain shown"
         lines.append(f"| {strategy} | {a} | {j} | {agree:.3f} | {verdict} |")

@@ -177,3 +177,41 @@ def test_judges_line_counts_agreement_and_moves():
     line = judges_line(first, last, "eval_0", "eval_9")
     assert "agree on 2 / 4 samples at eval_0 and 3 / 4 at eval_9" in line
     assert "by `attr` 2 / 1, by `attr_judge` 0 / 0" in line
+
+
+def test_curves_claims_an_attribute_gain_only_where_the_eval_only_judge_confirms_it():
+    """judge_table's verdict per strategy from the paired gains over the base model (6 seeds)."""
+    rows = []
+    for seed in range(6):
+        rows.append(
+            dict(strategy="exact", seed=seed, iteration=0, eval_attr_mean=0.4, eval_attr_judge_mean=0.4)
+        )
+        rows.append(
+            dict(strategy="jagg", seed=seed, iteration=0, eval_attr_mean=0.4, eval_attr_judge_mean=0.4)
+        )
+        wiggle = 0.01 * (seed % 3)
+        # exact: both judges rise; jagg: only the training classifier rises
+        rows.append(
+            dict(
+                strategy="exact",
+                seed=seed,
+                iteration=10,
+                eval_attr_mean=0.5 + wiggle,
+                eval_attr_judge_mean=0.5 + wiggle,
+                judges_agree=0.8,
+            )
+        )
+        rows.append(
+            dict(
+                strategy="jagg",
+                seed=seed,
+                iteration=10,
+                eval_attr_mean=0.5 + wiggle,
+                eval_attr_judge_mean=0.4 + (wiggle - 0.01),
+                judges_agree=0.7,
+            )
+        )
+    df = pd.DataFrame(rows)
+    table = "\n".join(curves.judge_table(curves.per_run(df), df, ["exact", "jagg"]))
+    assert "| exact |" in table and "confirmed by the eval-only judge |" in table
+    assert "attr rose, NOT confirmed by the eval-only judge" in table
