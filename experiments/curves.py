@@ -263,8 +263,7 @@ def routing_lines(df) -> list[str]:
     ]
 
 
-def recipe_section(name: str, recipe_dir: Path) -> str:
-    df = load(recipe_dir)
+def recipe_section(name: str, recipe_dir: Path, df) -> str:
     meta = json.loads(next(iter(sorted(recipe_dir.glob("*.meta.json")))).read_text())
     strategies = [s for s in STRATEGIES if s in set(df.strategy)]
     stats = per_run(df)
@@ -310,14 +309,13 @@ def recipe_section(name: str, recipe_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def plot(recipe_dir: Path, png: Path) -> None:
+def plot(name: str, df, png: Path) -> None:
     """Mean over seeds +- one standard error, vs iteration and vs wall-clock seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    df = load(recipe_dir)
     metrics = [m for m in ("reward_mean", *METRICS) if m in df]
     fig, axes = plt.subplots(2, len(metrics), figsize=(3.4 * len(metrics), 6.2), squeeze=False)
     for col, m in enumerate(metrics):
@@ -335,7 +333,7 @@ def plot(recipe_dir: Path, png: Path) -> None:
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{recipe_dir.name}: mean over seeds +- 1 SE", fontsize=10)
+    fig.suptitle(f"{name}: mean over seeds +- 1 SE", fontsize=10)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=75)
@@ -355,10 +353,11 @@ def render(csv_dir: Path, figures: Path) -> None:
         "outputs); `endpoints` and `uniform` are the two ablations. `attr_judge` is the eval-only attribute "
         "judge, which no run trains on.\n\n"
     )
-    md += "\n".join(recipe_section(r.name, r) for r in recipes)
+    frames = {r: load(r) for r in recipes}
+    md += "\n".join(recipe_section(r.name, r, df) for r, df in frames.items())
     atomic_write_text(csv_dir / "summary.md", md)
-    for r in recipes:
-        plot(r, figures / f"reward_curves_{r.name}.png")
+    for r, df in frames.items():
+        plot(r.name, df, figures / f"reward_curves_{r.name}.png")
 
 
 def main(argv: list[str] | None = None) -> None:

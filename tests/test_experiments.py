@@ -181,36 +181,22 @@ def test_judges_line_counts_agreement_and_moves():
 
 def test_curves_claims_an_attribute_gain_only_where_the_eval_only_judge_confirms_it():
     """judge_table's verdict per strategy from the paired gains over the base model (6 seeds)."""
+
+    def row(strategy, seed, iteration, attr, judge, agree=None):
+        r = dict(
+            strategy=strategy, seed=seed, iteration=iteration, eval_attr_mean=attr, eval_attr_judge_mean=judge
+        )
+        return r if agree is None else r | {"judges_agree": agree}
+
     rows = []
     for seed in range(6):
-        rows.append(
-            dict(strategy="exact", seed=seed, iteration=0, eval_attr_mean=0.4, eval_attr_judge_mean=0.4)
-        )
-        rows.append(
-            dict(strategy="jagg", seed=seed, iteration=0, eval_attr_mean=0.4, eval_attr_judge_mean=0.4)
-        )
         wiggle = 0.01 * (seed % 3)
+        rows += [row("exact", seed, 0, 0.4, 0.4), row("jagg", seed, 0, 0.4, 0.4)]
         # exact: both judges rise; jagg: only the training classifier rises
-        rows.append(
-            dict(
-                strategy="exact",
-                seed=seed,
-                iteration=10,
-                eval_attr_mean=0.5 + wiggle,
-                eval_attr_judge_mean=0.5 + wiggle,
-                judges_agree=0.8,
-            )
-        )
-        rows.append(
-            dict(
-                strategy="jagg",
-                seed=seed,
-                iteration=10,
-                eval_attr_mean=0.5 + wiggle,
-                eval_attr_judge_mean=0.4 + (wiggle - 0.01),
-                judges_agree=0.7,
-            )
-        )
+        rows += [
+            row("exact", seed, 10, 0.5 + wiggle, 0.5 + wiggle, 0.8),
+            row("jagg", seed, 10, 0.5 + wiggle, 0.4 + (wiggle - 0.01), 0.7),
+        ]
     df = pd.DataFrame(rows)
     table = "\n".join(curves.judge_table(curves.per_run(df), df, ["exact", "jagg"]))
     assert "| exact |" in table and "confirmed by the eval-only judge |" in table

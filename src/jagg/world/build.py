@@ -146,31 +146,25 @@ def evaluate_eval_judge(judge, attr, backbones: dict, text_encoder, world: World
     (the exact-match verdicts against the prompt: fraction equal, Cohen's kappa)."""
     images, labels = render_pool(world, world.prompts, EVAL_PER_PROMPT, seed=EVAL_SEED)
     prompts = [world.prompts[i] for i in labels.tolist()]
+    judges = {"attr_judge": judge, "attr": attr}
     out: dict = {
-        "clean_renders": {
-            n: attribute_accuracy(m, world, images, prompts)
-            for n, m in (("attr_judge", judge), ("attr", attr))
-        }
+        "clean_renders": {n: attribute_accuracy(m, world, images, prompts) for n, m in judges.items()}
     }
+    cfg = EVAL_JUDGE_TRAIN["attr_judge"]
     gen = torch.Generator().manual_seed(EVAL_SEED)
+    reps = [p for p in world.prompts for _ in range(SAMPLES_PER_TRAIN_PROMPT)]
+    truth = world.labels(reps)
     for name, backbone in backbones.items():
-        cfg = EVAL_JUDGE_TRAIN["attr_judge"]
         degraded = generator_degrade(
             [backbone], text_encoder, world, images, prompts, gen, cfg.sdedit_sigma, cfg.sdedit_steps
         )
         out[f"degraded_by_{name}"] = {
-            n: attribute_accuracy(m, world, degraded, prompts)
-            for n, m in (("attr_judge", judge), ("attr", attr))
+            n: attribute_accuracy(m, world, degraded, prompts) for n, m in judges.items()
         }
-        reps = [p for p in world.prompts for _ in range(SAMPLES_PER_TRAIN_PROMPT)]
         samples = sample_images(backbone, text_encoder, world, reps, EVAL_SEED, SAMPLE_STEPS, SAMPLE_SHIFT)
-        truth = world.labels(reps)
-        verdict = {
-            n: m.predict(samples).eq(truth).all(-1) for n, m in (("attr_judge", judge), ("attr", attr))
-        }
+        verdict = {n: m.predict(samples).eq(truth).all(-1) for n, m in judges.items()}
         out[f"agreement_on_{name}_samples"] = agreement(verdict["attr_judge"], verdict["attr"]) | {
-            "exact_attr_judge": verdict["attr_judge"].float().mean().item(),
-            "exact_attr": verdict["attr"].float().mean().item(),
+            f"exact_{n}": v.float().mean().item() for n, v in verdict.items()
         }
     return out
 

@@ -86,7 +86,16 @@ class PreferenceModel(nn.Module):
         return self.logit_scale.exp() * (img * self.encode_text(ids, mask)).sum(-1) + quality  # (B,)
 
 
-class AttrClassifier(nn.Module):
+class AttributeHeads(nn.Module):
+    """Base of the attribute models: ``forward(images)`` returns colour, shape and position logits."""
+
+    @torch.no_grad()
+    def predict(self, images: Tensor) -> Tensor:
+        """(B, 3) long: argmax colour, shape, position."""
+        return torch.stack([lg.argmax(-1) for lg in self(images)], dim=-1)
+
+
+class AttrClassifier(AttributeHeads):
     """Image -> logits for colour, shape and position (three heads on a shared conv trunk)."""
 
     def __init__(self, num_classes: tuple[int, int, int], hidden: int = 128) -> None:
@@ -98,13 +107,8 @@ class AttrClassifier(nn.Module):
         h = self.trunk(images)
         return [head(h) for head in self.heads]  # [(B, n_colour), (B, n_shape), (B, n_position)]
 
-    @torch.no_grad()
-    def predict(self, images: Tensor) -> Tensor:
-        """(B, 3) long: argmax colour, shape, position."""
-        return torch.stack([lg.argmax(-1) for lg in self(images)], dim=-1)
 
-
-class AttrJudge(nn.Module):
+class AttrJudge(AttributeHeads):
     """Eval-only attribute judge: colour / shape / position heads, built to be independent of ``AttrClassifier``.
 
     A different architecture (CoordConv input: two coordinate channels, so position is read from explicit
@@ -136,8 +140,3 @@ class AttrJudge(nn.Module):
         x = torch.cat([images * 2 - 1, self.coords.expand(images.shape[0], -1, -1, -1)], dim=1)
         h = self.mlp(self.features(x))
         return [head(h) for head in self.heads]
-
-    @torch.no_grad()
-    def predict(self, images: Tensor) -> Tensor:
-        """(B, 3) long: argmax colour, shape, position."""
-        return torch.stack([lg.argmax(-1) for lg in self(images)], dim=-1)
