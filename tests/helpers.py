@@ -181,3 +181,38 @@ def count_passes(module: nn.Module):
         torch.autograd.backward = real_backward
         h1.remove()
         h2.remove()
+
+
+# --------------------------------------------------------------------------- tiny trainers
+# The loop tests' run: random-init world backbones scored by JPEG (no `make pretrain`), 2 prompts x 3 images in
+# micro-batches of 3 (two optimizer steps per iteration), 6 sampling steps, no evaluation unless asked.
+LOOP_RUN = (
+    "train.iterations=2",
+    "train.prompts_per_iter=2",
+    "train.images_per_prompt=3",
+    "train.train_batch_size=3",
+    "train.grad_accum=1",
+    "sampling.num_steps=6",
+    "sampling.eval_num_steps=3",
+    "log.eval_every=0",
+    "log.eval_prompts=4",
+    "optim.lr=1e-3",
+    "algorithm.clip_range=0.2",
+    "algorithm.sde_window_range=[0, 4]",
+)
+
+
+def tiny_config(run_dir, *overrides, config="configs/world/flux_dancegrpo.yaml", base=LOOP_RUN):
+    """``load_config(config)`` with ``TINY_OVERRIDES``, ``base`` (default ``LOOP_RUN``), the run directory and
+    ``overrides`` (later ones win). Importable by the multi-process workers, which cannot use fixtures."""
+    from jagg.config import TINY_OVERRIDES, load_config
+
+    return load_config(config, [*TINY_OVERRIDES, *base, f"log.run_dir={run_dir}", *overrides])
+
+
+def build_trainer(cfg):
+    """The ``Trainer`` of ``cfg`` on its own components, writing to ``cfg.log.run_dir``."""
+    from jagg.loop.components import build_components
+    from jagg.loop.trainer import Trainer
+
+    return Trainer(cfg, build_components(cfg), cfg.log.run_dir)

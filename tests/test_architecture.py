@@ -1,16 +1,8 @@
 """The package layout is the architecture: imports point one way, and the repository is self-contained.
 
-Layers of ``src/jagg``, top first. A module may import from its own package and from the layers below it,
-never from a layer above, and never from a sibling on its own line (siblings are independent of each other):
-
-    jagg.loop (+ jagg.train, the CLI)   the training loop, its composition root (model source, rewards),
-                                         checkpoint state, sample grids, the dry-run plan
-    jagg.world | jagg.scale              the embedded offline world | the real-model path at paper scale
-    jagg.config                          config dataclasses, YAML loading, value checks
-    jagg.engine | jagg.models | jagg.rewards
-                                         SDE, GRPO loss, backward strategies, sampling, algorithms |
-                                         backbone adapters and ``Components`` | reward registry, JPEG rewards
-    jagg.errors | jagg.common            the user-facing errors (a leaf) | plumbing
+Layers of ``src/jagg``: ``LAYERS`` below, top first (docs/architecture.md describes each package). A module
+may import from its own package and from the layers below it, never from a layer above, and never from a
+sibling on its own line (siblings are independent of each other).
 
 ``jagg`` itself (``src/jagg/__init__.py``) re-exports the engine's public API; no module of the package
 imports it. Every ``import`` / ``from ... import`` is checked, including those inside functions, with
@@ -36,7 +28,7 @@ LAYERS = [  # top first; the packages on one line are siblings
     ["jagg.world", "jagg.scale"],
     ["jagg.config"],
     ["jagg.engine", "jagg.models", "jagg.rewards"],
-    ["jagg.errors", "jagg.common", "jagg.stats"],
+    ["jagg.errors", "jagg.common", "jagg.distributed", "jagg.stats"],
 ]
 MEMBERS = {"jagg.train": "jagg.loop"}  # the CLI stays at its path (`python -m jagg.train`), in the top layer
 PUBLIC_API = "jagg"  # the package __init__: may import the engine (and below) only

@@ -7,7 +7,8 @@ import torch
 
 from helpers import make_grpo_step_loss, make_model, straight_path_latents
 from jagg.engine.diagnostics import GroupCosine, flat_grad, group_gradient_cosines, route_by_cosine
-from jagg.engine.strategies import group_backward, plan_groups
+from jagg.engine.routing import plan_groups
+from jagg.engine.strategies import group_backward
 
 SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08], dtype=torch.float64)
 
@@ -122,10 +123,16 @@ def test_auto_routing_on_a_linear_model_routes_everything_to_jagg():
     assert all(c > 1 - 1e-10 for c in cosines) and all(routing) and len(routing) == 3  # Theorem 1
 
 
-def test_groups_of_two_always_qualify():
+def test_groups_of_two_qualify_for_strategies_exact_at_two_only():
+    """JAGG and the endpoints ablation are exact on two steps (identity weights): a two-step group qualifies
+    whatever its cosine (below 1 only by rounding). Uniform is not: its two-step groups are measured."""
     routing, cosines = _routing_for(gamma=10.0, w=2)
     assert all(routing) and len(routing) == 6
-    assert route_by_cosine([GroupCosine(0, (0, 1), "jagg", 0.5, 1.0)], 0.9) == [True]  # rounding, not error
+    for strategy in ("jagg", "endpoints"):
+        two = [GroupCosine(0, (0, 1), strategy, 0.5, 1.0)]
+        assert route_by_cosine(two, 0.9, strategy) == [True]  # rounding, not error
+    assert route_by_cosine([GroupCosine(0, (0, 1), "uniform", 0.5, 1.0)], 0.9, "uniform") == [False]
+    assert route_by_cosine([GroupCosine(0, (0, 1), "uniform", 0.95, 0.1)], 0.9, "uniform") == [True]
     assert route_by_cosine([GroupCosine(0, (0, 1, 2), "jagg", 0.5, 1.0)], 0.9) == [False]
     assert route_by_cosine([], 0.9) == []
     with pytest.raises(ValueError, match="min_cosine"):

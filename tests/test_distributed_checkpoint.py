@@ -179,7 +179,7 @@ def checkpoint_worker(rank: int, out_dir: str) -> None:
     from jagg.loop.placement import place_backbone
     from jagg.loop.trainer import Trainer
     from jagg.rewards import REWARDS
-    from jagg.scale.distributed import DistInfo
+    from jagg.distributed import DistInfo
 
     REWARDS["random_test"] = lambda: RandomReward()
     out = Path(out_dir)

@@ -46,7 +46,7 @@ def _run(cfg) -> dict:
     """One iteration; returns the metrics row, the full gradient before the step and the updated weights."""
     from jagg.loop.components import build_components
     from jagg.loop.trainer import Trainer
-    from jagg.scale.distributed import full_tensor
+    from jagg.distributed import full_tensor
 
     trainer = Trainer(cfg, build_components(cfg), cfg.log.run_dir)
     grads = []

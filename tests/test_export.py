@@ -15,7 +15,7 @@ from jagg.loop.export import export_trained
 from jagg.loop.placement import place_backbone
 from jagg.loop.trainer import Trainer
 from jagg.models import BACKBONES
-from jagg.scale.distributed import DistInfo
+from jagg.distributed import DistInfo
 from jagg.train import main
 
 RUN = [*TINY_RUN, "sampling.num_steps=4", "optim.lr=1e-2"]

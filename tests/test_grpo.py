@@ -124,17 +124,25 @@ def test_grpo_step_loss_equals_the_previous_trainer_formula_bit_for_bit(
     old_log: list = []
     old = previous_step_loss(x, x_next, s, s_next, old_lp, adv, a, ref_velocity, scale, old_log)
     assert len(new) == x.shape[0]
+    new_log = []
+
+    def new_recorded(i, v):
+        value, stats = new.evaluate(i, v)
+        new_log.append((stats.loss, stats.ppo))
+        return value
+
     for i in range(x.shape[0]):
         losses, grads = [], []
-        for fn in (old, new):
+        for fn in (old, new, new_recorded):
             module.zero_grad(set_to_none=True)
             loss = fn(i, velocity(x[i], s[i]))
             loss.backward()
             losses.append(loss.detach())
             grads.append(torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None]))
         assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
-    assert [lo for lo, _ in new.log] == [lo for lo, _ in old_log]
-    assert [st for _, st in new.log] == [st for _, st in old_log]
+        assert torch.equal(losses[0], losses[2]) and torch.equal(grads[0], grads[2])
+    assert [lo for lo, _ in new_log] == [lo for lo, _ in old_log]
+    assert [st for _, st in new_log] == [st for _, st in old_log]
     if kl_beta > 0:  # the KL term is there: the loss differs from the KL-free one
         plain = GRPOStepLoss(x, x_next, s, s_next, old_lp, adv, kind, 0.7, 0.2, scale=scale)
         with torch.no_grad():
@@ -160,9 +168,12 @@ def test_grpo_step_loss_on_policy_ratios_are_one_and_kl_needs_a_reference():
         1e-4,
     )
     with torch.no_grad():
+        stats = []
         for i in range(len(loss)):
-            assert loss(i, velocity(x[i], s[i])).item() == pytest.approx(-adv.mean().item())
-    assert len(loss.log) == 3 and all(st.ratio_max_dev == 0.0 for _, st in loss.log)
+            value, st = loss.evaluate(i, velocity(x[i], s[i]))
+            assert value.item() == loss(i, velocity(x[i], s[i])).item() == pytest.approx(-adv.mean().item())
+            stats.append(st)
+    assert len(stats) == 3 and all(st.ppo.ratio_max_dev == 0.0 for st in stats)
     with pytest.raises(ValueError, match="ref_velocity"):
         GRPOStepLoss(x, x, s, s_next, adv, adv, "dance", 0.7, 0.2, kl_beta=0.1)
 

@@ -19,15 +19,14 @@ from helpers import (
     rel_err,
     straight_path_latents,
 )
+from jagg.engine.routing import group_cost
 from jagg.engine.strategies import (
+    AGGREGATION_WEIGHTS,
     ENDPOINT_MODES,
     STRATEGIES,
+    exact_at_two,
     group_backward,
-    group_cost,
     jagg_weights,
-    plan_groups,
-    trajectory_backward,
-    trajectory_cost,
 )
 
 SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08, 0.03], dtype=torch.float64)
@@ -215,46 +214,18 @@ def test_aggregation_weights_sum_to_one_per_step():
     assert w[0].tolist() == [1.0, 0.0] and w[-1].tolist() == [0.0, 1.0]
 
 
-@pytest.mark.parametrize("strategy", ["jagg", "endpoints", "uniform"])
-def test_trajectory_routing_with_w2_and_frac1_is_exact_for_jagg(strategy):
-    module, velocity, latents, sigmas, step_loss = setup_group("flux", 7)
-    module.zero_grad(set_to_none=True)
-    trajectory_backward(velocity, latents, sigmas, step_loss, strategy="exact", group_size=2, jagg_frac=1.0)
-    g_exact = grads_of(module)
-    module.zero_grad(set_to_none=True)
-    stats = trajectory_backward(
-        velocity, latents, sigmas, step_loss, strategy=strategy, group_size=2, jagg_frac=1.0
-    )
-    # 7 steps in groups of 2: three two-step groups (2 passes each) + one single-step group (exact)
-    assert stats.backward_passes == 7 and stats.backward_calls == 4
-    cost = trajectory_cost(7, strategy=strategy, group_size=2, jagg_frac=1.0)
-    assert (cost.forward_passes, cost.backward_passes, cost.backward_calls) == (7, 7, 4)
-    if strategy != "uniform":
-        assert rel_err(grads_of(module), g_exact) < 1e-10
-
-
-def test_plan_groups_routing():
-    plans = plan_groups(9, 3, 0.6, "jagg")  # 3 groups, round(1.8) = 2 routed to JAGG
-    assert [p.steps for p in plans] == [(0, 1, 2), (3, 4, 5), (6, 7, 8)]
-    assert [p.strategy for p in plans] == ["jagg", "jagg", "exact"]
-    assert [p.strategy for p in plan_groups(11, 4, 0.6, "jagg")] == ["jagg", "jagg", "exact"]
-    assert all(p.strategy == "exact" for p in plan_groups(9, 3, 0.0, "jagg"))
-    # last group of one step is always exact
-    assert [p.strategy for p in plan_groups(7, 3, 1.0, "jagg")] == ["jagg", "jagg", "exact"]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(group_size=1, jagg_frac=0.5, strategy="jagg"), "group_size"),
-        (dict(group_size=3, jagg_frac=1.5, strategy="jagg"), r"jagg_frac must be in \[0, 1\]"),
-        (dict(group_size=3, jagg_frac=-0.1, strategy="jagg"), "jagg_frac"),
-        (dict(group_size=3, jagg_frac=0.5, strategy="bogus"), "strategy"),
-    ],
-)
-def test_plan_groups_rejects_bad_values(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        plan_groups(9, **kwargs)
+@pytest.mark.parametrize("strategy", AGGREGATION_WEIGHTS)
+def test_exact_at_two_is_read_from_the_weight_rule(strategy):
+    """A strategy is exact on a two-step group iff its W = 2 weight matrix is the identity: JAGG and the
+    endpoints ablation, not uniform; and then its two-step gradient equals the exact one."""
+    expected = {"jagg": True, "endpoints": True, "uniform": False}[strategy]
+    assert exact_at_two(strategy) is expected and exact_at_two("exact")
+    module, velocity, latents, sigmas, step_loss = setup_group("flux", 2)
+    g_exact, _ = run("exact", module, velocity, latents, sigmas, step_loss)
+    g, _ = run(strategy, module, velocity, latents, sigmas, step_loss)
+    assert (rel_err(g, g_exact) < 1e-10) is expected
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        exact_at_two("bogus")
 
 
 def test_group_backward_rejects_non_decreasing_sigmas():

@@ -7,41 +7,16 @@ import json
 import pytest
 import torch
 
-from helpers import previous_step_loss
+from helpers import build_trainer, previous_step_loss
 from jagg.common import SeedStream, generator
-from jagg.config import TINY_OVERRIDES, load_config
 from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES, trajectory_cost
+from jagg.engine.routing import Routing, trajectory_cost, update_cost
+from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES
 from jagg.loop.checkpoint import find_checkpoint, read_checkpoint, trainable_names
-from jagg.loop.components import build_components
-from jagg.loop.trainer import Trainer, TrainingAborted
+from jagg.loop.trainer import TrainingAborted
 from jagg.rewards import REWARDS
 
 TIME_KEYS = ("time_", "peak_memory")
-
-
-def tiny_cfg(tmp_path, *overrides, config="configs/world/flux_dancegrpo.yaml"):
-    base = [
-        *TINY_OVERRIDES,
-        "train.iterations=2",
-        "train.prompts_per_iter=2",
-        "train.images_per_prompt=3",
-        "train.train_batch_size=3",
-        "train.grad_accum=1",
-        "sampling.num_steps=6",
-        "sampling.eval_num_steps=3",
-        "log.eval_every=0",
-        "log.eval_prompts=4",
-        f"log.run_dir={tmp_path}",
-        "optim.lr=1e-3",
-        "algorithm.clip_range=0.2",
-        "algorithm.sde_window_range=[0, 4]",
-    ]
-    return load_config(config, base + list(overrides))
-
-
-def make_trainer(cfg):
-    return Trainer(cfg, build_components(cfg), cfg.log.run_dir)
 
 
 CASES = [
@@ -54,10 +29,10 @@ CASES = [
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(("config", "backbone"), CASES)
-def test_smoke_two_iterations_on_policy(tmp_path, config, backbone, strategy):
-    cfg = tiny_cfg(tmp_path, f"backward.strategy={strategy}", config=config)
+def test_smoke_two_iterations_on_policy(tmp_path, config, backbone, strategy, tiny_cfg):
+    cfg = tiny_cfg(f"backward.strategy={strategy}", config=config)
     assert cfg.model.backbone == backbone
-    trainer = make_trainer(cfg)
+    trainer = build_trainer(cfg)
     before = [p.detach().clone() for p in trainer.params]
     metrics = trainer.fit()
     assert [m["iteration"] for m in metrics] == [1, 2]
@@ -80,12 +55,11 @@ def test_smoke_two_iterations_on_policy(tmp_path, config, backbone, strategy):
         *[("jagg", e, r) for e in ENDPOINT_MODES for r in (True, False)],
     ],
 )
-def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpoints, reuse):
+def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpoints, reuse, tiny_cfg):
     """Flow-GRPO-Fast window of 3 = one group; 2 micro-batches with an optimizer step after each. Only the
     first micro-batch (before the first optimizer step) may use the rollout's stored outputs; the counts equal
     the cost model's (``trajectory_cost``), which the dry-run plan, the bench and Table 1 use."""
     cfg = tiny_cfg(
-        tmp_path,
         f"backward.strategy={strategy}",
         f"backward.endpoints={endpoints}",
         f"backward.reuse_rollout={reuse}",
@@ -93,11 +67,14 @@ def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpo
         "train.iterations=1",
         config="configs/world/flux_flowgrpo_fast.yaml",
     )
-    (m,) = make_trainer(cfg).fit()
+    (m,) = build_trainer(cfg).fit()
     assert m["optimizer_steps"] == 2
-    kw = dict(strategy=strategy, group_size=cfg.backward.group_size, jagg_frac=1.0, endpoints=endpoints)
-    first, second = (trajectory_cost(3, **kw, reuse_outputs=r) for r in (reuse, False))
+    plans = Routing(strategy=strategy, group_size=cfg.backward.group_size).plans(3)
+    first, second = (trajectory_cost(plans, endpoints=endpoints, reuse_outputs=r) for r in (reuse, False))
     expected = first + second
+    assert expected == update_cost(
+        plans, endpoints=endpoints, reuse_outputs=reuse, micro_batches=2, grad_accum=1
+    )
     for key in ("forward_passes", "forward_calls", "forwards_skipped", "backward_passes", "backward_calls"):
         assert m[key] == getattr(expected, key), key
     if strategy == "jagg":
@@ -105,13 +82,13 @@ def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpo
     assert m["onpolicy_ratio_max_dev"] <= (0.0 if reuse or endpoints != "batched" else 1e-6)
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path):
+def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_cfg):
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     over = ("train.iterations=4", "log.checkpoint_every=2", "log.eval_every=2", "reward.eval=[jpeg]")
-    full = make_trainer(tiny_cfg(full_dir, *over)).fit()
+    full = build_trainer(tiny_cfg(*over, run_dir=full_dir)).fit()
 
-    cfg = tiny_cfg(cut_dir, *over)
-    trainer = make_trainer(cfg)
+    cfg = tiny_cfg(*over, run_dir=cut_dir)
+    trainer = build_trainer(cfg)
 
     def kill_after_third(row):
         if row["iteration"] == 3:
@@ -119,7 +96,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(progress=kill_after_third)
-    resumed = make_trainer(cfg)
+    resumed = build_trainer(cfg)
     resumed.load_checkpoint()
     assert resumed.iteration == 2
     again = resumed.fit()
@@ -132,16 +109,14 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert [json.loads(x)["iteration"] for x in lines] == [0, 1, 2, 3, 4]
 
 
-def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypatch):
+def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypatch, tiny_cfg):
     class NaNReward:
         def __call__(self, images, prompts):
             return torch.full((images.shape[0],), float("nan"))
 
-    monkeypatch.setitem(REWARDS, "nan_test", lambda: NaNReward())
-    cfg = tiny_cfg(
-        tmp_path, "reward.weights={nan_test: 1.0}", "train.iterations=5", "train.max_consecutive_skips=3"
-    )
-    trainer = make_trainer(cfg)
+    monkeypatch.setitem(REWARDS, "nan_test", lambda device=None: NaNReward())
+    cfg = tiny_cfg("reward.weights={nan_test: 1.0}", "train.iterations=5", "train.max_consecutive_skips=3")
+    trainer = build_trainer(cfg)
     before = [p.detach().clone() for p in trainer.params]
     # two optimizer steps per iteration: 2 skips after iteration 1, 4 >= 3 after iteration 2
     with pytest.raises(TrainingAborted, match="4 consecutive optimizer steps had a non-finite"):
@@ -151,14 +126,16 @@ def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypat
     assert find_checkpoint(tmp_path) is not None
 
 
-def test_gradient_checkpointing_gives_identical_training(tmp_path):
+def test_gradient_checkpointing_gives_identical_training(tmp_path, tiny_cfg):
     """Checkpointing recomputes activations; the metrics of an iteration must not change."""
     runs = []
     for gc in (False, True):
         cfg = tiny_cfg(
-            tmp_path / str(gc), f"model.gradient_checkpointing={str(gc).lower()}", "train.iterations=1"
+            f"model.gradient_checkpointing={str(gc).lower()}",
+            "train.iterations=1",
+            run_dir=tmp_path / str(gc),
         )
-        trainer = make_trainer(cfg)
+        trainer = build_trainer(cfg)
         (m,) = trainer.fit()
         runs.append(
             (
@@ -170,9 +147,9 @@ def test_gradient_checkpointing_gives_identical_training(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-def test_ema_tracks_parameters_and_is_used_for_eval(tmp_path):
-    cfg = tiny_cfg(tmp_path, "optim.ema_decay=0.5", "train.iterations=2", "log.eval_every=2")
-    trainer = make_trainer(cfg)
+def test_ema_tracks_parameters_and_is_used_for_eval(tmp_path, tiny_cfg):
+    cfg = tiny_cfg("optim.ema_decay=0.5", "train.iterations=2", "log.eval_every=2")
+    trainer = build_trainer(cfg)
     init = [p.detach().clone() for p in trainer.params]
     trainer.fit()
     # EMA lies strictly between the initial and the current weights for a parameter that moved
@@ -185,26 +162,26 @@ def test_ema_tracks_parameters_and_is_used_for_eval(tmp_path):
     assert len(ema) == len(trainer.params) and all(torch.equal(a, b) for a, b in zip(ema, trainer.ema))
 
 
-def test_bf16_autocast_smoke(tmp_path):
-    cfg = tiny_cfg(tmp_path, "train.precision=bf16", "train.iterations=1")
-    (m,) = make_trainer(cfg).fit()
+def test_bf16_autocast_smoke(tmp_path, tiny_cfg):
+    cfg = tiny_cfg("train.precision=bf16", "train.iterations=1")
+    (m,) = build_trainer(cfg).fit()
     assert m["onpolicy_ratio_max_dev"] == 0.0  # stored samples are scored in float32 both times
     assert torch.isfinite(torch.tensor(m["loss"]))
 
 
-def test_init_same_noise_shares_the_initial_latent_within_a_prompt_group(tmp_path):
-    cfg = tiny_cfg(tmp_path, "algorithm.init_same_noise=true")
-    ro = make_trainer(cfg).rollout(0)
+def test_init_same_noise_shares_the_initial_latent_within_a_prompt_group(tmp_path, tiny_cfg):
+    cfg = tiny_cfg("algorithm.init_same_noise=true")
+    ro = build_trainer(cfg).rollout(0)
     x_t = ro.traj.latents[0]  # (N, C, H, W), 2 prompts x 3 images
     assert torch.equal(x_t[0], x_t[1]) and torch.equal(x_t[0], x_t[2]) and not torch.equal(x_t[0], x_t[3])
     assert not torch.equal(ro.traj.final[0], ro.traj.final[1])  # the SDE noise still differs
 
 
-def test_dancegrpo_outputs_the_last_steps_x0_prediction(tmp_path):
+def test_dancegrpo_outputs_the_last_steps_x0_prediction(tmp_path, tiny_cfg):
     """DanceGRPO decodes ``pred_original = x - sigma v`` of the last step, not its noisy sample: the last step
     is deterministic (log-prob 0), never trained, and every earlier step is stochastic."""
-    cfg = tiny_cfg(tmp_path)
-    trainer = make_trainer(cfg)
+    cfg = tiny_cfg()
+    trainer = build_trainer(cfg)
     ro = trainer.rollout(0)
     traj, sigmas = ro.traj, trainer.sigmas
     assert traj.kinds == ("dance",) * 5 + ("ode",)
@@ -218,22 +195,22 @@ def test_dancegrpo_outputs_the_last_steps_x0_prediction(tmp_path):
     assert steps.max() < len(traj.kinds) - 1
 
 
-def test_stored_outputs_are_read_before_the_first_optimizer_step_only(tmp_path):
+def test_stored_outputs_are_read_before_the_first_optimizer_step_only(tmp_path, tiny_cfg):
     """Both halves of ``backward.reuse_rollout``: poisoning the stored outputs of the SECOND micro-batch (after
     the first optimizer step) changes nothing, bit for bit, against a run that never reuses; poisoning those
     of the FIRST micro-batch does change the update (they are read)."""
 
     def run(reuse: bool, poison: slice | None, sub: str):
         cfg = tiny_cfg(
-            tmp_path / sub,
             "backward.strategy=jagg",
             "backward.endpoints=joint",  # endpoint forwards at the rollout's batch size: bit-identical outputs
             f"backward.reuse_rollout={reuse}",
             "backward.jagg_frac=1.0",
             "train.iterations=1",
             config="configs/world/flux_flowgrpo_fast.yaml",
+            run_dir=tmp_path / sub,
         )
-        trainer = make_trainer(cfg)
+        trainer = build_trainer(cfg)
         rollout = trainer.rollout
 
         def poisoned_rollout(it):
@@ -255,11 +232,34 @@ def test_stored_outputs_are_read_before_the_first_optimizer_step_only(tmp_path):
     assert m_early["skipped_steps"] == 1  # the NaN signals made the first update non-finite
 
 
+def test_a_second_update_on_one_rollout_does_not_reuse_its_outputs(tiny_cfg):
+    """Stored outputs are the rollout's weights' outputs: after an optimizer step (here: the whole first
+    update) they are stale. A second update on the same rollout recomputes every signal (no forward skipped,
+    exactly the counts of an update that never reuses) and sees the ratios move off 1."""
+    cfg = tiny_cfg(
+        "backward.strategy=jagg",
+        "backward.jagg_frac=1.0",
+        "train.grad_accum=2",  # one optimizer step per update: both micro-batches read stored outputs
+        config="configs/world/flux_flowgrpo_fast.yaml",
+    )
+    trainer = build_trainer(cfg)
+    ro = trainer.rollout(0)
+    first = trainer.update(ro)
+    assert first["forwards_skipped"] == 2 and first["onpolicy_ratio_max_dev"] == 0.0
+    second = trainer.update(ro)
+    assert second["optimizer_steps"] == 1 and trainer.weights_version == 2
+    assert second["forwards_skipped"] == 0
+    assert second["onpolicy_ratio_max_dev"] > 1e-4  # off-policy now: the stale outputs would have given 0
+    plans = trainer.backward.routing.plans(ro.trained.shape[1])
+    fresh = update_cost(plans, endpoints="batched", reuse_outputs=False, micro_batches=2, grad_accum=2)
+    assert second["forward_passes"] == fresh.forward_passes
+
+
 @pytest.mark.parametrize("kl_std", ["flow_grpo", "step"])
-def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path, kl_std):
+def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path, kl_std, tiny_cfg):
     """``Trainer.grpo_loss`` (the engine's ``GRPOStepLoss`` on a rollout's trained steps, KL reference on) gives
     every step's loss and gradient exactly as the formula the trainer inlined before."""
-    trainer = make_trainer(tiny_cfg(tmp_path, "algorithm.kl_beta=0.1", f"algorithm.kl_std={kl_std}"))
+    trainer = build_trainer(tiny_cfg("algorithm.kl_beta=0.1", f"algorithm.kl_std={kl_std}"))
     with torch.no_grad():  # move the policy off the reference, or the KL term would be exactly 0
         for p in trainer.params:
             p.add_(1e-2 * torch.randn_like(p))
@@ -294,7 +294,7 @@ def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path, kl
     assert len(new) == steps.shape[1] and new.kl_beta == 0.1 and new.kl_std == kl_std
     with torch.no_grad():  # the KL term is really there
         v0 = velocity(new.x[0], new.sigma[0])
-        assert new(0, v0).item() != GRPOStepLoss(**{**vars(new), "kl_beta": 0.0, "log": []})(0, v0).item()
+        assert new(0, v0).item() != GRPOStepLoss(**{**vars(new), "kl_beta": 0.0})(0, v0).item()
     for i in range(len(new)):
         out = []
         for fn in (old, new):
@@ -318,52 +318,51 @@ def test_named_seed_streams_keep_the_previous_seeds():
 
 
 @pytest.mark.parametrize(("min_cosine", "routed"), [(-1.0, "jagg"), (1.0, "exact")])
-def test_auto_routing_calibrates_logs_and_routes(tmp_path, min_cosine, routed):
+def test_auto_routing_calibrates_logs_and_routes(tmp_path, min_cosine, routed, tiny_cfg):
     """``backward.jagg_frac=auto``: the cosine of the group's JAGG gradient to its exact one is measured at
     iteration 0 (and every ``calibrate_every``), logged, and decides the routing. The tiny DanceGRPO run trains
     3 steps = one group of W = 3: a threshold of -1 routes it to JAGG (2 backward passes per sample), 1.0 (which
     an approximate group cannot reach) to exact (3), as the cost model says. The routing survives a resume."""
     cfg = tiny_cfg(
-        tmp_path,
         "backward.jagg_frac=auto",
         f"backward.min_cosine={min_cosine}",
         "backward.calibrate_every=2",
         "train.iterations=3",
         "log.checkpoint_every=1",
     )
-    trainer = make_trainer(cfg)
+    trainer = build_trainer(cfg)
     rows = trainer.fit()
     assert [("routing" in r) for r in rows] == [True, False, True]  # iterations 0 and 2
     cal = rows[0]
     assert cal["routing"] == [routed] and len(cal["calibration_cosines"]) == 1
     assert 0.0 < cal["calibration_cosines"][0] < 1.0 and cal["time_calibrate_s"] > 0
-    expected = trajectory_cost(3, strategy=routed, group_size=3, jagg_frac=1.0)
+    expected = trajectory_cost(Routing(strategy=routed, group_size=3).plans(3))
     per_sample = expected.backward_passes
     assert all(r["backward_passes_per_sample"] == per_sample for r in rows)
-    resumed = make_trainer(cfg)
+    resumed = build_trainer(cfg)
     resumed.load_checkpoint()
-    assert resumed.routing == trainer.routing == [routed == "jagg"]
+    assert resumed.backward == trainer.backward
+    assert trainer.backward.routing.measured == (routed == "jagg",)
 
 
-def test_jagg_frac_auto_is_validated(tmp_path):
+def test_jagg_frac_auto_is_validated(tmp_path, tiny_cfg):
     from jagg.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"backward.jagg_frac must be a number in \[0, 1\] or 'auto'"):
-        tiny_cfg(tmp_path, "backward.jagg_frac=sometimes")
+        tiny_cfg("backward.jagg_frac=sometimes")
     with pytest.raises(ConfigError, match="backward.min_cosine"):
-        tiny_cfg(tmp_path, "backward.jagg_frac=auto", "backward.min_cosine=2")
-    assert tiny_cfg(tmp_path, "backward.jagg_frac=0.5").backward.jagg_frac == 0.5
+        tiny_cfg("backward.jagg_frac=auto", "backward.min_cosine=2")
+    assert tiny_cfg("backward.jagg_frac=0.5").backward.jagg_frac == 0.5
 
 
 @pytest.mark.parametrize(("min_cosine", "w", "passes"), [(-1.0, 3, 2), (1.0, 2, 3)])
-def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w, passes):
+def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w, passes, tiny_cfg):
     """``backward.group_size=auto``: each candidate W is measured and routed; the W whose routed update the
     cost model predicts cheapest is kept. Tiny DanceGRPO trains T = 3 steps. With every cosine accepted, W = 3
     is one JAGG group (2 forwards + 2 backwards) and beats W = 2 ([2-step JAGG group] + [1 exact step]: 3 + 3).
     With no approximate group accepted, W = 3 falls back to exact (3 + 3) and ties with W = 2 (its 2-step group
     is exact JAGG and always qualifies): the tie goes to the smaller W. W and the routing survive a resume."""
     cfg = tiny_cfg(
-        tmp_path,
         "backward.jagg_frac=auto",
         "backward.group_size=auto",
         "backward.group_sizes=[2, 3]",
@@ -371,34 +370,32 @@ def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w
         "train.iterations=2",
         "log.checkpoint_every=1",
     )
-    trainer = make_trainer(cfg)
+    trainer = build_trainer(cfg)
     rows = trainer.fit()
     cal = rows[0]
-    assert cal["group_size"] == w == trainer.group_size
+    assert cal["group_size"] == w == trainer.backward.routing.group_size
     by_w = cal["calibration_by_group_size"]
     assert set(by_w) == {"2", "3"} and by_w["2"]["routing"][0] is True  # a 2-step group always qualifies
     assert by_w[str(w)]["predicted_cost"] <= min(c["predicted_cost"] for c in by_w.values())
     assert all(r["backward_passes_per_sample"] == passes for r in rows)
-    resumed = make_trainer(cfg)
+    resumed = build_trainer(cfg)
     resumed.load_checkpoint()
-    assert resumed.group_size == w and resumed.routing == trainer.routing
+    assert resumed.backward.routing.group_size == w and resumed.backward == trainer.backward
 
 
-def test_group_size_auto_is_validated(tmp_path):
+def test_group_size_auto_is_validated(tmp_path, tiny_cfg):
     from jagg.errors import ConfigError
 
     with pytest.raises(ConfigError, match="set backward.jagg_frac=auto too"):
-        tiny_cfg(tmp_path, "backward.group_size=auto")
-    with pytest.raises(ConfigError, match="backward.group_size must be an integer >= 1 or 'auto'"):
-        tiny_cfg(tmp_path, "backward.group_size=big", "backward.jagg_frac=auto")
+        tiny_cfg("backward.group_size=auto")
+    with pytest.raises(ConfigError, match="backward.group_size must be an integer >= 2 or 'auto'"):
+        tiny_cfg("backward.group_size=big", "backward.jagg_frac=auto")
     with pytest.raises(ConfigError, match="backward.group_sizes must be a non-empty list of integers >= 2"):
-        tiny_cfg(
-            tmp_path, "backward.group_size=auto", "backward.jagg_frac=auto", "backward.group_sizes=[1, 3]"
-        )
+        tiny_cfg("backward.group_size=auto", "backward.jagg_frac=auto", "backward.group_sizes=[1, 3]")
 
 
-def test_eval_only_judges_are_refused_as_training_rewards(tmp_path):
+def test_eval_only_judges_are_refused_as_training_rewards(tmp_path, tiny_cfg):
     from jagg.errors import ConfigError
 
     with pytest.raises(ConfigError, match="reward.weights: attr_judge is an eval-only judge"):
-        tiny_cfg(tmp_path, "reward.weights={jpeg: 1.0, attr_judge: 1.0}")
+        tiny_cfg("reward.weights={jpeg: 1.0, attr_judge: 1.0}")

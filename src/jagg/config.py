@@ -12,6 +12,7 @@ the world; the reward names are checked by the composition root (``jagg.loop.com
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -23,8 +24,8 @@ import yaml
 
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.grpo import KL_STD
+from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
-from jagg.engine.strategies import validate_routing
 from jagg.errors import ConfigError
 from jagg.rewards import EVAL_ONLY
 
@@ -48,7 +49,7 @@ TINY_RUN = (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     backbone: str = "flux"  # flux | qwenimage
     source: str = (
@@ -67,7 +68,7 @@ class ModelConfig:
     max_sequence_length: int = 512  # text tokens: Flux T5 padding length, Qwen-Image truncation
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingConfig:
     num_steps: int = 16
     shift: float = 3.0  # shifted-linear schedule (DanceGRPO); real models use their scheduler
@@ -76,7 +77,7 @@ class SamplingConfig:
     schedule: str = "shift"  # shift (shifted linear, DanceGRPO) | scheduler (the model's diffusers scheduler)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AlgorithmConfig:
     name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo
     sde_kind: str = "dance"  # dance | flow_grpo | cps
@@ -94,31 +95,55 @@ class AlgorithmConfig:
     kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
 
 
-@dataclass
+# A field whose YAML value may be ``auto``: None in the dataclass (decided at run time); the metadata says what
+# else the key allows (the error message names it).
+def _auto(default, allowed: str):
+    return field(default=default, metadata={"auto": allowed})
+
+
+@dataclass(kw_only=True)
 class BackwardConfig:
     strategy: str = "jagg"  # exact | jagg | endpoints | uniform
-    group_size: int | str = 3  # W, or "auto": chosen from `group_sizes` at each calibration (see below)
-    jagg_frac: float | str = 0.6  # leading fraction of groups on `strategy`, or "auto" (measured, see below)
+    # W; None (YAML `auto`): chosen from `group_sizes` at each calibration (see below)
+    group_size: int | None = _auto(3, "an integer >= 2 or 'auto'")
+    # leading fraction of groups on `strategy`; None (YAML `auto`): routed by measured cosines (see below)
+    jagg_frac: float | None = _auto(0.6, "a number in [0, 1] or 'auto'")
     min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
     calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
     group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
     endpoints: str = "batched"  # batched | joint (paper-literal) | sequential (one graph alive)
     reuse_rollout: bool = (
-        True  # intermediate signals from the rollout's outputs before the first optimizer step
+        True  # intermediate signals from the rollout's outputs while the weights are the rollout's
     )
 
     @property
     def calibrated(self) -> bool:
-        """Whether the trainer measures cosines at run time (jagg_frac is "auto"; group_size may be too)."""
-        return self.strategy != "exact" and self.jagg_frac == "auto"
+        """Whether the trainer measures cosines at run time (jagg_frac auto; group_size may be auto too)."""
+        return self.strategy != "exact" and self.jagg_frac is None
 
     @property
     def candidate_group_sizes(self) -> list[int]:
         """The group sizes a run may use: ``group_sizes`` under group_size=auto, else ``[group_size]``."""
-        return sorted(set(self.group_sizes)) if self.group_size == "auto" else [int(self.group_size)]
+        return sorted(set(self.group_sizes)) if self.group_size is None else [self.group_size]
+
+    def fixed_setting(self) -> BackwardSetting | None:
+        """The run's backward when nothing is measured (None under jagg_frac=auto: ``calibrate_routing``
+        decides). The exact strategy with jagg_frac=auto routes nothing, so it is fixed too."""
+        if self.calibrated:
+            return None
+        routing = Routing(
+            strategy=self.strategy,
+            group_size=self.candidate_group_sizes[0],
+            jagg_frac=1.0 if self.jagg_frac is None else self.jagg_frac,
+        )
+        return self.setting(routing)
+
+    def setting(self, routing: Routing) -> BackwardSetting:
+        """``routing`` with this config's endpoint mode and stored-output rule."""
+        return BackwardSetting(routing=routing, endpoints=self.endpoints, reuse_outputs=self.reuse_rollout)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimConfig:
     lr: float = 1e-4
     weight_decay: float = 1e-4
@@ -128,7 +153,7 @@ class OptimConfig:
     ema_decay: float = 0.0  # 0 = no EMA
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
     iterations: int = 30
     prompts_per_iter: int = 4
@@ -141,14 +166,14 @@ class TrainConfig:
     max_consecutive_skips: int = 3
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"pref": 1.0})
     eval: list[str] = field(default_factory=lambda: ["pref", "clip", "attr"])
     kwargs: dict[str, dict] = field(default_factory=dict)  # reward name -> constructor kwargs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataConfig:
     """Prompts and text-embedding cache for model.source=pretrained (the world sources use the world's own)."""
 
@@ -160,7 +185,7 @@ class DataConfig:
     precompute_embeddings: bool = False  # encode every prompt up front, then free the text encoders
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LogConfig:
     run_dir: str = "runs/default"
     eval_every: int = 10  # iterations; 0 = never
@@ -170,7 +195,7 @@ class LogConfig:
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -183,7 +208,20 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as YAML would write it (``auto`` where a field is decided at run time)."""
+        return _as_yaml(self)
+
+
+def _as_yaml(obj) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _as_yaml(value)
+        elif value is None and "auto" in f.metadata:
+            value = "auto"
+        out[f.name] = copy.deepcopy(value)
+    return out
 
 
 # --------------------------------------------------------------------------- loading
@@ -253,6 +291,7 @@ def _coerce(key: str, tp, value):
 
 def _build(cls, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
+    auto = {f.name: f.metadata["auto"] for f in dataclasses.fields(cls) if "auto" in f.metadata}
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -266,9 +305,22 @@ def _build(cls, data: dict, prefix: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: expected a mapping")
             kwargs[name] = _build(tp, value, key)
+        elif name in auto:  # `auto` -> None (decided at run time); anything else must be the other type
+            kwargs[name] = None if value == "auto" else _not_auto(key, tp, value, auto[name])
         else:
             kwargs[name] = _coerce(key, tp, value)
     return cls(**kwargs)
+
+
+def _not_auto(key: str, tp, value, allowed: str):
+    """``value`` of an ``auto`` field that is not ``auto``: checked against the non-None type of ``tp``."""
+    (concrete,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    try:
+        if value is None:
+            raise ConfigError(key)
+        return _coerce(key, concrete, value)
+    except ConfigError:
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -299,106 +351,13 @@ def validate(cfg: Config) -> None:
     Only what this layer can check from the engine's registries and static name tuples: reward names need
     the full reward registry and are checked by the composition root (``jagg.loop.components.check_config``).
     """
-    m, s, a, b, o, t = cfg.model, cfg.sampling, cfg.algorithm, cfg.backward, cfg.optim, cfg.train
-    _require(
-        m.backbone in BACKBONE_NAMES,
-        f"model.backbone must be one of {sorted(BACKBONE_NAMES)}, got {m.backbone!r}",
-    )
-    _require(
-        m.source in ("world", "tiny", "pretrained"),
-        f"model.source must be world|tiny|pretrained, got {m.source!r}",
-    )
-    _require(m.source != "pretrained" or bool(m.path), "model.path is required when model.source=pretrained")
-    _require(m.lora_rank >= 0, f"model.lora_rank must be >= 0, got {m.lora_rank}")
-    _require(
-        m.lora_rank == 0 or m.lora_alpha > 0,
-        f"model.lora_alpha must be > 0 when model.lora_rank > 0, got {m.lora_alpha}",
-    )
-    _require(m.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {m.true_cfg_scale}")
-    _require(
-        m.max_sequence_length >= 1, f"model.max_sequence_length must be >= 1, got {m.max_sequence_length}"
-    )
-    _require(
-        s.schedule in ("shift", "scheduler"), f"sampling.schedule must be shift|scheduler, got {s.schedule!r}"
-    )
-    _require(
-        s.schedule == "shift" or m.source == "pretrained",
-        f"sampling.schedule=scheduler needs model.source=pretrained (a diffusers scheduler), got {m.source!r}",
-    )
-    _require(s.num_steps >= 2, f"sampling.num_steps must be >= 2, got {s.num_steps}")
-    _require(s.eval_num_steps >= 1, f"sampling.eval_num_steps must be >= 1, got {s.eval_num_steps}")
-    _require(s.shift > 0, f"sampling.shift must be > 0, got {s.shift}")
-    _require(
-        s.latent_size >= 2 and s.latent_size % 2 == 0,
-        f"sampling.latent_size must be even and >= 2, got {s.latent_size}",
-    )
-    _require(a.name in ALGORITHMS, f"algorithm.name must be one of {sorted(ALGORITHMS)}, got {a.name!r}")
-    _require(
-        a.sde_kind in SDE_KINDS and a.sde_kind != "ode",
-        f"algorithm.sde_kind must be dance|flow_grpo|cps, got {a.sde_kind!r}",
-    )
-    _require(a.noise_level > 0, f"algorithm.noise_level must be > 0, got {a.noise_level}")
-    _require(
-        0 < a.timestep_fraction <= 1,
-        f"algorithm.timestep_fraction must be in (0, 1], got {a.timestep_fraction}",
-    )
-    _require(a.clip_range > 0, f"algorithm.clip_range must be > 0, got {a.clip_range}")
-    _require(a.adv_clip > 0, f"algorithm.adv_clip must be > 0, got {a.adv_clip}")
-    _require(a.adv_std in ("group", "global"), f"algorithm.adv_std must be group|global, got {a.adv_std!r}")
-    _require(a.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {a.kl_beta}")
-    _require(a.kl_std in KL_STD, f"algorithm.kl_std must be one of {list(KL_STD)}, got {a.kl_std!r}")
-    ALGORITHMS[a.name].validate(a, s.num_steps)
-    auto = isinstance(b.jagg_frac, str)
-    _require(
-        not auto or b.jagg_frac == "auto",
-        f"backward.jagg_frac must be a number in [0, 1] or 'auto', got {b.jagg_frac!r}",
-    )
-    _require(
-        not isinstance(b.group_size, str) or b.group_size == "auto",
-        f"backward.group_size must be an integer >= 1 or 'auto', got {b.group_size!r}",
-    )
-    _require(
-        b.group_size != "auto" or b.jagg_frac == "auto",
-        "backward.group_size=auto chooses W by the measured routing: set backward.jagg_frac=auto too "
-        f"(got jagg_frac={b.jagg_frac!r})",
-    )
-    _require(
-        bool(b.group_sizes) and all(isinstance(w, int) and w >= 2 for w in b.group_sizes),
-        f"backward.group_sizes must be a non-empty list of integers >= 2, got {b.group_sizes!r}",
-    )
-    try:  # the one routing validator (the engine's)
-        for w in b.candidate_group_sizes:
-            validate_routing(w, 1.0 if auto else b.jagg_frac, b.strategy, b.endpoints)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    _require(-1.0 <= b.min_cosine <= 1.0, f"backward.min_cosine must be in [-1, 1], got {b.min_cosine}")
-    _require(b.calibrate_every >= 1, f"backward.calibrate_every must be >= 1, got {b.calibrate_every}")
-    _require(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
-    _require(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
-    _require(o.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {o.max_grad_norm}")
-    _require(0 <= o.ema_decay < 1, f"optim.ema_decay must be in [0, 1), got {o.ema_decay}")
-    _require(
-        len(o.betas) == 2 and all(0 <= x < 1 for x in o.betas),
-        f"optim.betas must be two values in [0, 1), got {o.betas}",
-    )
-    for key in (
-        "iterations",
-        "prompts_per_iter",
-        "images_per_prompt",
-        "train_batch_size",
-        "grad_accum",
-        "max_consecutive_skips",
-    ):
-        _require(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
-    _require(
-        t.images_per_prompt >= 2,
-        f"train.images_per_prompt must be >= 2 (group advantages), got {t.images_per_prompt}",
-    )
-    _require(
-        t.precision in ("fp32", "bf16", "fp64"),
-        f"train.precision must be fp32|bf16|fp64, got {t.precision!r}",
-    )
-    _require(t.device in ("cpu", "cuda", "auto"), f"train.device must be cpu|cuda|auto, got {t.device!r}")
+    model, sampling = cfg.model, cfg.sampling
+    _validate_model(model)
+    _validate_sampling(sampling, model)
+    _validate_algorithm(cfg.algorithm, sampling)
+    _validate_backward(cfg.backward)
+    _validate_optim(cfg.optim)
+    _validate_train(cfg.train)
     _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")
     trained_on = sorted(EVAL_ONLY & set(cfg.reward.weights))
     _require(
@@ -417,17 +376,151 @@ def validate(cfg: Config) -> None:
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
 
 
+def _validate_model(model: ModelConfig) -> None:
+    _require(
+        model.backbone in BACKBONE_NAMES,
+        f"model.backbone must be one of {sorted(BACKBONE_NAMES)}, got {model.backbone!r}",
+    )
+    _require(
+        model.source in ("world", "tiny", "pretrained"),
+        f"model.source must be world|tiny|pretrained, got {model.source!r}",
+    )
+    _require(
+        model.source != "pretrained" or bool(model.path),
+        "model.path is required when model.source=pretrained",
+    )
+    _require(model.lora_rank >= 0, f"model.lora_rank must be >= 0, got {model.lora_rank}")
+    _require(
+        model.lora_rank == 0 or model.lora_alpha > 0,
+        f"model.lora_alpha must be > 0 when model.lora_rank > 0, got {model.lora_alpha}",
+    )
+    _require(model.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {model.true_cfg_scale}")
+    _require(
+        model.max_sequence_length >= 1,
+        f"model.max_sequence_length must be >= 1, got {model.max_sequence_length}",
+    )
+
+
+def _validate_sampling(sampling: SamplingConfig, model: ModelConfig) -> None:
+    _require(
+        sampling.schedule in ("shift", "scheduler"),
+        f"sampling.schedule must be shift|scheduler, got {sampling.schedule!r}",
+    )
+    _require(
+        sampling.schedule == "shift" or model.source == "pretrained",
+        f"sampling.schedule=scheduler needs model.source=pretrained (a diffusers scheduler), got {model.source!r}",
+    )
+    _require(sampling.num_steps >= 2, f"sampling.num_steps must be >= 2, got {sampling.num_steps}")
+    _require(
+        sampling.eval_num_steps >= 1, f"sampling.eval_num_steps must be >= 1, got {sampling.eval_num_steps}"
+    )
+    _require(sampling.shift > 0, f"sampling.shift must be > 0, got {sampling.shift}")
+    _require(
+        sampling.latent_size >= 2 and sampling.latent_size % 2 == 0,
+        f"sampling.latent_size must be even and >= 2, got {sampling.latent_size}",
+    )
+
+
+def _validate_algorithm(algorithm: AlgorithmConfig, sampling: SamplingConfig) -> None:
+    _require(
+        algorithm.name in ALGORITHMS,
+        f"algorithm.name must be one of {sorted(ALGORITHMS)}, got {algorithm.name!r}",
+    )
+    _require(
+        algorithm.sde_kind in SDE_KINDS and algorithm.sde_kind != "ode",
+        f"algorithm.sde_kind must be dance|flow_grpo|cps, got {algorithm.sde_kind!r}",
+    )
+    _require(algorithm.noise_level > 0, f"algorithm.noise_level must be > 0, got {algorithm.noise_level}")
+    _require(
+        0 < algorithm.timestep_fraction <= 1,
+        f"algorithm.timestep_fraction must be in (0, 1], got {algorithm.timestep_fraction}",
+    )
+    _require(algorithm.clip_range > 0, f"algorithm.clip_range must be > 0, got {algorithm.clip_range}")
+    _require(algorithm.adv_clip > 0, f"algorithm.adv_clip must be > 0, got {algorithm.adv_clip}")
+    _require(
+        algorithm.adv_std in ("group", "global"),
+        f"algorithm.adv_std must be group|global, got {algorithm.adv_std!r}",
+    )
+    _require(algorithm.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {algorithm.kl_beta}")
+    _require(
+        algorithm.kl_std in KL_STD,
+        f"algorithm.kl_std must be one of {list(KL_STD)}, got {algorithm.kl_std!r}",
+    )
+    ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps)
+
+
+def _validate_backward(backward: BackwardConfig) -> None:
+    _require(
+        backward.group_size is not None or backward.jagg_frac is None,
+        "backward.group_size=auto chooses W by the measured routing: set backward.jagg_frac=auto too "
+        f"(got jagg_frac={backward.jagg_frac!r})",
+    )
+    _require(
+        bool(backward.group_sizes) and all(isinstance(w, int) and w >= 2 for w in backward.group_sizes),
+        f"backward.group_sizes must be a non-empty list of integers >= 2, got {backward.group_sizes!r}",
+    )
+    frac = 1.0 if backward.jagg_frac is None else backward.jagg_frac
+    try:  # the one routing validator (the engine's)
+        for w in backward.candidate_group_sizes:
+            validate_routing(w, frac, backward.strategy, backward.endpoints)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _require(
+        -1.0 <= backward.min_cosine <= 1.0,
+        f"backward.min_cosine must be in [-1, 1], got {backward.min_cosine}",
+    )
+    _require(
+        backward.calibrate_every >= 1,
+        f"backward.calibrate_every must be >= 1, got {backward.calibrate_every}",
+    )
+
+
+def _validate_optim(optim: OptimConfig) -> None:
+    _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
+    _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    _require(optim.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {optim.max_grad_norm}")
+    _require(0 <= optim.ema_decay < 1, f"optim.ema_decay must be in [0, 1), got {optim.ema_decay}")
+    _require(
+        len(optim.betas) == 2 and all(0 <= x < 1 for x in optim.betas),
+        f"optim.betas must be two values in [0, 1), got {optim.betas}",
+    )
+
+
+def _validate_train(train: TrainConfig) -> None:
+    for key in (
+        "iterations",
+        "prompts_per_iter",
+        "images_per_prompt",
+        "train_batch_size",
+        "grad_accum",
+        "max_consecutive_skips",
+    ):
+        _require(getattr(train, key) >= 1, f"train.{key} must be >= 1, got {getattr(train, key)}")
+    _require(
+        train.images_per_prompt >= 2,
+        f"train.images_per_prompt must be >= 2 (group advantages), got {train.images_per_prompt}",
+    )
+    _require(
+        train.precision in ("fp32", "bf16", "fp64"),
+        f"train.precision must be fp32|bf16|fp64, got {train.precision!r}",
+    )
+    _require(
+        train.device in ("cpu", "cuda", "auto"), f"train.device must be cpu|cuda|auto, got {train.device!r}"
+    )
+
+
 def _validate_data(cfg: Config) -> None:
-    d = cfg.data
+    data = cfg.data
     for key in ("train_limit", "eval_limit"):
-        v = getattr(d, key)
-        _require(v is None or v >= 1, f"data.{key} must be >= 1 or null, got {v}")
+        limit = getattr(data, key)
+        _require(limit is None or limit >= 1, f"data.{key} must be >= 1 or null, got {limit}")
     for key in ("train_prompts", "eval_prompts"):
         _require(
-            bool(getattr(d, key)), f"data.{key} must name a prompt file or dataset, got {getattr(d, key)!r}"
+            bool(getattr(data, key)),
+            f"data.{key} must name a prompt file or dataset, got {getattr(data, key)!r}",
         )
     _require(
-        cfg.model.source == "pretrained" or dataclasses.asdict(d) == dataclasses.asdict(DataConfig()),
+        cfg.model.source == "pretrained" or dataclasses.asdict(data) == dataclasses.asdict(DataConfig()),
         f"data.* is used only with model.source=pretrained (world/tiny use the world's prompts), "
         f"got model.source={cfg.model.source!r}",
     )
@@ -435,10 +528,10 @@ def _validate_data(cfg: Config) -> None:
 
 def validate_world_size(cfg: Config, world_size: int) -> None:
     """Multi-process runs split the global batch into whole micro-batches per rank (same count everywhere)."""
-    t = cfg.train
-    n = t.prompts_per_iter * t.images_per_prompt
+    train = cfg.train
+    n = train.prompts_per_iter * train.images_per_prompt
     _require(
-        world_size == 1 or n % (world_size * t.train_batch_size) == 0,
+        world_size == 1 or n % (world_size * train.train_batch_size) == 0,
         f"train.prompts_per_iter * train.images_per_prompt = {n} must be a multiple of "
-        f"world_size * train.train_batch_size = {world_size} * {t.train_batch_size} for multi-process runs",
+        f"world_size * train.train_batch_size = {world_size} * {train.train_batch_size} for multi-process runs",
     )

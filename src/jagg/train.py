@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     set_threads(1)
+    from jagg.distributed import DistInfo, init_distributed
     from jagg.loop.trainer import Trainer, TrainingAborted
-    from jagg.scale.distributed import DistInfo, init_distributed
 
     init_distributed()
     info = DistInfo.current()
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 def _export(cfg, out_dir: Path) -> int:
     """``--export``: the checkpoint's weights to ``out_dir`` (``jagg.loop.export.export_run``), no training."""
     set_threads(1)
+    from jagg.distributed import DistInfo, init_distributed
     from jagg.loop.export import export_run
-    from jagg.scale.distributed import DistInfo, init_distributed
 
     init_distributed()
     try:

@@ -1,10 +1,11 @@
 """Gradient diagnostics: how close each two-endpoint strategy's group gradient is to the exact one.
 
-``group_gradient_cosines`` cuts the T trained steps into the groups ``plan_groups`` makes, and for every group of
+``group_gradient_cosines`` cuts the T trained steps into consecutive groups of W (the groups
+``jagg.engine.routing.plan_groups`` makes), and for every group of
 two or more steps computes the exact per-step group gradient and each compared strategy's gradient over the
 given (trainable) parameters, then their cosine similarity and relative error. ``experiments/cosine.py``
-measures JAGG's gradient quality along the trajectory with it; the same numbers are what an automatic
-``jagg_frac`` rule would route on (JAGG where the cosine stays high).
+measures JAGG's gradient quality along the trajectory with it; ``route_by_cosine`` turns the same numbers into
+a routing (``jagg.engine.routing.calibrate_routing``, ``backward.jagg_frac: auto``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from jagg.engine.strategies import StepLoss, Velocity, group_backward, plan_groups
+from jagg.engine.strategies import StepLoss, Velocity, exact_at_two, group_backward
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def group_gradient_cosines(
         velocity, latents (T, B, ...), sigmas (T,) or (T, B), step_loss: as for ``trajectory_backward``
             (steps sorted by time, ``step_loss(i, v)`` indexed by the trained-step position i).
         params: the parameters the gradients are taken over (the trainable ones).
-        group_size: W; the groups are ``plan_groups(T, W, ...)``'s, a single-step group is skipped.
+        group_size: W; the groups are consecutive (``plan_groups(T, W, ...)``'s), a single-step group is skipped.
         strategies: the strategies compared with ``exact``; ``endpoints`` is passed to ``group_backward``.
 
     Returns one ``GroupCosine`` per (group, strategy), groups in trajectory order. ``.grad`` of ``params`` is
@@ -102,8 +103,9 @@ def group_gradient_cosines(
     saved = [p.grad for p in params]
     out = []
     try:
-        for g, plan in enumerate(plan_groups(latents.shape[0], group_size, 1.0, "jagg")):
-            idx = list(plan.steps)
+        num_steps = latents.shape[0]
+        for g, start in enumerate(range(0, num_steps, group_size)):
+            idx = list(range(start, min(start + group_size, num_steps)))
             if len(idx) < 2:
                 continue
             grads = {}
@@ -134,15 +136,18 @@ def route_by_cosine(cosines: Sequence[GroupCosine], min_cosine: float, strategy:
     ``min_cosine``, False (exact) elsewhere.
 
     ``cosines`` come from ``group_gradient_cosines`` (one micro-batch, or several: a position qualifies only if
-    every measurement of it does). A group of two steps always qualifies: JAGG is exact there (alpha = (0, 1)),
-    so a cosine below 1 can only be rounding. Positions that were not measured (single-step groups) stay exact.
+    every measurement of it does). A group of two steps qualifies whatever its cosine when ``strategy`` is exact
+    at W = 2 (``exact_at_two``: its weight matrix for two steps is the identity, as JAGG's alpha = (0, 1) and the
+    endpoints ablation give), so a cosine below 1 can only be rounding; a strategy that is not (uniform) is
+    measured like any other group. Positions that were not measured (single-step groups) stay exact.
     """
     if not -1.0 <= min_cosine <= 1.0:
         raise ValueError(f"min_cosine must be in [-1, 1], got {min_cosine!r}")
+    exact_pairs = exact_at_two(strategy)
     ok: dict[int, bool] = {}
     for c in cosines:
         if c.strategy != strategy:
             continue
-        good = len(c.steps) == 2 or c.cosine >= min_cosine
+        good = (exact_pairs and len(c.steps) == 2) or c.cosine >= min_cosine
         ok[c.group] = ok.get(c.group, True) and good
     return [ok.get(g, False) for g in range(max(ok, default=-1) + 1)]

@@ -10,7 +10,7 @@ and the tests all use it (docs/conventions.md, docs/references.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -95,6 +95,14 @@ def gaussian_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     return ((mean - ref_mean) ** 2 / (2 * std**2)).flatten(1).mean(dim=1)
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one evaluation of ``GRPOStepLoss`` gives besides the differentiable loss."""
+
+    loss: float  # L_i, unscaled (the clipped surrogate plus the KL term)
+    ppo: PPOStats
+
+
 KL_STD = ("flow_grpo", "step")  # which std the KL penalty divides by (GRPOStepLoss.kl_std)
 
 
@@ -117,9 +125,10 @@ class GRPOStepLoss:
     step std for every kind instead: the exact KL of the two step Gaussians (the world recipe was tuned with it).
 
     and ``loss(i, v)`` returns ``scale * L_i`` (the trainer's scale is 1 / (grad_accum * T)). The KL reference
-    mean mu_ref_i comes from ``ref_velocity(x_i, sigma_i)`` without autograd. Every call appends
-    ``(L_i, PPOStats)`` (unscaled) to ``log``. The object is itself a ``StepLoss`` for
-    ``group_backward`` / ``trajectory_backward`` (``loss.x`` and ``loss.sigma`` are their latents and times).
+    mean mu_ref_i comes from ``ref_velocity(x_i, sigma_i)`` without autograd. ``evaluate(i, v)`` returns the
+    scaled loss and its statistics (``StepStats``: L_i unscaled and the ``PPOStats``); ``loss(i, v)`` is its
+    loss alone, so the object is itself a ``StepLoss`` for ``group_backward`` / ``trajectory_backward``
+    (``loss.x`` and ``loss.sigma`` are their latents and times). Evaluating it changes nothing.
 
     Follows DanceGRPO ``fastvideo/train_grpo_flux.py`` (``grpo_one_step``: recompute the log-prob of the stored
     next latent with ``flux_step``; the clipped loss in ``train_one_step``) and Flow-GRPO
@@ -143,7 +152,6 @@ class GRPOStepLoss:
     kl_beta: float = 0.0
     ref_velocity: Callable[[Tensor, Tensor], Tensor] | None = None
     scale: float = 1.0
-    log: list[tuple[float, PPOStats]] = field(default_factory=list)
     kl_std: str = "flow_grpo"  # "flow_grpo": Flow-GRPO's std_dev_t; "step": the step std (the exact step KL)
 
     def __post_init__(self) -> None:
@@ -198,6 +206,10 @@ class GRPOStepLoss:
         )
 
     def __call__(self, i: int, v: Tensor) -> Tensor:
+        return self.evaluate(i, v)[0]
+
+    def evaluate(self, i: int, v: Tensor) -> tuple[Tensor, StepStats]:
+        """``(scale * L_i, StepStats(L_i, PPOStats))`` for the model output ``v`` of the i-th trained step."""
         x, s, s_next = self.x[i], self.sigma[i], self.sigma_next[i]
         step = sde_step_with_logprob(
             x, v, s, s_next, kind=self.kind, noise_level=self.noise_level, prev_sample=self.x_next[i]
@@ -216,5 +228,5 @@ class GRPOStepLoss:
                 )
             std = step.std_dev_t if self.kl_std == "flow_grpo" else step.std
             loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, std).mean()
-        self.log.append((loss.item(), stats))
-        return loss if self.scale == 1.0 else loss * self.scale
+        scaled = loss if self.scale == 1.0 else loss * self.scale
+        return scaled, StepStats(loss.item(), stats)

@@ -16,11 +16,8 @@ Steps whose row is all zeros need no forward at all, so the endpoints ablation a
 
 from __future__ import annotations
 
-import functools
-import math
-import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -32,7 +29,7 @@ Velocity = Callable[[Tensor, Tensor], Tensor]
 StepLoss = Callable[[int, Tensor], Tensor]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GroupStats:
     """What one ``group_backward`` did. Counts are per call; ``loss`` is sum_j L_j over computed steps.
 
@@ -54,6 +51,32 @@ class GroupStats:
     time_forward_s: float = 0.0
     time_backward_s: float = 0.0  # transformer backward (the part JAGG saves)
     endpoints: str = ""  # endpoint mode of an aggregated strategy ("" for exact)
+
+    @classmethod
+    def exact(cls, step_losses: list[float], *, time_forward_s: float, time_backward_s: float) -> GroupStats:
+        """The exact per-step backward of W = len(step_losses) steps: W forwards with autograd in W calls,
+        W backward passes through W graphs in W calls."""
+        w = len(step_losses)
+        return cls(
+            strategy="exact",
+            group_size=w,
+            loss=sum(step_losses),
+            step_losses=step_losses,
+            forward_passes=w,
+            forward_passes_with_grad=w,
+            forward_calls=w,
+            backward_passes=w,
+            backward_graphs=w,
+            backward_calls=w,
+            time_forward_s=time_forward_s,
+            time_backward_s=time_backward_s,
+        )
+
+    def as_metrics(self) -> dict[str, float]:
+        """The pass counts and the forward / backward seconds, under the names ``metrics.jsonl`` uses."""
+        names = ("forward_passes", "forward_passes_with_grad", "forward_calls", "forwards_skipped")
+        names += ("backward_passes", "backward_graphs", "backward_calls", "time_forward_s", "time_backward_s")
+        return {name: getattr(self, name) for name in names}
 
     def merge(self, other: GroupStats) -> GroupStats:
         """Sum of two stats (used to accumulate over the groups of a trajectory)."""
@@ -126,6 +149,20 @@ AGGREGATION_WEIGHTS: dict[str, Callable[[Tensor], Tensor]] = {
 STRATEGIES: tuple[str, ...] = ("exact", *AGGREGATION_WEIGHTS)
 
 
+def exact_at_two(strategy: str) -> bool:
+    """Whether ``strategy`` gives the exact gradient on a group of two steps: its weight matrix for W = 2 is the
+    identity (each endpoint gets exactly its own step's signal), as for JAGG (alpha = (0, 1)) and the
+    endpoints ablation, not for uniform. Computed from the weight rule at two different pairs of times."""
+    if strategy == "exact":
+        return True
+    if strategy not in AGGREGATION_WEIGHTS:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    rule = AGGREGATION_WEIGHTS[strategy]
+    eye = torch.eye(2, dtype=torch.float64)
+    pairs = (torch.tensor([1.0, 0.5], dtype=torch.float64), torch.tensor([0.9, 0.2], dtype=torch.float64))
+    return all(torch.equal(rule(sigmas), eye) for sigmas in pairs)
+
+
 # --------------------------------------------------------------------------- strategies
 ENDPOINT_MODES: tuple[str, ...] = ("batched", "joint", "sequential")
 """How the two endpoint backward passes of an aggregated group run (same gradient, different cost):
@@ -162,21 +199,7 @@ def exact_backward(velocity: Velocity, latents: Tensor, sigmas: Tensor, step_los
         with t_bwd:
             torch.autograd.backward(loss)
         losses.append(loss.item())
-    w = latents.shape[0]
-    return GroupStats(
-        "exact",
-        w,
-        sum(losses),
-        losses,
-        w,
-        w,
-        w,
-        w,
-        w,
-        w,
-        time_forward_s=t_fwd.total,
-        time_backward_s=t_bwd.total,
-    )
+    return GroupStats.exact(losses, time_forward_s=t_fwd.total, time_backward_s=t_bwd.total)
 
 
 def _signal(step_loss: StepLoss, j: int, v: Tensor) -> tuple[float, Tensor]:
@@ -289,10 +312,10 @@ def aggregated_backward(
         graphs, calls = 2, 2
     step_losses = [losses[j] for j in sorted(losses)]
     return GroupStats(
-        name,
-        w,
-        sum(step_losses),
-        step_losses,
+        strategy=name,
+        group_size=w,
+        loss=sum(step_losses),
+        step_losses=step_losses,
         forward_passes=n["fwd"],
         forward_passes_with_grad=n["fwd_grad"],
         forward_calls=n["calls"],
@@ -345,157 +368,3 @@ def group_backward(
     return aggregated_backward(
         velocity, latents, sigmas, step_loss, weights, strategy, endpoints=endpoints, outputs=outputs
     )
-
-
-# --------------------------------------------------------------------------- routing (jagg_frac)
-@dataclass(frozen=True)
-class GroupPlan:
-    """One group of a trajectory: positions (into the trained-step list) and the strategy it uses."""
-
-    steps: tuple[int, ...]
-    strategy: str
-
-
-def validate_routing(group_size: int, jagg_frac: float, strategy: str, endpoints: str = "batched") -> None:
-    """Raise ValueError naming the offending key and the allowed range."""
-    if not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(f"backward.group_size must be an integer >= 2, got {group_size!r}")
-    if not 0.0 <= float(jagg_frac) <= 1.0:
-        raise ValueError(f"backward.jagg_frac must be in [0, 1], got {jagg_frac!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"backward.strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if endpoints not in ENDPOINT_MODES:
-        raise ValueError(f"backward.endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
-
-
-def plan_groups(
-    num_steps: int,
-    group_size: int,
-    jagg_frac: float,
-    strategy: str,
-    routing: Sequence[bool] | None = None,
-) -> list[GroupPlan]:
-    """Cut ``num_steps`` time-sorted trained steps into consecutive groups of ``group_size``.
-
-    The last group may be shorter. The first ``round(jagg_frac * n_groups)`` groups (round half up) use
-    ``strategy``; the rest, and any group of a single step, use the exact per-step backward. ``routing`` (one
-    bool per group position, e.g. from ``jagg.engine.diagnostics.route_by_cosine``) replaces the jagg_frac rule:
-    group g uses ``strategy`` where ``routing[g]`` is true, exact elsewhere and beyond its length.
-    """
-    validate_routing(group_size, jagg_frac, strategy)
-    starts = range(0, num_steps, group_size)
-    n_groups = len(starts)
-    n_routed = math.floor(jagg_frac * n_groups + 0.5)
-    plans = []
-    for g, s in enumerate(starts):
-        steps = tuple(range(s, min(s + group_size, num_steps)))
-        chosen = g < n_routed if routing is None else g < len(routing) and bool(routing[g])
-        plans.append(GroupPlan(steps, strategy if chosen and len(steps) > 1 else "exact"))
-    return plans
-
-
-def trajectory_backward(
-    velocity: Velocity,
-    latents: Tensor,
-    sigmas: Tensor,
-    step_loss: StepLoss,
-    *,
-    strategy: str,
-    group_size: int,
-    jagg_frac: float,
-    endpoints: str = "batched",
-    outputs: Tensor | None = None,
-    routing: Sequence[bool] | None = None,
-) -> GroupStats:
-    """Backward over all T trained steps of a trajectory with ``jagg_frac`` routing (or explicit ``routing``).
-
-    ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) must be sorted by time (sigma decreasing);
-    ``step_loss(i, v)`` takes the index i into the T trained steps. ``endpoints`` and ``outputs`` (T, B, ...)
-    are passed to ``group_backward`` for each group.
-    """
-    total = None
-    for plan in plan_groups(latents.shape[0], group_size, jagg_frac, strategy, routing):
-        idx = list(plan.steps)
-        stats = group_backward(
-            velocity,
-            latents[idx],
-            torch.as_tensor(sigmas)[idx],
-            lambda j, v, idx=idx: step_loss(idx[j], v),
-            plan.strategy,
-            endpoints=endpoints,
-            outputs=None if outputs is None else outputs[idx],
-        )
-        total = stats if total is None else total.merge(stats)
-    return total
-
-
-# --------------------------------------------------------------------------- cost model
-@dataclass(frozen=True)
-class GroupCost:
-    """Predicted work of one group (the counts ``GroupStats`` measures), plus memory and FSDP2 traffic.
-
-    Passes are in units of one model evaluation on the micro-batch. ``graphs_alive`` is the peak number of
-    B-sample autograd graphs held at once (saved activations; the exact baseline holds 1). ``all_gathers`` /
-    ``reduce_scatters`` are per FSDP2 unit that reshards after forward and after backward.
-    """
-
-    forward_passes: int
-    forward_passes_with_grad: int
-    forward_calls: int
-    forwards_skipped: int
-    backward_passes: int
-    backward_graphs: int
-    backward_calls: int
-    graphs_alive: int
-    all_gathers: int
-    reduce_scatters: int
-
-    def __add__(self, other: GroupCost) -> GroupCost:
-        """Groups run one after another: counts add up, the activation peak is the larger one."""
-        total = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        total["graphs_alive"] = max(self.graphs_alive, other.graphs_alive)
-        return GroupCost(**total)
-
-    def time(self, forward: float = 1.0, backward: float = 2.0) -> float:
-        """Time in the unit of ``forward``, with one backward pass costing ``backward`` (about 2 forwards)."""
-        return self.forward_passes * forward + self.backward_passes * backward
-
-
-def group_cost(
-    size: int, strategy: str, endpoints: str = "batched", reuse_outputs: bool = False
-) -> GroupCost:
-    """The counts ``group_backward`` reports for a group of ``size`` steps (tested equal), without running it.
-
-    ``reuse_outputs``: intermediate outputs come from the rollout (``group_backward(..., outputs=...)``).
-    """
-    validate_routing(max(size, 2), 0.0, strategy, endpoints)
-    if strategy == "exact" or size == 1:
-        return GroupCost(size, size, size, 0, size, size, size, 1, 2 * size, size)
-    weights = AGGREGATION_WEIGHTS[strategy](torch.linspace(1.0, 0.1, size, dtype=torch.float64))
-    mid = sum(bool((weights[j] != 0).any()) for j in range(1, size - 1))  # intermediate signals needed
-    early_last = endpoints == "sequential" and bool(weights[-1, 0] != 0)  # s_{W-1} before v_{W-1}'s graph
-    detached = mid + early_last  # outputs needed without autograd
-    fwd = 0 if reuse_outputs else detached
-    skipped = detached if reuse_outputs else 0
-    if endpoints == "batched":
-        return GroupCost(fwd + 2, 2, fwd + 1, skipped, 2, 1, 1, 2, fwd + 2, 1)
-    if endpoints == "joint":
-        return GroupCost(fwd + 2, 2, fwd + 2, skipped, 2, 2, 1, 2, fwd + 4, 1)
-    return GroupCost(fwd + 2, 2, fwd + 2, skipped, 2, 2, 2, 1, fwd + 4, 2)  # sequential
-
-
-def trajectory_cost(
-    num_steps: int,
-    *,
-    strategy: str,
-    group_size: int,
-    jagg_frac: float,
-    endpoints: str = "batched",
-    reuse_outputs: bool = False,
-) -> GroupCost:
-    """``group_cost`` summed over the groups ``plan_groups`` makes of ``num_steps`` trained steps."""
-    costs = [
-        group_cost(len(p.steps), p.strategy, endpoints, reuse_outputs)
-        for p in plan_groups(num_steps, group_size, jagg_frac, strategy)
-    ]
-    return functools.reduce(operator.add, costs)

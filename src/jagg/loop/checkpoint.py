@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jagg.scale.distributed import DistInfo
+from jagg.distributed import DistInfo
 
 CHECKPOINT = "checkpoint"  # directory under log.run_dir
 PROGRESS = "progress.pt"

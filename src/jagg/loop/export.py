@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from jagg.config import Config
+from jagg.distributed import DistInfo, full_tensor
 from jagg.loop.checkpoint import find_checkpoint, load_weights, trainable_names
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.models import BACKBONES, Backbone
-from jagg.scale.distributed import DistInfo, full_tensor
 from jagg.scale.lora import export_lora
 
 

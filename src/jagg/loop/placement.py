@@ -21,14 +21,9 @@ import copy
 import torch
 
 from jagg.config import Config
+from jagg.distributed import DistInfo
 from jagg.models import Backbone
-from jagg.scale.distributed import (
-    DistInfo,
-    broadcast_module,
-    cast_parameters,
-    shard_backbone,
-    shard_from_rank0,
-)
+from jagg.scale.distributed import broadcast_module, cast_parameters, shard_backbone, shard_from_rank0
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}

@@ -7,8 +7,6 @@ CLIPScore), so the lower layers never import the ones above them to find a rewar
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
@@ -37,7 +35,8 @@ def check_reward_names(cfg: Config) -> None:
 
 
 def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:
-    """``build_reward(name, **kwargs)``; on a GPU, factories that accept a ``device`` get the run's device.
+    """``build_reward(name, device=device, **kwargs)``: every factory takes ``device`` (``jagg.rewards``), so
+    each reward gets the run's device unless ``reward.kwargs.<name>.device`` names another.
 
     ``dtype`` may be given by name in the config (``reward.kwargs: {hpsv2: {dtype: bf16}}``): fp32 | bf16 | fp16
     (the CLIP rewards run their model in that dtype; the dry-run memory plan counts it).
@@ -45,9 +44,4 @@ def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:
     kwargs = dict(kwargs)
     if isinstance(kwargs.get("dtype"), str):  # checked by check_reward_names
         kwargs["dtype"] = REWARD_DTYPES[kwargs["dtype"]]
-    factory = REWARDS.get(name)
-    if factory is not None and device.type == "cuda" and "device" not in kwargs:
-        params = inspect.signature(factory).parameters.values()
-        if any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in params):
-            kwargs["device"] = device
-    return build_reward(name, **kwargs)
+    return build_reward(name, **{"device": device, **kwargs})

@@ -32,7 +32,6 @@ import math
 import resource
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,27 +40,28 @@ import torch
 from torch import Tensor
 
 from jagg.common import SeedStream, atomic_write_text, generator
-from jagg.config import BackwardConfig, Config, validate_world_size
+from jagg.config import Config, validate_world_size
+from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.diagnostics import group_gradient_cosines, route_by_cosine
-from jagg.engine.grpo import GRPOStepLoss, group_advantages
+from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages
+from jagg.engine.routing import BackwardSetting, Routing, calibrate_routing, trajectory_backward
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.engine.strategies import GroupStats, group_cost, plan_groups, trajectory_backward
+from jagg.engine.strategies import GroupStats
 from jagg.loop.checkpoint import Progress, checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
+from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_reward
 from jagg.models import Backbone, Components, TextCond
 from jagg.rewards import Reward, WeightedRewards
-from jagg.scale.distributed import DistInfo, full_tensor
 
 
 class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite updates; a final checkpoint has been written."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollout:
     """One iteration's samples. N = prompts_per_iter * images_per_prompt."""
 
@@ -73,6 +73,21 @@ class Rollout:
     components: dict[str, Tensor]  # per-reward scores (N,), global batch
     advantages: Tensor  # (n,) this rank's share
     timing: dict[str, float]  # time_sample_s, time_reward_s
+    weights_version: (
+        int  # the trainer's optimizer steps when sampled: stored outputs are valid while unchanged
+    )
+
+
+class _Recorded:
+    """A ``GRPOStepLoss`` as a ``StepLoss`` that keeps the statistics of every evaluation, in call order."""
+
+    def __init__(self, loss: GRPOStepLoss) -> None:
+        self.loss, self.stats = loss, []
+
+    def __call__(self, i: int, v: Tensor) -> Tensor:
+        value, stats = self.loss.evaluate(i, v)
+        self.stats.append(stats)
+        return value
 
 
 def _at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Tensor:
@@ -90,11 +105,12 @@ def _peak_memory_mb(device: torch.device) -> float:
 class Trainer:
     def __init__(self, cfg: Config, comp: Components, run_dir: str | Path) -> None:
         self.cfg, self.comp, self.run_dir = cfg, comp, Path(run_dir)
-        t = cfg.train
+        train = cfg.train
         self.dist = DistInfo.current()
         validate_world_size(cfg, self.dist.world_size)
-        self.device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
-        self.dtype = DTYPES[t.precision]
+        auto_cuda = train.device == "auto" and torch.cuda.is_available()
+        self.device = torch.device("cuda" if auto_cuda else train.device)
+        self.dtype = DTYPES[train.precision]
         # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, and
         # under FSDP2 the shards of rank 0's weights (jagg.loop.placement)
         self.backbone, self.reference = place_backbone(
@@ -105,18 +121,22 @@ class Trainer:
             reference=cfg.algorithm.kl_beta > 0,  # unsharded frozen copy (small models; no KL at paper scale)
         )
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
-        o = cfg.optim
+        optim = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+            self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
         )
-        self.ema = [p.detach().clone() for p in self.params] if o.ema_decay > 0 else None
+        self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
-        s = cfg.sampling
-        self.sigmas = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(s.num_steps, s.shift)
+        sampling = cfg.sampling
+        self.sigmas = (
+            comp.sigmas
+            if comp.sigmas is not None
+            else shifted_linear_sigmas(sampling.num_steps, sampling.shift)
+        )
         self.eval_sigmas = (
             comp.eval_sigmas
             if comp.eval_sigmas is not None
-            else shifted_linear_sigmas(s.eval_num_steps, s.shift)
+            else shifted_linear_sigmas(sampling.eval_num_steps, sampling.shift)
         )
         self.train_reward = WeightedRewards(
             {n: self._build_reward(n) for n in cfg.reward.weights}, dict(cfg.reward.weights)
@@ -126,15 +146,15 @@ class Trainer:
         }
         self.iteration = 0
         self.consecutive_skips = 0
+        self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
         self.metrics: list[dict] = []
-        # backward.jagg_frac=auto: the routing per group position; backward.group_size=auto: W. Set by calibrate.
-        self.routing: list[bool] | None = None
-        b = cfg.backward
-        self.group_size: int | None = None if b.calibrated else b.candidate_group_sizes[0]
+        # How the update runs its backward: fixed by the config, or (backward.jagg_frac=auto) None until
+        # ``calibrate`` has measured the routing.
+        self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
 
     # ------------------------------------------------------------------ setup helpers
     def _build_reward(self, name: str) -> Reward:
-        """Reward ``name`` with reward.kwargs[name], on the training device when it takes one."""
+        """Reward ``name`` with reward.kwargs[name], on the training device."""
         return build_run_reward(name, self.cfg.reward.kwargs.get(name, {}), self.device)
 
     # ------------------------------------------------------------------ model calls
@@ -167,24 +187,28 @@ class Trainer:
         training iteration ``it`` by default; drivers take extra rollouts from their own named stream.
         """
         t_start = time.perf_counter()
-        t, a = self.cfg.train, self.cfg.algorithm
-        gen = generator(t.seed, stream, it)  # identical draws on every rank
-        picks = torch.randint(len(self.comp.train_prompts), (t.prompts_per_iter,), generator=gen)
-        all_prompts = [self.comp.train_prompts[i] for i in picks for _ in range(t.images_per_prompt)]
-        group_ids = torch.arange(t.prompts_per_iter).repeat_interleave(t.images_per_prompt)
+        train, algorithm = self.cfg.train, self.cfg.algorithm
+        gen = generator(train.seed, stream, it)  # identical draws on every rank
+        picks = torch.randint(len(self.comp.train_prompts), (train.prompts_per_iter,), generator=gen)
+        all_prompts = [self.comp.train_prompts[i] for i in picks for _ in range(train.images_per_prompt)]
+        group_ids = torch.arange(train.prompts_per_iter).repeat_interleave(train.images_per_prompt)
         mine = self.dist.share(len(all_prompts))  # this rank's samples of the global batch
         prompts = all_prompts[mine]
         cond = self.comp.text_encoder.encode_prompts(prompts)
         kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
-        if a.init_same_noise:  # DanceGRPO's init_same_noise: one x_T per prompt, images differ by SDE noise
-            noise = self._noise(t.prompts_per_iter, gen).repeat_interleave(t.images_per_prompt, dim=0)[mine]
+        if (
+            algorithm.init_same_noise
+        ):  # DanceGRPO's init_same_noise: one x_T per prompt, images differ by SDE noise
+            per_prompt = self._noise(train.prompts_per_iter, gen)
+            noise = per_prompt.repeat_interleave(train.images_per_prompt, dim=0)[mine]
         else:
             noise = self._noise(len(all_prompts), gen)[mine]
         sde_seed = int(torch.randint(2**62, (1,), generator=gen))
+        keep_outputs = self.cfg.backward.reuse_rollout
         chunks = []
-        for start in range(0, len(prompts), t.train_batch_size):
-            idx = slice(start, start + t.train_batch_size)
-            chunk = (mine.start + start) // t.train_batch_size  # global micro-batch index
+        for start in range(0, len(prompts), train.train_batch_size):
+            idx = slice(start, start + train.train_batch_size)
+            chunk = (mine.start + start) // train.train_batch_size  # global micro-batch index
             sde_gen = torch.Generator(device=self.device).manual_seed(sde_seed + chunk)
             chunks.append(
                 sample_trajectory(
@@ -192,9 +216,9 @@ class Trainer:
                     noise[idx],
                     self.sigmas.to(self.device),
                     kinds,
-                    noise_level=a.noise_level,
+                    noise_level=algorithm.noise_level,
                     generator=sde_gen,
-                    keep_outputs=self.cfg.backward.reuse_rollout,
+                    keep_outputs=keep_outputs,
                 )
             )
         traj = Trajectory(
@@ -202,7 +226,7 @@ class Trainer:
             torch.cat([c.log_probs for c in chunks], dim=1),
             chunks[0].sigmas,
             chunks[0].kinds,
-            torch.cat([c.outputs for c in chunks], dim=1) if self.cfg.backward.reuse_rollout else None,
+            torch.cat([c.outputs for c in chunks], dim=1) if keep_outputs else None,
         )
         trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()
@@ -215,118 +239,118 @@ class Trainer:
         rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
         scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
         adv = group_advantages(
-            rewards, group_ids, std_mode=a.adv_std, unbiased=a.adv_unbiased, eps=a.adv_eps, clip=a.adv_clip
+            rewards,
+            group_ids,
+            std_mode=algorithm.adv_std,
+            unbiased=algorithm.adv_unbiased,
+            eps=algorithm.adv_eps,
+            clip=algorithm.adv_clip,
         )[mine]
         timing = {"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled}
-        return Rollout(prompts, cond, traj, trained, rewards, scores, adv, timing)
+        return Rollout(
+            prompts=prompts,
+            cond=cond,
+            traj=traj,
+            trained=trained,
+            rewards=rewards,
+            components=scores,
+            advantages=adv,
+            timing=timing,
+            weights_version=self.weights_version,
+        )
 
     # ------------------------------------------------------------------ update
     def grpo_loss(
-        self,
-        ro: Rollout,
-        steps: Tensor,
-        idx: slice = slice(None),
-        *,
-        scale: float = 1.0,
-        log: list | None = None,
+        self, ro: Rollout, steps: Tensor, idx: slice = slice(None), *, scale: float = 1.0
     ) -> GRPOStepLoss:
         """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps ``steps`` (b, T) (ascending).
 
         ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the model inputs and times of the trained steps;
         ``loss(i, v)`` is the scaled loss of the i-th; with ``algorithm.kl_beta > 0`` the frozen reference
-        model gives the KL term. ``log`` (default: a new list) collects ``(loss, PPOStats)`` per call.
+        model gives the KL term.
         """
-        a = self.cfg.algorithm
-        lat = ro.traj.latents
-        sig = self.sigmas.to(self.device)
+        algorithm = self.cfg.algorithm
+        latents = ro.traj.latents
+        sigmas = self.sigmas.to(self.device)
         return GRPOStepLoss(
-            x=_at_steps(lat, idx, steps),
-            x_next=_at_steps(lat, idx, steps, offset=1),
-            sigma=sig[steps.T],
-            sigma_next=sig[steps.T + 1],
+            x=_at_steps(latents, idx, steps),
+            x_next=_at_steps(latents, idx, steps, offset=1),
+            sigma=sigmas[steps.T],
+            sigma_next=sigmas[steps.T + 1],
             old_log_prob=_at_steps(ro.traj.log_probs, idx, steps),
             advantages=ro.advantages[idx].to(self.device),
-            kind=a.sde_kind,
-            noise_level=a.noise_level,
-            clip_range=a.clip_range,
-            kl_beta=a.kl_beta if self.reference is not None else 0.0,
-            kl_std=a.kl_std,
+            kind=algorithm.sde_kind,
+            noise_level=algorithm.noise_level,
+            clip_range=algorithm.clip_range,
+            kl_beta=algorithm.kl_beta if self.reference is not None else 0.0,
+            kl_std=algorithm.kl_std,
             ref_velocity=self.velocity(ro.cond.select(idx), self.reference) if self.reference else None,
             scale=scale,
-            log=[] if log is None else log,
         )
 
-    def update(self, ro: Rollout, backward: BackwardConfig | None = None) -> dict:
-        """Backward over every micro-batch with the configured strategy; optimizer step every grad_accum.
+    def _micro_batches(self, ro: Rollout) -> list[slice]:
+        size = self.cfg.train.train_batch_size
+        return [slice(start, start + size) for start in range(0, len(ro.prompts), size)]
 
-        ``backward`` overrides ``cfg.backward`` (used by the side-by-side timing driver).
+    def update(self, ro: Rollout) -> dict:
+        """Backward over every micro-batch as ``self.backward`` says; optimizer step every grad_accum.
 
-        Stored outputs (``backward.reuse_rollout``): until the iteration's first optimizer step the weights are
-        the rollout's and the micro-batches are the rollout's, so the rollout's model outputs are exactly what
-        a forward would recompute; the strategy then takes its intermediate signals from them (no forward).
-        After the first optimizer step nothing stored is read.
+        Stored outputs (``backward.reuse_rollout``): while the weights are the rollout's (no optimizer step since
+        it was sampled: ``Rollout.weights_version``) and the micro-batches are the rollout's, the rollout's
+        model outputs are exactly what a forward would recompute; the strategy then takes its intermediate
+        signals from them (no forward). After an optimizer step nothing stored is read.
+        ``onpolicy_ratio_max_dev`` is the largest |ratio - 1| before this update's first optimizer step: exactly
+        0 on the rollout's weights.
         """
-        t, b = self.cfg.train, backward or self.cfg.backward
-        n = len(ro.prompts)
-        starts = list(range(0, n, t.train_batch_size))
-        ppo_log: list = []
+        train, setting = self.cfg.train, self.backward
+        batches = self._micro_batches(ro)
+        step_stats: list[StepStats] = []
         total: GroupStats | None = None
         onpolicy_dev, grad_norms, skipped, stepped = 0.0, [], 0, 0
         self.optimizer.zero_grad(set_to_none=True)
-        for k, start in enumerate(starts):
-            idx = slice(start, start + t.train_batch_size)
+        for k, idx in enumerate(batches):
             steps = ro.trained[idx]  # (b, T)
-            scale = 1.0 / (t.grad_accum * steps.shape[1])
-            loss = self.grpo_loss(ro, steps, idx, scale=scale, log=ppo_log)
-            reuse = b.reuse_rollout and stepped == 0 and ro.traj.outputs is not None
+            loss = self.grpo_loss(ro, steps, idx, scale=1.0 / (train.grad_accum * steps.shape[1]))
+            recorded = _Recorded(loss)
+            stored_valid = ro.weights_version == self.weights_version and ro.traj.outputs is not None
+            outputs = ro.traj.outputs if setting.reuse_outputs and stored_valid else None
             stats = trajectory_backward(
                 self.velocity(ro.cond.select(idx)),
                 loss.x,
                 loss.sigma,
-                loss,
-                strategy=b.strategy,
-                group_size=self.group_size if backward is None else b.group_size,
-                jagg_frac=1.0 if b.jagg_frac == "auto" else b.jagg_frac,
-                routing=self.routing if b.jagg_frac == "auto" else None,
-                endpoints=b.endpoints,
-                outputs=_at_steps(ro.traj.outputs, idx, steps).to(self.device) if reuse else None,
+                recorded,
+                setting.routing.plans(steps.shape[1]),
+                endpoints=setting.endpoints,
+                outputs=None if outputs is None else _at_steps(outputs, idx, steps).to(self.device),
             )
             total = stats if total is None else total.merge(stats)
+            step_stats += recorded.stats
             if stepped == 0:
-                onpolicy_dev = max(onpolicy_dev, max(st.ratio_max_dev for _, st in ppo_log))
-            if (k + 1) % t.grad_accum == 0 or k == len(starts) - 1:
+                onpolicy_dev = max(onpolicy_dev, max(st.ppo.ratio_max_dev for st in step_stats))
+            if (k + 1) % train.grad_accum == 0 or k == len(batches) - 1:
                 norm, ok = self._optimizer_step()
                 grad_norms.append(norm)
                 skipped += int(not ok)
                 stepped += 1
-        losses = [loss for loss, _ in ppo_log]
         means = self.dist.reduce_scalars(
             {
-                "loss": float(np.mean(losses)),
-                "clip_frac": float(np.mean([st.clip_frac for _, st in ppo_log])),
-                "approx_kl": float(np.mean([st.approx_kl for _, st in ppo_log])),
+                "loss": float(np.mean([st.loss for st in step_stats])),
+                "clip_frac": float(np.mean([st.ppo.clip_frac for st in step_stats])),
+                "approx_kl": float(np.mean([st.ppo.approx_kl for st in step_stats])),
             }
         )
+        finite = any(map(math.isfinite, grad_norms))
+        counts = total.as_metrics()
         return {
             "loss": means["loss"],
-            "grad_norm": float(np.nanmean(grad_norms))
-            if any(map(math.isfinite, grad_norms))
-            else float("nan"),
+            "grad_norm": float(np.nanmean(grad_norms)) if finite else float("nan"),
             "clip_frac": means["clip_frac"],
             "approx_kl": means["approx_kl"],
             "onpolicy_ratio_max_dev": self.dist.reduce_scalars({"d": onpolicy_dev}, "max")["d"],
             "optimizer_steps": stepped,
             "skipped_steps": skipped,
-            "forward_passes": total.forward_passes,
-            "forward_passes_with_grad": total.forward_passes_with_grad,
-            "forward_calls": total.forward_calls,
-            "forwards_skipped": total.forwards_skipped,
-            "backward_passes": total.backward_passes,
-            "backward_graphs": total.backward_graphs,
-            "backward_calls": total.backward_calls,
-            "backward_passes_per_sample": total.backward_passes / n * t.train_batch_size,
-            "time_forward_s": total.time_forward_s,
-            "time_backward_s": total.time_backward_s,
+            **counts,
+            "backward_passes_per_sample": total.backward_passes / len(ro.prompts) * train.train_batch_size,
         }
 
     def _optimizer_step(self) -> tuple[float, bool]:
@@ -340,142 +364,74 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
+        self.weights_version += 1
         if self.ema is not None:
-            d = self.cfg.optim.ema_decay
+            decay = self.cfg.optim.ema_decay
             with torch.no_grad():
                 for e, p in zip(self.ema, self.params):
-                    e.mul_(d).add_(p.detach(), alpha=1 - d)
+                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
         return norm, True
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self, it: int) -> tuple[dict, Tensor, dict]:
         """ODE samples on held-out prompts (fixed noise), scored by every eval reward (EMA weights if any).
 
         Returns the metrics row (mean / std per reward), rank 0's images and the per-sample scores
-        ``{"prompts": [...], reward: [...]}``; the noise is the same at every evaluation, so per-sample
-        scores of two evaluations are paired (``experiments/world_rl_report.py`` uses that).
-
-        Multi-process: each rank samples an equal share (padded by repeating its last prompt, so every rank
-        runs the same number of sharded forwards); scores are gathered, images are rank 0's share.
+        (``jagg.loop.evaluate.evaluate``).
         """
-        lg = self.cfg.log
-        all_prompts = [
-            p for p in self.comp.eval_prompts[: lg.eval_prompts] for _ in range(lg.eval_images_per_prompt)
-        ]
+        log = self.cfg.log
+        eval_prompts = self.comp.eval_prompts[: log.eval_prompts]
+        prompts = [p for p in eval_prompts for _ in range(log.eval_images_per_prompt)]
         gen = generator(self.cfg.train.seed, SeedStream.EVAL)  # the same noise at every evaluation
-        noise = self._noise(len(all_prompts), gen)
-        rows = self._eval_rows(len(all_prompts))
-        idx = [i if i >= 0 else -i - 1 for i in rows]  # padding rows repeat a real one
-        prompts, noise = [all_prompts[i] for i in idx], noise[idx]  # this rank's share
-        cond = self.comp.text_encoder.encode_prompts(prompts)
-        sig = self.eval_sigmas.to(self.device)
-        with self._ema_weights():
-            finals = [
-                sample_trajectory(
-                    self.velocity(cond.select(slice(i, i + 32))),
-                    noise[i : i + 32],
-                    sig,
-                    ["ode"] * (len(sig) - 1),
-                ).final
-                for i in range(0, len(prompts), 32)
-            ]
-        images = self.comp.decode(torch.cat(finals).float()).cpu()
-        keep = self.dist.gather_cat(torch.tensor(rows)) >= 0  # drop the padding rows
-        out, per_sample = {}, {"prompts": all_prompts}
-        for name, fn in self.eval_rewards.items():
-            score = self.dist.gather_cat(fn(images, prompts).float().cpu())[keep]
-            out[f"eval_{name}_mean"] = score.mean().item()
-            out[f"eval_{name}_std"] = score.std().item() if len(score) > 1 else 0.0
-            per_sample[name] = score.tolist()
-        return out, images[torch.tensor(rows) >= 0], per_sample
-
-    def _eval_rows(self, n: int) -> list[int]:
-        """This rank's eval sample indices, padded to ceil(n / world) with -(index + 1) markers."""
-        w, r = self.dist.world_size, self.dist.rank
-        if w == 1:
-            return list(range(n))
-        per = math.ceil(n / w)
-        real = list(range(r * per, min(n, (r + 1) * per)))
-        return real + [-(real[-1] + 1) if real else -n] * (per - len(real))
-
-    @contextmanager
-    def _ema_weights(self):
-        """Temporarily load the EMA weights (no-op without EMA); the trained weights come back after."""
-        if self.ema is None:
-            yield
-            return
-        saved = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p, e in zip(self.params, self.ema):
-                p.copy_(e)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, s in zip(self.params, saved):
-                    p.copy_(s)
+        noise = self._noise(len(prompts), gen)
+        with swapped_in(self.params, self.ema):
+            return evaluate(
+                velocity=self.velocity,
+                components=self.comp,
+                rewards=self.eval_rewards,
+                prompts=prompts,
+                noise=noise,
+                sigmas=self.eval_sigmas.to(self.device),
+                dist=self.dist,
+            )
 
     # ------------------------------------------------------------------ one iteration
     def calibrate(self, ro: Rollout) -> dict:
-        """Measure, on the rollout's first micro-batch, the cosine between each group position's
-        ``backward.strategy`` gradient and its exact gradient over the trainable parameters
-        (``group_gradient_cosines``, the function ``make cosine`` uses; sharded dot products under FSDP2) and
-        route by it (``route_by_cosine``):
-
-        * ``backward.jagg_frac=auto``: a position uses the strategy where its cosine is at least
-          ``backward.min_cosine``, exact elsewhere.
-        * ``backward.group_size=auto`` (needs jagg_frac=auto): every W in ``backward.group_sizes`` is measured
-          and routed that way, and the W whose routed update the cost model (``group_cost``: forwards +
-          2 x backwards) predicts cheapest is kept (ties: the smaller W, closer to exact). Every JAGG group of
-          every candidate has passed the cosine test, so W is chosen by cost among gradients of known quality.
+        """Measure the routing on the rollout's first micro-batch and use it (``calibrate_routing``: the cosine
+        of each group position's ``backward.strategy`` gradient to its exact one over the trainable parameters,
+        sharded dot products under FSDP2; the strategy where it is at least ``backward.min_cosine``; with
+        ``backward.group_size=auto`` the candidate W whose routed update the cost model predicts cheapest).
 
         Returns the metrics (cosines and routing of the kept W, W, and per candidate cosines / routing /
         predicted cost when W is auto, seconds); gradients are left as they were."""
-        b = self.cfg.backward
+        backward, train = self.cfg.backward, self.cfg.train
         t0 = time.perf_counter()
-        idx = slice(0, self.cfg.train.train_batch_size)
-        steps = ro.trained[idx]
-        loss = self.grpo_loss(ro, steps, idx, scale=1.0)
-        velocity = self.velocity(ro.cond.select(idx))
-        reuse = b.reuse_rollout and ro.traj.outputs is not None
-        candidates = {}
-        for w in b.candidate_group_sizes:
-            cosines = group_gradient_cosines(
-                velocity,
-                loss.x,
-                loss.sigma,
-                loss,
-                self.params,
-                group_size=w,
-                strategies=(b.strategy,),
-                endpoints=b.endpoints,
-            )
-            measured = route_by_cosine(cosines, b.min_cosine, b.strategy)
-            plans = plan_groups(steps.shape[1], w, 1.0, b.strategy, measured)
-            cost = sum(group_cost(len(p.steps), p.strategy, b.endpoints, reuse).time() for p in plans)
-            candidates[w] = (cosines, [p.strategy != "exact" for p in plans], cost)
-        w = min(candidates, key=lambda k: (candidates[k][2], k))
-        cosines, self.routing, _ = candidates[w]
-        self.group_size = w
-        row = {
-            "calibration_cosines": [c.cosine for c in cosines],
-            "routing": [b.strategy if r else "exact" for r in self.routing],
-            "group_size": w,
-        }
-        if b.group_size == "auto":
-            row["calibration_by_group_size"] = {
-                str(k): {"cosines": [c.cosine for c in cs], "routing": r, "predicted_cost": cost}
-                for k, (cs, r, cost) in candidates.items()
-            }
+        idx = slice(0, train.train_batch_size)
+        loss = self.grpo_loss(ro, ro.trained[idx], idx, scale=1.0)
+        calibration = calibrate_routing(
+            self.velocity(ro.cond.select(idx)),
+            loss.x,
+            loss.sigma,
+            loss,
+            self.params,
+            strategy=backward.strategy,
+            group_sizes=backward.candidate_group_sizes,
+            min_cosine=backward.min_cosine,
+            endpoints=backward.endpoints,
+            reuse_outputs=backward.reuse_rollout,
+            micro_batches=len(self._micro_batches(ro)),
+            grad_accum=train.grad_accum,
+        )
+        self.backward = backward.setting(calibration.routing)
+        row = calibration.as_metrics(per_group_size=backward.group_size is None)
         return row | {"time_calibrate_s": time.perf_counter() - t0}
 
     def train_iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
         ro = self.rollout(it)
         t_rollout = time.perf_counter() - t0
-        b, cal = self.cfg.backward, {}
-        if b.calibrated and (self.group_size is None or self.routing is None or it % b.calibrate_every == 0):
+        backward, cal = self.cfg.backward, {}
+        if backward.calibrated and (self.backward is None or it % backward.calibrate_every == 0):
             cal = self.calibrate(ro)  # reported as time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
         upd = self.update(ro)
@@ -507,8 +463,14 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
+        routing = None if self.backward is None else self.backward.routing
         progress = Progress(
-            self.iteration, self.consecutive_skips, self.metrics, self.ema, self.routing, self.group_size
+            iteration=self.iteration,
+            consecutive_skips=self.consecutive_skips,
+            metrics=self.metrics,
+            ema=self.ema,
+            routing=None if routing is None or routing.measured is None else list(routing.measured),
+            group_size=None if routing is None else routing.group_size,
         )
         save_checkpoint(
             self.run_dir,
@@ -520,8 +482,8 @@ class Trainer:
         )
 
     def load_checkpoint(self) -> None:
-        """Restore weights, optimizer, EMA, RNG states, counters and metrics from the run's checkpoint
-        (each rank reads its shards; the checkpoint may come from another world size)."""
+        """Restore weights, optimizer, EMA, RNG states, counters, metrics and a measured routing from the run's
+        checkpoint (each rank reads its shards; the checkpoint may come from another world size)."""
         path = find_checkpoint(self.run_dir)
         if path is None:
             raise FileNotFoundError(f"no complete checkpoint under {self.run_dir}")
@@ -530,8 +492,14 @@ class Trainer:
         )
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
-        self.metrics, self.routing = progress.metrics, progress.routing
-        self.group_size = progress.group_size or self.group_size
+        self.metrics = progress.metrics
+        if self.cfg.backward.calibrated and progress.routing is not None:
+            routing = Routing(
+                strategy=self.cfg.backward.strategy,
+                group_size=progress.group_size,
+                measured=tuple(progress.routing),
+            )
+            self.backward = self.cfg.backward.setting(routing)
         self._write_metrics()
 
     def _write_metrics(self) -> None:
@@ -543,27 +511,30 @@ class Trainer:
     # ------------------------------------------------------------------ main loop
     def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
         """Train from ``self.iteration`` to ``train.iterations``; evaluates, logs and checkpoints on the way."""
-        lg, t = self.cfg.log, self.cfg.train
+        log, train = self.cfg.log, self.cfg.train
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.iteration == 0 and lg.eval_every:
+        if self.iteration == 0 and log.eval_every:
             self._evaluate_and_log(0, {"iteration": 0})
-        while self.iteration < t.iterations:
+        while self.iteration < train.iterations:
             row = self.train_iteration(self.iteration)
             self.iteration += 1
-            if lg.eval_every and (self.iteration % lg.eval_every == 0 or self.iteration == t.iterations):
+            if log.eval_every and (
+                self.iteration % log.eval_every == 0 or self.iteration == train.iterations
+            ):
                 self._evaluate_and_log(self.iteration, row)
             else:
                 self._log(row)
             if progress:
                 progress(row)
-            if self.consecutive_skips >= t.max_consecutive_skips:
+            if self.consecutive_skips >= train.max_consecutive_skips:
                 self.save_checkpoint()
                 raise TrainingAborted(
                     f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
-                    f"(train.max_consecutive_skips={t.max_consecutive_skips}); last checkpoint: {self.checkpoint_path}"
+                    f"(train.max_consecutive_skips={train.max_consecutive_skips}); "
+                    f"last checkpoint: {self.checkpoint_path}"
                 )
-            if lg.checkpoint_every and self.iteration % lg.checkpoint_every == 0:
+            if log.checkpoint_every and self.iteration % log.checkpoint_every == 0:
                 self.save_checkpoint()
         self.save_checkpoint()
         return self.metrics

@@ -3,7 +3,9 @@
 Interface (shared by the embedded-default rewards and the real HPSv2.1 / PickScore / CLIPScore):
     reward(images, prompts) -> Tensor (B,) float32
     images: (B, 3, H, W) float in [0, 1] (decoded RGB); prompts: list of B strings.
-Rewards register themselves with ``@register_reward("name")`` when their module is imported;
+Rewards register themselves with ``@register_reward("name")`` when their module is imported; every factory
+takes ``device=None`` (the run's device, passed by ``jagg.loop.rewards``; a reward may ignore it and score on
+the CPU);
 ``build_rewards({"a": 1.0, "b": 0.5})`` returns a weighted sum that also reports each component.
 
 Layer: beside the engine and the model adapters; from the package it may import only ``jagg.errors`` and

@@ -43,10 +43,12 @@ class JpegReward:
 
 
 @register_reward("jpeg")
-def jpeg_compressibility(quality: int = 95) -> JpegReward:
+def jpeg_compressibility(quality: int = 95, device: torch.device | str | None = None) -> JpegReward:
+    """Smaller JPEG files score higher; PIL encodes on the CPU whatever ``device`` is."""
     return JpegReward(-1.0, quality)
 
 
 @register_reward("jpeg_incompressibility")
-def jpeg_incompressibility(quality: int = 95) -> JpegReward:
+def jpeg_incompressibility(quality: int = 95, device: torch.device | str | None = None) -> JpegReward:
+    """Larger JPEG files score higher; PIL encodes on the CPU whatever ``device`` is."""
     return JpegReward(+1.0, quality)

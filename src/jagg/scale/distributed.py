@@ -1,4 +1,4 @@
-"""FSDP2 for a backbone's transformer, process-group setup, and a collective counter.
+"""FSDP2 for a backbone's transformer, loading its shards from rank 0, and a collective counter.
 
 ``shard_backbone`` applies ``torch.distributed.fsdp.fully_shard`` to every transformer block and then to the
 transformer itself (the root unit holds the embedders and the output head), the layout DanceGRPO's FSDP
@@ -13,20 +13,21 @@ holds (the others build it on the meta device) and sends each rank its slices; `
 frozen parameters (the LoRA base) in the compute dtype and only the trained ones in fp32.
 
 CPU: gloo works for FSDP2 in torch 2.14 (FSDP2 calls ``dist.reduce_scatter_single`` /
-``dist.all_gather_single``, both implemented by gloo); use one thread per process.
+``dist.all_gather_single``, both implemented by gloo); use one thread per process. The process group itself and
+the rank helpers every run uses, one process included (``DistInfo``, ``full_tensor``), are ``jagg.distributed``.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from jagg.distributed import DistInfo
 
 # torch.distributed functions FSDP2 (and DDP / manual code) may call to move gradients or parameters.
 COLLECTIVES = (
@@ -38,22 +39,6 @@ COLLECTIVES = (
     "all_gather",
     "all_reduce",
 )
-
-
-def init_distributed(backend: str | None = None) -> tuple[int, int]:
-    """Initialise the default process group from torchrun's environment; returns (rank, world_size).
-
-    Backend: nccl when CUDA is available, else gloo. A run without torchrun's variables is world size 1
-    and initialises nothing.
-    """
-    if "RANK" not in os.environ:
-        return 0, 1
-    if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return dist.get_rank(), dist.get_world_size()
 
 
 def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
@@ -152,70 +137,6 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
             g = p.grad
             out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
-
-
-# --------------------------------------------------------------------------- rank plumbing for the trainer
-@dataclass(frozen=True)
-class DistInfo:
-    """This process's place in the job. World size 1 (no process group) makes every helper an identity."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    @classmethod
-    def current(cls) -> DistInfo:
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls()
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    def share(self, n: int) -> slice:
-        """This rank's contiguous block of ``n`` global items (``n`` divisible by the world size)."""
-        k = n // self.world_size
-        return slice(self.rank * k, (self.rank + 1) * k)
-
-    def _comm_device(self) -> torch.device:
-        return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's equally shaped ``x`` along dim 0, in rank order (on x's device)."""
-        if not self.enabled:
-            return x
-        local = x.detach().to(self._comm_device()).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local)
-        return torch.cat(parts).to(x.device)
-
-    def reduce_scalars(self, values: dict[str, float], op: str = "mean") -> dict[str, float]:
-        """Mean / max / sum of per-rank floats (one all-reduce); identity on one process."""
-        if not self.enabled or not values:
-            return dict(values)
-        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        if op == "mean":
-            t /= self.world_size
-        return dict(zip(values, t.tolist()))
-
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    """A DTensor (an FSDP2-sharded parameter, its gradient or its optimizer state)."""
-    return hasattr(t, "full_tensor") and hasattr(t, "placements")
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The unsharded tensor (all-gather for a DTensor: call on every rank); plain tensors pass through."""
-    return t.full_tensor() if is_sharded(t) else t
 
 
 def cast_parameters(

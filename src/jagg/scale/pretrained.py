@@ -17,10 +17,10 @@ import os
 import torch
 
 from jagg.config import Config
+from jagg.distributed import DistInfo
 from jagg.engine.sde import diffusers_sigmas
 from jagg.errors import ConfigError
 from jagg.models import BACKBONES, Backbone, Components
-from jagg.scale.distributed import DistInfo
 from jagg.scale.hub import load_or_explain
 from jagg.scale.pipelines import CachedTextEncoder, FluxTextEncoder, QwenImageTextEncoder, VaeDecoder
 from jagg.scale.prompts import load_prompts

@@ -94,32 +94,37 @@ def _load(name: str, cache_dir: str | Path | None):
     return load_module(name, Path(cache_dir) if cache_dir else None), World()
 
 
+# Every reward factory takes ``device`` (the run's); the world's judges are a few thousand parameters and score
+# on the CPU, where the decoded images are, so they accept it and stay there.
+Device = torch.device | str | None
+
+
 @register_reward("clip")
-def clip_reward(cache_dir: str | Path | None = None) -> ClipReward:
-    """Embedded-world CLIPScore analogue (needs ``make pretrain``)."""
+def clip_reward(cache_dir: str | Path | None = None, device: Device = None) -> ClipReward:
+    """Embedded-world CLIPScore analogue (needs ``make pretrain``); on the CPU (see ``Device``)."""
     return ClipReward(*_load("clip", cache_dir))
 
 
 @register_reward("pref")
-def pref_reward(cache_dir: str | Path | None = None) -> PrefReward:
-    """Embedded-world preference reward, HPSv2.1 / PickScore analogue (needs ``make pretrain``)."""
+def pref_reward(cache_dir: str | Path | None = None, device: Device = None) -> PrefReward:
+    """Embedded-world preference reward, HPSv2.1 / PickScore analogue (needs ``make pretrain``); on the CPU."""
     return PrefReward(*_load("pref", cache_dir))
 
 
 @register_reward("attr")
-def attr_reward(cache_dir: str | Path | None = None, soft: bool = False) -> AttrReward:
-    """Embedded-world GenEval-style exact attribute accuracy (needs ``make pretrain``)."""
+def attr_reward(cache_dir: str | Path | None = None, soft: bool = False, device: Device = None) -> AttrReward:
+    """Embedded-world GenEval-style exact attribute accuracy (needs ``make pretrain``); on the CPU."""
     model, world = _load("attr", cache_dir)
     return AttrReward(model, world, soft=soft)
 
 
 @register_reward("attr_soft")
-def attr_soft_reward(cache_dir: str | Path | None = None) -> AttrReward:
-    """Embedded-world soft attribute score: probability of the prompt's colour x shape x position."""
+def attr_soft_reward(cache_dir: str | Path | None = None, device: Device = None) -> AttrReward:
+    """Embedded-world soft attribute score: probability of the prompt's colour x shape x position (CPU)."""
     return attr_reward(cache_dir, soft=True)
 
 
 @register_reward("attr_judge")
-def attr_judge_reward(cache_dir: str | Path | None = None) -> AttrReward:
-    """Eval-only exact attribute match by the independent ``AttrJudge`` (needs ``make pretrain``)."""
+def attr_judge_reward(cache_dir: str | Path | None = None, device: Device = None) -> AttrReward:
+    """Eval-only exact attribute match by the independent ``AttrJudge`` (needs ``make pretrain``); CPU."""
     return AttrReward(*_load("attr_judge", cache_dir))
