@@ -2,7 +2,7 @@
 
 For each backbone and W, the variants (``VARIANTS``) run interleaved (rotating order) on the same group and the
 median wall time is reported, with the speed-up predicted by pass counting (the cost model
-``jagg.engine.strategies.group_cost``) from separately measured per-pass costs:
+``jagg.engine.routing.group_cost``) from separately measured per-pass costs:
     time = F_grad * forwards with grad + F_nograd * forwards without grad + B * backward passes + W * P
 (F_grad / F_nograd: forward of B samples with / without autograd, B: one B-sample graph's backward, P: the
 per-step proxy signal; a batched endpoint forward of 2B samples counts as 2 forward passes). Also reported:
@@ -24,8 +24,9 @@ import torch
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.profiling import SavedActivationMeter
+from jagg.engine.routing import group_cost
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.engine.strategies import group_backward, group_cost
+from jagg.engine.strategies import group_backward
 from jagg.models import TextCond, build_tiny_backbone
 
 # A small but compute-bound size: ~0.6M parameters, 64 image tokens (16x16 latent of 16 channels).

@@ -5,7 +5,7 @@ the published FLUX.1-dev and Qwen-Image configs (``jagg.loop.plan.KNOWN_CONFIGS`
 per-block gradient checkpointing, at the paper resolutions (Flux DanceGRPO 720 px = 90x90 latent; Qwen-Image
 720 px and Flow-GRPO's 512 px = 64x64). For each, the backward of one DanceGRPO-structured trajectory
 (16 steps, 9 random of the first 15 trained, W = 3, jagg_frac 0.6: 2 JAGG groups + 1 exact group) is timed with
-``jagg.engine.strategies.trajectory_backward`` for the exact strategy and JAGG in every ``ENDPOINT_MODES`` mode,
+``jagg.engine.routing.trajectory_backward`` for the exact strategy and JAGG in every ``ENDPOINT_MODES`` mode,
 with and without the rollout's stored outputs (``outputs=``), with LoRA (r64 / alpha 128 on
 ``jagg.scale.lora.DEFAULT_TARGETS``) and with full-parameter gradients, and the peak GPU memory of each run is
 recorded (``torch.cuda.max_memory_allocated``).
@@ -37,8 +37,9 @@ from jagg.common import atomic_write_text, command_line, run_metadata, set_threa
 from jagg.config import AlgorithmConfig
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import GRPOStepLoss
+from jagg.engine.routing import Routing, trajectory_backward
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
-from jagg.engine.strategies import ENDPOINT_MODES, group_backward, trajectory_backward
+from jagg.engine.strategies import ENDPOINT_MODES, group_backward
 from jagg.loop.plan import KNOWN_CONFIGS, VAE_SCALE
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
@@ -194,7 +195,6 @@ def run_variants(model, velocity, x, sigma, outputs, loss, device, deadline: flo
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else float("nan")
-        loss.log.clear()
         try:
             _sync(device)
             t0 = time.perf_counter()
@@ -204,9 +204,7 @@ def run_variants(model, velocity, x, sigma, outputs, loss, device, deadline: flo
                     x,
                     sigma,
                     loss,
-                    strategy=strategy,
-                    group_size=GROUP_SIZE,
-                    jagg_frac=JAGG_FRAC,
+                    Routing(strategy=strategy, group_size=GROUP_SIZE, jagg_frac=JAGG_FRAC).plans(x.shape[0]),
                     endpoints=endpoints,
                     outputs=outputs if stored else None,
                 )

@@ -3,7 +3,7 @@
 For every Table 1 setup (the same world configs, step structures and batch as ``experiments/table1.py``) one
 trainer calibrates with ``backward.jagg_frac=auto`` and ``backward.group_size=auto`` (candidates
 ``backward.group_sizes``) on one rollout, exactly as a training run does at iteration 0, then times, on the same
-rollouts and interleaved (``table1.time_strategies``): the exact baseline, JAGG with the paper's routing
+rollouts and interleaved (``jagg.loop.timing.time_settings``): the exact baseline, JAGG with the paper's routing
 (W = 3, jagg_frac 0.6) and JAGG with the measured routing and W, both in the engine's default mode (batched
 endpoints + stored rollout outputs). Reported per setup: the cosines of every candidate W, the chosen W and
 routing, backward passes per sample, median update seconds, the speed-ups, the calibration's seconds, and how
@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import table1  # noqa: E402
 from jagg.common import SeedStream, atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.config import BackwardConfig, load_config
+from jagg.engine.routing import Routing
 from jagg.loop.components import build_components
+from jagg.loop.timing import QUICK, TIMING_SETUPS, time_settings, timing_config
 from jagg.loop.trainer import Trainer
 
 AUTO = ["backward.jagg_frac=auto", "backward.group_size=auto"]
@@ -34,17 +31,16 @@ AUTO = ["backward.jagg_frac=auto", "backward.group_size=auto"]
 
 def measure(setup: tuple[str, str], extra: list[str], iterations: int, quick: bool = False) -> dict:
     backbone, algo = setup
-    timing = [] if quick else table1.WORLD_TIMING[setup] + table1.WORLD_BATCH
-    cfg = load_config(f"configs/world/{backbone}_{algo}.yaml", timing + extra + AUTO)
+    cfg = timing_config(setup, quick=quick, overrides=[*extra, *AUTO])
     trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/routing"))
     cal = trainer.calibrate(trainer.rollout(0, SeedStream.WARMUP))
     strategies = [
-        BackwardConfig(strategy="exact", group_size=3, jagg_frac=0.6),
-        BackwardConfig(strategy="jagg", group_size=3, jagg_frac=0.6),
-        BackwardConfig(strategy="jagg", group_size=trainer.group_size, jagg_frac="auto"),
+        cfg.backward.setting(Routing(strategy="exact", group_size=3, jagg_frac=0.6)),
+        cfg.backward.setting(Routing(strategy="jagg", group_size=3, jagg_frac=0.6)),
+        trainer.backward,  # the measured routing and W
     ]
-    rows = table1.time_strategies(trainer, strategies, iterations)
-    keys = [table1.s_key(s) for s in strategies]
+    rows = time_settings(trainer, strategies, iterations)
+    keys = [s.key for s in strategies]
     med = {k: statistics.median(r["time_update_s"] for r in rows[k]) for k in keys}
     bwd = {k: rows[k][0]["backward_passes"] * cfg.train.train_batch_size / rows[k][0]["n"] for k in keys}
     exact, paper, auto = keys
@@ -136,13 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
     args = ap.parse_args(argv)
     set_threads(1)
-    extra = (table1.QUICK if args.quick else []) + args.overrides
     iterations = 1 if args.quick else args.iterations
-    rows = [measure(setup, extra, iterations, args.quick) for setup in table1.SETUPS]
+    rows = [measure(setup, args.overrides, iterations, args.quick) for setup in TIMING_SETUPS]
     meta = run_metadata(
         command=command_line("experiments/routing.py", argv),
-        config=[f"configs/world/{b}_{a}.yaml" for b, a in table1.SETUPS],
-        overrides=extra,
+        config=[f"configs/world/{b}_{a}.yaml" for b, a in TIMING_SETUPS],
+        overrides=(QUICK if args.quick else []) + args.overrides,
         seed=0,
     )
     out = Path(args.out)

@@ -1,8 +1,9 @@
 """Table 1: wall-clock per training iteration, exact vs JAGG vs the endpoints ablation, side by side.
 
 For every backbone x algorithm, one trainer samples a rollout per iteration and then runs the update once per
-strategy on that same rollout, the strategy order rotating between iterations (updates are applied in turn;
-the cost of an update does not depend on the weights). Reported per strategy: median seconds per iteration and
+strategy on that same rollout, the strategy order rotating between iterations, each from the rollout's
+weights (``jagg.loop.timing.time_settings``: every strategy's update is the one a training iteration would run,
+stored outputs valid). Reported per strategy: median seconds per iteration and
 per phase (sampling, reward, update; forward and backward inside the update), forward/backward passes per
 sample, peak memory held by autograd for backward, the reduction vs exact, and the reduction predicted by pass
 counting from the measured per-pass costs (forward with grad and backward from the exact update, forward
@@ -15,26 +16,18 @@ without grad from the rollout). A second table sweeps W and jagg_frac.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import operator
 import statistics
-import time
 from pathlib import Path
 
 from jagg.common import SeedStream, atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.config import TINY_RUN, BackwardConfig, load_config
 from jagg.engine.profiling import SavedActivationMeter
-from jagg.engine.strategies import GroupCost, trajectory_cost
+from jagg.engine.routing import BackwardSetting, GroupCost, Routing, update_cost
 from jagg.loop.components import build_components
+from jagg.loop.timing import TIMING_SETUPS, time_settings, timing_config, update_with
 from jagg.loop.trainer import Trainer
 
-SETUPS = [
-    ("flux", "dancegrpo"),
-    ("flux", "flowgrpo_fast"),
-    ("qwenimage", "dancegrpo"),
-    ("qwenimage", "flowgrpo_fast"),
-]
+SETUPS = TIMING_SETUPS
 # The paper (arXiv 2607.17572), Table 1: reduction of wall-clock per training step (DanceGRPO) / update phase
 # (Flow-GRPO-Fast).
 PAPER = {
@@ -43,109 +36,55 @@ PAPER = {
     ("flux", "flowgrpo_fast"): "-29.9% to -30.0% update phase",
     ("qwenimage", "flowgrpo_fast"): "-29.9% to -30.0% update phase",
 }
-# On the embedded world, mirror the paper's step structure (docs/references.md) so that the pass counts per
-# sample match the paper's setups: DanceGRPO Flux trains 9 of 15 steps, Qwen-Image 11 of 19 (W = 3, jagg_frac
-# 0.6 -> JAGG on the first 2 groups); Flow-GRPO-Fast trains a window of 3 (Flux) or 2 (Qwen-Image) steps.
-# The batch is pinned so the timing does not move when the training recipes are re-tuned, and so are the
-# paper's KL-free objective (no reference-model forwards, which no strategy can save) and no EMA.
-WORLD_TIMING = {
-    ("flux", "dancegrpo"): ["sampling.num_steps=16"],
-    ("qwenimage", "dancegrpo"): ["sampling.num_steps=20"],
-    ("flux", "flowgrpo_fast"): [
-        "sampling.num_steps=6",
-        "algorithm.sde_window_size=3",
-        "algorithm.sde_window_range=[0, 3]",
-    ],
-    ("qwenimage", "flowgrpo_fast"): [
-        "sampling.num_steps=10",
-        "algorithm.sde_window_size=2",
-        "algorithm.sde_window_range=[0, 4]",
-    ],
-}
-WORLD_BATCH = [
-    "train.prompts_per_iter=4",
-    "train.images_per_prompt=8",
-    "train.train_batch_size=16",
-    "train.grad_accum=2",
-    "backward.group_size=3",
-    "backward.jagg_frac=0.6",
-    "algorithm.kl_beta=0.0",
-    "optim.ema_decay=0.0",
-]
-QUICK = [*TINY_RUN, "sampling.num_steps=6", "algorithm.sde_window_range=[0, 4]"]
 
 
-def strategies_for(cfg, algo: str) -> list[BackwardConfig]:
+def _setting(strategy: str, w: int, frac: float, endpoints: str = "batched", stored: bool = True):
+    routing = Routing(strategy=strategy, group_size=w, jagg_frac=frac)
+    return BackwardSetting(routing=routing, endpoints=endpoints, reuse_outputs=stored)
+
+
+def strategies_for(cfg, algo: str) -> list[BackwardSetting]:
     """Exact, the paper-literal JAGG (joint endpoints, every step forwarded), this repository's default
     (batched endpoints + stored rollout outputs), the other modes, the endpoints ablation; and for DanceGRPO
     the same JAGG pair at W = 4, the group size the paper's per-step numbers fit (see the README)."""
     w, f = cfg.backward.group_size, cfg.backward.jagg_frac
     rows = [
-        BackwardConfig("exact", w, f),
-        BackwardConfig("jagg", w, f, endpoints="joint", reuse_rollout=False),
-        BackwardConfig("jagg", w, f, endpoints="batched", reuse_rollout=True),
-        BackwardConfig("jagg", w, f, endpoints="batched", reuse_rollout=False),
-        BackwardConfig("jagg", w, f, endpoints="sequential", reuse_rollout=True),
-        BackwardConfig("endpoints", w, f, endpoints="batched", reuse_rollout=True),
+        _setting("exact", w, f),
+        _setting("jagg", w, f, "joint", stored=False),
+        _setting("jagg", w, f, "batched", stored=True),
+        _setting("jagg", w, f, "batched", stored=False),
+        _setting("jagg", w, f, "sequential", stored=True),
+        _setting("endpoints", w, f, "batched", stored=True),
     ]
     if algo == "dancegrpo":
         rows += [
-            BackwardConfig("jagg", 4, f, endpoints="joint", reuse_rollout=False),
-            BackwardConfig("jagg", 4, f, endpoints="batched", reuse_rollout=True),
+            _setting("jagg", 4, f, "joint", stored=False),
+            _setting("jagg", 4, f, "batched", stored=True),
         ]
     return rows
 
 
-def time_strategies(
-    trainer: Trainer, strategies: list[BackwardConfig], iterations: int
-) -> dict[str, list[dict]]:
-    """Per strategy, one row per iteration: rollout phases (shared) + that strategy's update."""
-    rows: dict[str, list[dict]] = {s_key(s): [] for s in strategies}
-    trainer.update(trainer.rollout(0, SeedStream.WARMUP), strategies[0])  # warm-up, not recorded
-    for it in range(iterations):
-        ro = trainer.rollout(it)
-        k = it % len(strategies)
-        for s in strategies[k:] + strategies[:k]:
-            t0 = time.perf_counter()
-            upd = trainer.update(ro, s)
-            upd["time_update_s"] = time.perf_counter() - t0
-            rows[s_key(s)].append({**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]})
-    return rows
-
-
-def s_key(s: BackwardConfig) -> str:
-    frac = s.jagg_frac if isinstance(s.jagg_frac, str) else f"{s.jagg_frac:g}"  # a number or "auto"
-    return f"{s.strategy}/W{s.group_size}/f{frac}/{mode_of(s)}"
-
-
-def mode_of(s: BackwardConfig) -> str:
-    """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused."""
-    return "-" if s.strategy == "exact" else s.endpoints + ("+stored" if s.reuse_rollout else "")
-
-
-def update_cost(trainer: Trainer, s: BackwardConfig, row: dict) -> GroupCost:
-    """The cost model's counts for one update (every micro-batch; stored outputs only before the first
+def update_cost_checked(trainer: Trainer, s: BackwardSetting, row: dict) -> GroupCost:
+    """The cost model's counts for one update (``update_cost``: stored outputs only before the first
     optimizer step), checked against what the update measured."""
-    t = trainer.cfg.train
-    n_micro = -(-row["n"] // t.train_batch_size)
-    route = dict(strategy=s.strategy, group_size=s.group_size, jagg_frac=s.jagg_frac, endpoints=s.endpoints)
-    costs = [
-        trajectory_cost(row["T"], **route, reuse_outputs=s.reuse_rollout and k < t.grad_accum)
-        for k in range(n_micro)
-    ]
-    total = functools.reduce(operator.add, costs)
+    train = trainer.cfg.train
+    total = update_cost(
+        s.routing.plans(row["T"]),
+        endpoints=s.endpoints,
+        reuse_outputs=s.reuse_outputs,
+        micro_batches=-(-row["n"] // train.train_batch_size),
+        grad_accum=train.grad_accum,
+    )
     for k in ("forward_passes", "forward_passes_with_grad", "backward_passes", "backward_calls"):
         if getattr(total, k) != row[k]:
-            raise AssertionError(
-                f"{s_key(s)}: cost model {k}={getattr(total, k)} but the update did {row[k]}"
-            )
+            raise AssertionError(f"{s.key}: cost model {k}={getattr(total, k)} but the update did {row[k]}")
     return total
 
 
-def peak_activation_mb(trainer: Trainer, s: BackwardConfig) -> float:
+def peak_activation_mb(trainer: Trainer, s: BackwardSetting) -> float:
     ro = trainer.rollout(0, SeedStream.MEMORY)
     with SavedActivationMeter() as meter:
-        trainer.update(ro, s)
+        update_with(trainer, ro, s)
     return meter.peak_mb
 
 
@@ -157,9 +96,9 @@ def summarise(
     def med(key: str, k: str) -> float:
         return statistics.median(r[k] for r in rows[key])
 
-    exact = s_key(strategies[0])
+    exact = strategies[0].key
     r0 = rows[exact][0]
-    default = (trainer.cfg.backward.group_size, trainer.cfg.backward.jagg_frac)
+    default_frac = trainer.cfg.backward.jagg_frac
     n_roll_fwd = (len(trainer.sigmas) - 1) * -(-r0["n"] // trainer.cfg.train.train_batch_size)
     f_grad = med(exact, "time_forward_s") / r0["forward_passes"]
     bwd = med(exact, "time_backward_s") / r0["backward_passes"]
@@ -168,8 +107,8 @@ def summarise(
     rollout = med(exact, "time_sample_s") + med(exact, "time_reward_s")
     out = []
     for s in strategies:
-        key, r = s_key(s), rows[s_key(s)][0]
-        cost = update_cost(trainer, s, r)
+        key, r = s.key, rows[s.key][0]
+        cost = update_cost_checked(trainer, s, r)
         n_nograd = cost.forward_passes - cost.forward_passes_with_grad
         ideal_update = (
             other + cost.forward_passes_with_grad * f_grad + n_nograd * f_nograd + cost.backward_passes * bwd
@@ -182,10 +121,10 @@ def summarise(
             dict(
                 backbone=setup[0],
                 algorithm=setup[1],
-                strategy=s.strategy,
-                mode=mode_of(s),
-                W=s.group_size,
-                jagg_frac=s.jagg_frac,
+                strategy=s.routing.strategy,
+                mode=s.mode,
+                W=s.routing.group_size,
+                jagg_frac=s.routing.jagg_frac,
                 iter_s=it_s,
                 sample_s=med(key, "time_sample_s"),
                 reward_s=med(key, "time_reward_s"),
@@ -201,7 +140,7 @@ def summarise(
                 ideal_reduction_iter_pct=100 * (upd_exact - ideal_update) / it_exact,
                 measured_over_ideal=(red_update / ideal_red_update) if ideal_red_update > 0 else float("nan"),
                 paper=PAPER.get(setup, "")
-                if s.strategy == "jagg" and mode_of(s) == "joint" and s.jagg_frac == default[1]
+                if s.routing.strategy == "jagg" and s.mode == "joint" and s.routing.jagg_frac == default_frac
                 else "",
                 iterations=len(rows[key]),
             )
@@ -260,9 +199,9 @@ def to_latex(rows: list[dict]) -> str:
     )
 
 
-def sweep_strategies(cfg) -> list[BackwardConfig]:
+def sweep_strategies(cfg) -> list[BackwardSetting]:
     ws = sorted({2, 3, 4, cfg.backward.group_size})
-    return [BackwardConfig("exact", 2, 0.0)] + [BackwardConfig("jagg", w, f) for w in ws for f in (0.6, 1.0)]
+    return [_setting("exact", 2, 0.0)] + [_setting("jagg", w, f) for w in ws for f in (0.6, 1.0)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -276,23 +215,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
     args = ap.parse_args(argv)
     set_threads(1)
-    extra = (QUICK if args.quick else []) + args.overrides
     if args.quick:
         args.iterations, args.sweep_iterations = 2, 1
     rows, sweep_rows, cfg = [], [], None
     for backbone, algo in SETUPS:
-        timing = (
-            WORLD_TIMING[(backbone, algo)] + WORLD_BATCH if args.scale == "world" and not args.quick else []
-        )
-        cfg = load_config(f"configs/{args.scale}/{backbone}_{algo}.yaml", timing + extra)
+        cfg = timing_config((backbone, algo), scale=args.scale, quick=args.quick, overrides=args.overrides)
         trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
         strategies = strategies_for(cfg, algo)
-        timed = time_strategies(trainer, strategies, args.iterations)
+        timed = time_settings(trainer, strategies, args.iterations)
         rows += summarise((backbone, algo), trainer, timed, strategies)
         print(to_markdown(rows[-len(strategies) :], _meta(args, argv, cfg)).split("\n", 6)[-1], flush=True)
         if (backbone, algo) == SETUPS[0]:
             sweep = sweep_strategies(cfg)
-            timed = time_strategies(trainer, sweep, args.sweep_iterations)
+            timed = time_settings(trainer, sweep, args.sweep_iterations)
             sweep_rows += summarise((backbone, algo), trainer, timed, sweep)
     meta = _meta(args, argv, cfg)
     out = Path(args.out)

@@ -173,15 +173,15 @@ def checkpoint_worker(rank: int, out_dir: str) -> None:
     """One rank (``dist_harness.run_ranks`` owns the process group)."""
     import gc
 
+    from jagg.distributed import DistInfo
     from jagg.loop.checkpoint import find_checkpoint
     from jagg.loop.components import build_components
     from jagg.loop.export import export_run, export_trained
     from jagg.loop.placement import place_backbone
     from jagg.loop.trainer import Trainer
     from jagg.rewards import REWARDS
-    from jagg.distributed import DistInfo
 
-    REWARDS["random_test"] = lambda: RandomReward()
+    REWARDS["random_test"] = lambda device=None: RandomReward()
     out = Path(out_dir)
     mem = Memory()
     mem.rows["after_imports"] = {"rss_mb": round(_status_mb("VmRSS"), 1)}

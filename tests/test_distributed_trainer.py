@@ -44,9 +44,9 @@ def _cfg(run_dir, strategy: str, grad_accum: int):
 
 def _run(cfg) -> dict:
     """One iteration; returns the metrics row, the full gradient before the step and the updated weights."""
+    from jagg.distributed import full_tensor
     from jagg.loop.components import build_components
     from jagg.loop.trainer import Trainer
-    from jagg.distributed import full_tensor
 
     trainer = Trainer(cfg, build_components(cfg), cfg.log.run_dir)
     grads = []

@@ -129,19 +129,15 @@ def test_paper_recipes_follow_the_references():
 
 
 def _plan(config, *overrides, world_size=8):
-    from jagg.engine.strategies import trajectory_cost
+    from jagg.engine.routing import trajectory_cost
     from jagg.loop.plan import memory_plan, trained_steps_per_sample
 
     cfg = load_config(config, list(overrides))
-    b = cfg.backward
-    cost = trajectory_cost(
-        trained_steps_per_sample(cfg),
-        strategy=b.strategy,
-        endpoints=b.endpoints,
-        group_size=b.group_size,
-        jagg_frac=b.jagg_frac,
-    )
-    return memory_plan(cfg, world_size, cost.graphs_alive, b.strategy != "exact" and b.endpoints == "joint")
+    setting = cfg.backward.fixed_setting()
+    plans = setting.routing.plans(trained_steps_per_sample(cfg))
+    cost = trajectory_cost(plans, endpoints=setting.endpoints)
+    joint = setting.routing.strategy != "exact" and setting.endpoints == "joint"
+    return memory_plan(cfg, world_size, cost.graphs_alive, joint)
 
 
 PRECOMPUTED = ("data.precompute_embeddings=true", "data.embedding_cache=cache/embeddings")
@@ -190,7 +186,7 @@ def test_reward_dtype_by_name(capsys):
     from jagg.rewards import REWARDS
 
     seen = {}
-    REWARDS["dtype_test"] = lambda dtype=torch.float32: seen.setdefault("dtype", dtype)
+    REWARDS["dtype_test"] = lambda dtype=torch.float32, device=None: seen.setdefault("dtype", dtype)
     try:
         build_run_reward("dtype_test", {"dtype": "bf16"}, torch.device("cpu"))
     finally:

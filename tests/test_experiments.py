@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from jagg.config import TINY_OVERRIDES
 
@@ -27,10 +28,76 @@ def _meta_ok(csv: Path) -> dict:
     return meta
 
 
-def test_drivers_quick_then_figures(tmp_path):
-    res, figs = tmp_path / "results", tmp_path / "figures"
+# Each driver's --quick run writes under one module-wide results folder, once; every driver has its own test
+# (one failure does not hide the others) and ``figures`` regenerates from what they wrote.
+QUICK_RUNS: dict[str, Path] = {}
 
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """``quick(driver)`` -> (results, figures) folders after the driver's --quick run (run once per module)."""
+    root = tmp_path_factory.mktemp("drivers")
+    res, figs = root / "results", root / "figures"
+
+    def run(driver: str) -> tuple[Path, Path]:
+        if driver not in QUICK_RUNS:
+            DRIVERS[driver](res, figs, root)
+            QUICK_RUNS[driver] = res
+        return res, figs
+
+    return run
+
+
+def _theorem1(res, figs, root):
     theorem1.main(["--quick", "--out", str(res / "theorem1.csv"), "--figure", str(figs / "theorem1.png")])
+
+
+def _table1(res, figs, root):
+    table1.main(["--quick", "--out", str(res / "table1.csv"), "--figure", str(figs / "t1.png")])
+
+
+def _cosine(res, figs, root):
+    cosine.main(
+        [
+            "--quick",
+            "--settings",
+            "default",
+            "few_steps",
+            "--out",
+            str(res / "cosine.csv"),
+            "--figure",
+            str(figs / "cos.png"),
+        ]
+    )
+
+
+def _curves(res, figs, root):
+    curves.main(
+        [
+            "--quick",
+            "--recipes",
+            "flowgrpo_fast",
+            "--seeds",
+            "2",
+            "--strategies",
+            "exact",
+            "jagg",
+            "--runs",
+            str(root / "runs"),
+            "--out",
+            str(res / "curves"),
+            "--figures",
+            str(figs),
+            *TINY,
+        ]
+    )
+
+
+DRIVERS = {"theorem1": _theorem1, "table1": _table1, "cosine": _cosine, "curves": _curves}
+
+
+def test_theorem1_quick(quick):
+    res, _ = quick("theorem1")
     th = pd.read_csv(res / "theorem1.csv")
     linear = th[(th.sweep == "W") & (th.W > 2)]
     assert (linear.jagg_rel_err < 1e-10).all() and (linear.endpoints_rel_err > 1e-3).all()  # Theorem 1
@@ -38,7 +105,9 @@ def test_drivers_quick_then_figures(tmp_path):
     assert (nonlinear.jagg_rel_err > 1e-8).all()
     _meta_ok(res / "theorem1.csv")
 
-    table1.main(["--quick", "--out", str(res / "table1.csv"), "--figure", str(figs / "t1.png")])
+
+def test_table1_quick(quick):
+    res, _ = quick("table1")
     sweep = pd.read_csv(res / "table1_sweep.csv", comment="#")
     assert set(sweep.jagg_frac) == {0.0, 0.6, 1.0} and set(sweep.W) == {2, 3, 4}  # the routing really swept
     t1 = pd.read_csv(res / "table1.csv")
@@ -52,48 +121,27 @@ def test_drivers_quick_then_figures(tmp_path):
     assert (res / "table1.tex").read_text().startswith("\\begin{tabular}")
     _meta_ok(res / "table1.csv")
 
-    cosine.main(
-        [
-            "--quick",
-            "--settings",
-            "default",
-            "few_steps",
-            "--out",
-            str(res / "cosine.csv"),
-            "--figure",
-            str(figs / "cos.png"),
-        ]
-    )
+
+def test_cosine_quick(quick):
+    res, _ = quick("cosine")
     cs = pd.read_csv(res / "cosine.csv")
     w2 = cs[(cs.W == 2) & (cs.strategy == "jagg")]
     assert (w2.cosine > 1 - 1e-9).all()  # W = 2 is exact for any model
     assert "Recommended jagg_frac" in (res / "cosine.md").read_text()
 
-    curves.main(
-        [
-            "--quick",
-            "--recipes",
-            "flowgrpo_fast",
-            "--seeds",
-            "2",
-            "--strategies",
-            "exact",
-            "jagg",
-            "--runs",
-            str(tmp_path / "runs"),
-            "--out",
-            str(res / "curves"),
-            "--figures",
-            str(figs),
-            *TINY,
-        ]
-    )
+
+def test_curves_quick(quick):
+    res, _ = quick("curves")
     csvs = {p.name for p in (res / "curves" / "flowgrpo_fast").glob("*.csv")}
     assert csvs == {f"{s}_seed{k}.csv" for s in ("exact", "jagg") for k in (0, 1)}
     summary = (res / "curves" / "summary.md").read_text()
     assert "Paired differences to exact" in summary and "| jpeg | AUC |" in summary
     assert not (res / "curves.partial").exists()
 
+
+def test_figures_regenerate_from_results_alone(quick):
+    for driver in DRIVERS:
+        res, figs = quick(driver)
     for f in figs.glob("*.png"):
         f.unlink()
     figures.main(["--results", str(res), "--figures", str(figs)])
@@ -154,13 +202,13 @@ def test_attr_underlines_land_under_each_grid_tile(tmp_path):
 def test_routing_driver_calibrates_every_setup_and_matches_the_cost_model(tmp_path):
     """``make routing`` in smoke mode: every setup is calibrated with jagg_frac and group_size auto, the chosen
     W is a candidate, and the backward passes it timed are what the cost model predicts for that routing."""
-    from jagg.engine.strategies import plan_groups
+    from jagg.engine.routing import plan_groups
 
     out = tmp_path / "routing.csv"
     routing.main(["--quick", "--out", str(out)])
     _meta_ok(out)
     df = pd.read_csv(out)
-    assert len(df) == len(routing.table1.SETUPS)
+    assert len(df) == len(routing.TIMING_SETUPS)
     for r in df.to_dict("records"):
         assert str(r["chosen_W"]) in json.loads(r["candidates"])
         route = [s == "jagg" for s in json.loads(r["routing"])]

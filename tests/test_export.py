@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from jagg.config import TINY_RUN, load_config
+from jagg.distributed import DistInfo
 from jagg.loop.checkpoint import read_checkpoint
 from jagg.loop.components import build_components
 from jagg.loop.export import export_trained
 from jagg.loop.placement import place_backbone
 from jagg.loop.trainer import Trainer
 from jagg.models import BACKBONES
-from jagg.distributed import DistInfo
 from jagg.train import main
 
 RUN = [*TINY_RUN, "sampling.num_steps=4", "optim.lr=1e-2"]

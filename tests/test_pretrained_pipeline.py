@@ -131,7 +131,7 @@ class RandomReward:
 
 @pytest.fixture(autouse=True)
 def _random_reward(monkeypatch):
-    monkeypatch.setitem(REWARDS, "random_test", lambda: RandomReward())
+    monkeypatch.setitem(REWARDS, "random_test", lambda device=None: RandomReward())
 
 
 def tiny_pretrained_cfg(pipelines, tmp_path, backbone, algorithm, *overrides):

@@ -142,3 +142,18 @@ def test_agreement_and_kappa():
     assert flipped["agree"] == 0.0 and flipped["kappa"] == pytest.approx(-1.0)
     half = agreement(a, torch.tensor([1, 0, 1, 0, 1, 0, 1, 0]))
     assert half["agree"] == 0.75 and half["kappa"] == pytest.approx(0.5)
+
+
+def test_every_registered_factory_takes_a_device():
+    """``jagg.loop.rewards`` passes every reward the run's device (no signature inspection there): each
+    factory of the filled registry must accept ``device`` by name (or forward keywords to a class that does)."""
+    import inspect
+
+    import jagg.loop.rewards  # noqa: F401  (fills the registry)
+
+    for name, factory in REWARDS.items():
+        params = inspect.signature(factory).parameters
+        takes = "device" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        assert takes, name
+    reward = jagg.loop.rewards.build_run_reward("jpeg", {}, torch.device("cpu"))
+    assert reward(torch.zeros(1, 3, 8, 8), ["x"]).shape == (1,)

@@ -126,28 +126,43 @@ def trained_steps_per_sample(cfg: Config) -> int:
 
 def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     """The dry-run report for ``cfg`` on ``world_size`` ranks (see the module docstring)."""
-    from jagg.engine.strategies import ENDPOINT_MODES, plan_groups, trajectory_cost
+    from jagg.engine.routing import Routing, trajectory_cost
+    from jagg.engine.strategies import ENDPOINT_MODES
 
-    m, s, a, b, t = cfg.model, cfg.sampling, cfg.algorithm, cfg.backward, cfg.train
+    model, sampling, algorithm, backward, train = (
+        cfg.model,
+        cfg.sampling,
+        cfg.algorithm,
+        cfg.backward,
+        cfg.train,
+    )
     p = Plan()
-    n_global = t.prompts_per_iter * t.images_per_prompt
+    n_global = train.prompts_per_iter * train.images_per_prompt
     p.section("run")
-    p.add("backbone / source", f"{m.backbone} / {m.source}" + (f" ({m.path})" if m.path else ""))
-    p.add("algorithm / SDE", f"{a.name} / {a.sde_kind} noise {a.noise_level}, clip eps {a.clip_range}")
-    res = s.latent_size * VAE_SCALE if m.source == "pretrained" else s.latent_size
+    p.add(
+        "backbone / source", f"{model.backbone} / {model.source}" + (f" ({model.path})" if model.path else "")
+    )
+    p.add(
+        "algorithm / SDE",
+        f"{algorithm.name} / {algorithm.sde_kind} noise {algorithm.noise_level}, clip eps {algorithm.clip_range}",
+    )
+    res = sampling.latent_size * VAE_SCALE if model.source == "pretrained" else sampling.latent_size
     p.add(
         "image / latent",
-        f"{res} px / (16, {s.latent_size}, {s.latent_size}), {(s.latent_size // 2) ** 2} tokens",
+        f"{res} px / (16, {sampling.latent_size}, {sampling.latent_size}), {(sampling.latent_size // 2) ** 2} tokens",
     )
-    p.add("schedule", f"{s.num_steps} steps ({s.schedule}), eval {s.eval_num_steps}")
+    p.add("schedule", f"{sampling.num_steps} steps ({sampling.schedule}), eval {sampling.eval_num_steps}")
     p.add("world size", world_size)
     p.add(
         "samples per iteration",
-        f"{n_global} = {t.prompts_per_iter} prompts x {t.images_per_prompt} images; {n_global // world_size} "
-        f"per rank in micro-batches of {t.train_batch_size}, step every {t.grad_accum}",
+        f"{n_global} = {train.prompts_per_iter} prompts x {train.images_per_prompt} images; {n_global // world_size} "
+        f"per rank in micro-batches of {train.train_batch_size}, step every {train.grad_accum}",
     )
-    p.add("precision / grad checkpointing", f"{t.precision} / {m.gradient_checkpointing}")
-    p.add("LoRA", f"rank {m.lora_rank}, alpha {m.lora_alpha}" if m.lora_rank else "none (full fine-tuning)")
+    p.add("precision / grad checkpointing", f"{train.precision} / {model.gradient_checkpointing}")
+    p.add(
+        "LoRA",
+        f"rank {model.lora_rank}, alpha {model.lora_alpha}" if model.lora_rank else "none (full fine-tuning)",
+    )
     rewards = ", ".join(
         f"{k} x {v}" + (f" {cfg.reward.kwargs[k]}" if k in cfg.reward.kwargs else "")
         for k, v in cfg.reward.weights.items()
@@ -156,18 +171,18 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
 
     T = trained_steps_per_sample(cfg)
     auto = (
-        b.jagg_frac == "auto"
-    )  # routed at run time by measured cosines: planned here as if every group qualifies
-    frac = 1.0 if auto else b.jagg_frac
-    W = max(b.candidate_group_sizes)  # group_size=auto: planned with the largest candidate
-    groups = plan_groups(T, W, frac, b.strategy)
+        backward.jagg_frac is None
+    )  # routed at run time by measured cosines: planned as if every group qualifies
+    W = max(backward.candidate_group_sizes)  # group_size=auto: planned with the largest candidate
+    routing = Routing(strategy=backward.strategy, group_size=W, jagg_frac=1.0 if auto else backward.jagg_frac)
+    groups = routing.plans(T)
     p.section(
-        f"update (backward.strategy={b.strategy}, W={W}"
-        + (f" of auto {b.candidate_group_sizes}" if b.group_size == "auto" else "")
-        + f", jagg_frac={b.jagg_frac}, "
-        f"endpoints={b.endpoints}, reuse_rollout={b.reuse_rollout})"
+        f"update (backward.strategy={backward.strategy}, W={W}"
+        + (f" of auto {backward.candidate_group_sizes}" if backward.group_size is None else "")
+        + f", jagg_frac={'auto' if auto else backward.jagg_frac}, "
+        f"endpoints={backward.endpoints}, reuse_rollout={backward.reuse_rollout})"
     )
-    p.add("trained steps per sample", f"{T} of {s.num_steps}")
+    p.add("trained steps per sample", f"{T} of {sampling.num_steps}")
     for g, plan in enumerate(groups):
         p.add(
             f"group {g}",
@@ -176,18 +191,17 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     if auto:
         p.add(
             "routing",
-            f"auto: cos(JAGG, exact) per group measured at iteration 0 and every {b.calibrate_every}; "
-            f"JAGG where >= {b.min_cosine}; the costs below assume every group qualifies",
+            f"auto: cos(JAGG, exact) per group measured at iteration 0 and every {backward.calibrate_every}; "
+            f"JAGG where >= {backward.min_cosine}; the costs below assume every group qualifies",
         )
-    n_micro = max(1, t.prompts_per_iter * t.images_per_prompt // world_size // t.train_batch_size)
-    reused = min(n_micro, t.grad_accum) if b.reuse_rollout else 0
+    n_micro = max(1, train.prompts_per_iter * train.images_per_prompt // world_size // train.train_batch_size)
+    reused = min(n_micro, train.grad_accum) if backward.reuse_rollout else 0
     p.add(
         "stored rollout outputs used",
         f"{reused} of {n_micro} micro-batches per iteration (before the 1st step)",
     )
-    cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
-    route = dict(group_size=W, jagg_frac=frac)
-    exact = trajectory_cost(T, strategy="exact", **route)
+    cfg_mult = 2 if model.backbone == "qwenimage" and model.true_cfg_scale > 1 else 1
+    exact = trajectory_cost(Routing(strategy="exact", group_size=W).plans(T))
     p.section(
         "cost per sample by endpoint mode (passes of one micro-batch; FSDP2 collectives per sharded unit;"
         + (" x2 transformer calls with true CFG;" if cfg_mult > 1 else "")
@@ -199,17 +213,17 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     )
     # every mode's cost of the configured strategy, with and without stored outputs (exact has no modes)
     costs = {
-        (mode, reuse): trajectory_cost(T, strategy=b.strategy, endpoints=mode, reuse_outputs=reuse, **route)
+        (mode, reuse): trajectory_cost(groups, endpoints=mode, reuse_outputs=reuse)
         for mode in ENDPOINT_MODES
         for reuse in (False, True)
     }
-    rows = [("exact", exact, b.strategy == "exact")]
-    if b.strategy != "exact":
+    rows = [("exact", exact, backward.strategy == "exact")]
+    if backward.strategy != "exact":
         rows += [
             (
-                f"{b.strategy}/{mode}" + ("+stored" if reuse else ""),
+                f"{backward.strategy}/{mode}" + ("+stored" if reuse else ""),
                 c,
-                (mode, reuse) == (b.endpoints, reused > 0),
+                (mode, reuse) == (backward.endpoints, reused > 0),
             )
             for (mode, reuse), c in costs.items()
         ]
@@ -219,20 +233,20 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
             f"{c.backward_passes:>11}{c.backward_calls:>10}{c.all_gathers:>12}{c.reduce_scatters:>13}"
             f"{c.graphs_alive:>13}"
         )
-    ours = costs[(b.endpoints, reused > 0)]
+    ours = costs[(backward.endpoints, reused > 0)]
     p.add("backward passes saved", f"{1 - ours.backward_passes / exact.backward_passes:.0%}")
     p.add(
         "update time saved (pass counting, bwd = 2 fwd)",
-        f"{1 - costs[(b.endpoints, True)].time() / exact.time():.0%} with stored outputs, "
-        f"{1 - costs[(b.endpoints, False)].time() / exact.time():.0%} without",
+        f"{1 - costs[(backward.endpoints, True)].time() / exact.time():.0%} with stored outputs, "
+        f"{1 - costs[(backward.endpoints, False)].time() / exact.time():.0%} without",
     )
-    p.add("rollout forwards per sample", s.num_steps * cfg_mult)
+    p.add("rollout forwards per sample", sampling.num_steps * cfg_mult)
     _memory(
         p,
         cfg,
         world_size,
         graphs=ours.graphs_alive,
-        held_grad=b.strategy != "exact" and b.endpoints == "joint",
+        held_grad=backward.strategy != "exact" and backward.endpoints == "joint",
     )
     return p
 

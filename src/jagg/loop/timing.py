@@ -1,0 +1,125 @@
+"""Side-by-side timing of backward settings on the same rollouts (``make table1``, ``make routing``).
+
+``time_settings`` samples one rollout per iteration and runs the update once per ``BackwardSetting`` on it,
+the order rotating between iterations. Each update starts from the rollout's weights (``update_with``
+restores the weights, the optimizer state and the EMA after it), so every setting's update is the one a
+training iteration would run: its ratios start at 1 and its stored outputs are valid. ``TIMING_SETUPS`` and
+``timing_config`` are the backbone x algorithm setups both drivers measure, with the world's step structure
+pinned to the paper's (docs/references.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from jagg.common import SeedStream
+from jagg.config import TINY_RUN, Config, load_config
+from jagg.engine.routing import BackwardSetting
+from jagg.loop.trainer import Rollout, Trainer
+
+TIMING_SETUPS = [
+    ("flux", "dancegrpo"),
+    ("flux", "flowgrpo_fast"),
+    ("qwenimage", "dancegrpo"),
+    ("qwenimage", "flowgrpo_fast"),
+]
+# On the embedded world, mirror the paper's step structure so that the pass counts per sample match the
+# paper's setups: DanceGRPO Flux trains 9 of 15 steps, Qwen-Image 11 of 19 (W = 3, jagg_frac 0.6 -> JAGG on
+# the first 2 groups); Flow-GRPO-Fast trains a window of 3 (Flux) or 2 (Qwen-Image) steps. The batch is pinned
+# so the timing does not move when the training recipes are re-tuned, and so are the paper's KL-free
+# objective (no reference-model forwards, which no strategy can save) and no EMA.
+WORLD_TIMING = {
+    ("flux", "dancegrpo"): ["sampling.num_steps=16"],
+    ("qwenimage", "dancegrpo"): ["sampling.num_steps=20"],
+    ("flux", "flowgrpo_fast"): [
+        "sampling.num_steps=6",
+        "algorithm.sde_window_size=3",
+        "algorithm.sde_window_range=[0, 3]",
+    ],
+    ("qwenimage", "flowgrpo_fast"): [
+        "sampling.num_steps=10",
+        "algorithm.sde_window_size=2",
+        "algorithm.sde_window_range=[0, 4]",
+    ],
+}
+WORLD_BATCH = [
+    "train.prompts_per_iter=4",
+    "train.images_per_prompt=8",
+    "train.train_batch_size=16",
+    "train.grad_accum=2",
+    "backward.group_size=3",
+    "backward.jagg_frac=0.6",
+    "algorithm.kl_beta=0.0",
+    "optim.ema_decay=0.0",
+]
+QUICK = [*TINY_RUN, "sampling.num_steps=6", "algorithm.sde_window_range=[0, 4]"]  # the drivers' --quick
+
+
+def timing_config(
+    setup: tuple[str, str], *, scale: str = "world", quick: bool = False, overrides: Sequence[str] = ()
+) -> Config:
+    """``configs/<scale>/<backbone>_<algorithm>.yaml`` with the pinned world timing (not at paper scale, not
+    with ``quick``, which runs the tiny models instead) and ``overrides`` last."""
+    backbone, algorithm = setup
+    pinned = WORLD_TIMING[setup] + WORLD_BATCH if scale == "world" and not quick else []
+    extra = (QUICK if quick else []) + list(overrides)
+    return load_config(f"configs/{scale}/{backbone}_{algorithm}.yaml", pinned + extra)
+
+
+@contextmanager
+def _weights_kept(trainer: Trainer) -> Iterator[None]:
+    """The trained weights, optimizer state, EMA and counters come back as they were after the block."""
+    params = [p.detach().clone() for p in trainer.params]
+    optim_state = {
+        k: {n: v.clone() if torch.is_tensor(v) else v for n, v in state.items()}
+        for k, state in trainer.optimizer.state.items()
+    }
+    ema = None if trainer.ema is None else [e.clone() for e in trainer.ema]
+    counters = trainer.weights_version, trainer.consecutive_skips
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(trainer.params, params, strict=True):
+                p.copy_(saved)
+        trainer.optimizer.state.clear()
+        trainer.optimizer.state.update(optim_state)
+        if ema is not None:
+            for e, saved in zip(trainer.ema, ema, strict=True):
+                e.copy_(saved)
+        trainer.weights_version, trainer.consecutive_skips = counters
+
+
+def update_with(trainer: Trainer, ro: Rollout, setting: BackwardSetting) -> dict:
+    """The metrics of ``trainer.update(ro)`` with ``setting`` as the trainer's backward, plus its seconds
+    (``time_update_s``, the update alone); weights, optimizer state, EMA and the trainer's own setting are left
+    as they were, so the next update starts from the rollout's weights again."""
+    own = trainer.backward
+    trainer.backward = setting
+    try:
+        with _weights_kept(trainer):
+            t0 = time.perf_counter()
+            upd = trainer.update(ro)
+            return upd | {"time_update_s": time.perf_counter() - t0}
+    finally:
+        trainer.backward = own
+
+
+def time_settings(
+    trainer: Trainer, settings: Sequence[BackwardSetting], iterations: int
+) -> dict[str, list[dict]]:
+    """Per setting (by ``BackwardSetting.key``), one row per iteration: the rollout's phases (shared), that
+    setting's update metrics and seconds, the samples ``n`` and trained steps ``T`` per sample."""
+    rows: dict[str, list[dict]] = {s.key: [] for s in settings}
+    update_with(trainer, trainer.rollout(0, SeedStream.WARMUP), settings[0])  # warm-up, not recorded
+    for it in range(iterations):
+        ro = trainer.rollout(it)
+        k = it % len(settings)
+        for setting in [*settings[k:], *settings[:k]]:
+            upd = update_with(trainer, ro, setting)
+            rows[setting.key].append({**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]})
+    return rows
