@@ -8,13 +8,14 @@ CLIPScore), so the lower layers never import the ones above them to find a rewar
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
 from jagg.config import Config
 from jagg.errors import ConfigError
-from jagg.rewards import REWARDS, Reward, build_reward
+from jagg.rewards import REWARDS, Reward, WeightedRewards, build_reward
 
 REWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,3 +46,28 @@ def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:
     if isinstance(kwargs.get("dtype"), str):  # checked by check_reward_names
         kwargs["dtype"] = REWARD_DTYPES[kwargs["dtype"]]
     return build_reward(name, **{"device": device, **kwargs})
+
+
+def build_run_rewards(cfg: Config, device: torch.device) -> tuple[WeightedRewards, dict[str, Reward]]:
+    """The run's training reward (``reward.weights``, a weighted sum) and its eval rewards (``reward.eval``; one
+    that is also trained on is the same object), each built once with ``reward.kwargs`` on ``device``."""
+    built = {n: build_run_reward(n, cfg.reward.kwargs.get(n, {}), device) for n in cfg.reward.weights}
+    train = WeightedRewards(built, dict(cfg.reward.weights))
+    evals = {
+        n: built.get(n) or build_run_reward(n, cfg.reward.kwargs.get(n, {}), device) for n in cfg.reward.eval
+    }
+    return train, evals
+
+
+@torch.no_grad()
+def score_samples(
+    images: Tensor, prompts: list[str], train: WeightedRewards, evals: dict[str, Reward]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(training reward (B,), every reward's scores {name: (B,)}): the training reward's components, and
+    each eval reward not trained on (e.g. the attribute accuracy of the training samples)."""
+    total = train(images, prompts)
+    scores = dict(train.components)
+    for name, fn in evals.items():
+        if name not in scores:
+            scores[name] = fn(images, prompts).float()
+    return total, scores

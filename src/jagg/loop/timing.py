@@ -19,7 +19,8 @@ import torch
 from jagg.common import SeedStream
 from jagg.config import TINY_RUN, Config, load_config
 from jagg.engine.routing import BackwardSetting
-from jagg.loop.trainer import Rollout, Trainer
+from jagg.loop.rollout import Rollout
+from jagg.loop.trainer import Trainer
 
 TIMING_SETUPS = [
     ("flux", "dancegrpo"),

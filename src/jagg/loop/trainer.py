@@ -1,28 +1,23 @@
 """One GRPO training loop for every algorithm, backbone and backward strategy.
 
     rollout (no grad, SDE where the algorithm explores) -> rewards -> group advantages
-    -> update: per micro-batch, the trained steps of each sample go through ``trajectory_backward``
-       (the backward strategy and ``jagg_frac`` routing live there; this loop never looks at the name)
+    -> [calibrate: measure the routing, with backward.jagg_frac=auto]
+    -> update: per micro-batch, the trained steps go through ``trajectory_backward`` with the groups of
+       ``self.backward`` (a ``BackwardSetting``; this loop never looks at the strategy's name)
     -> optimizer step every ``grad_accum`` micro-batches (grad-norm clip, non-finite updates skipped)
-    -> metrics (JSONL), periodic held-out evaluation (ODE sampling, every eval reward), checkpoints.
+    -> metrics (JSONL), periodic held-out evaluation (``jagg.loop.evaluate``), checkpoints.
 
 Follows the DanceGRPO / Flow-GRPO loops (docs/references.md): the per-step loss (``GRPOStepLoss``, built by
 ``Trainer.grpo_loss``) is the clipped PPO surrogate on the SDE log-prob of the stored next latent, scaled by
-1 / (grad_accum * T). Rollouts and updates use the same micro-batches, so before the first optimizer step of an
-iteration every ratio is exactly 1. Every random draw of iteration ``it`` comes from the generator (seed, ``SeedStream.ROLLOUT``, it)
-(``jagg.common.generator``), which makes a resumed run reproduce the uninterrupted one.
+1 / (grad_accum * T). Rollouts and updates use the same micro-batches, so until the first optimizer step after
+a rollout every ratio is exactly 1. Every random draw of iteration ``it`` comes from the generator
+(seed, ``SeedStream.ROLLOUT``, it), which makes a resumed run reproduce the uninterrupted one.
 
 Multi-process (torchrun, FSDP2): every rank draws the same prompts, noise, SDE windows and trained steps for the
-whole global batch and keeps its contiguous share (micro-batch k of the global batch is sampled with the SDE
-seed (seed_it + k) wherever it runs, so the rollouts equal a single-process run's). Rewards are gathered
-before the group advantages, so a prompt group may span ranks. The backbone is sharded per block after LoRA
-is applied, each rank receiving its shards of rank 0's weights (``placement``); the backward strategies are
-unchanged (FSDP2 reduce-scatters on each backward). Only rank 0 writes metrics and sample grids; every rank
-writes its own shards of a checkpoint; ``train.grad_accum`` counts micro-batches per rank.
-
-Elsewhere in this layer: the model parts (``components``), where the trained model lives (``placement``), the
-rewards and their device (``rewards``), sharded checkpoint state (``checkpoint``), the weights' export
-(``export``), sample grids (``grids``).
+whole global batch and keeps its contiguous share (micro-batch k is sampled with the SDE seed (seed_it + k)
+wherever it runs, so the rollouts equal a single-process run's); rewards are gathered before the group
+advantages. Only rank 0 writes metrics and sample grids; every rank writes its own checkpoint shards;
+``train.grad_accum`` counts micro-batches per rank. docs/architecture.md walks through one iteration.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ import math
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,37 +39,19 @@ from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages
 from jagg.engine.routing import BackwardSetting, Routing, calibrate_routing, trajectory_backward
-from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
 from jagg.loop.checkpoint import Progress, checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
-from jagg.loop.rewards import build_run_reward
+from jagg.loop.rewards import build_run_rewards, score_samples
+from jagg.loop.rollout import Rollout, at_steps, sample_micro_batches
 from jagg.models import Backbone, Components, TextCond
-from jagg.rewards import Reward, WeightedRewards
 
 
 class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite updates; a final checkpoint has been written."""
-
-
-@dataclass(kw_only=True)
-class Rollout:
-    """One iteration's samples. N = prompts_per_iter * images_per_prompt."""
-
-    prompts: list[str]  # (n,) this rank's share (n = N / world size)
-    cond: TextCond  # n rows
-    traj: Trajectory  # latents (S + 1, n, C, H, W), log_probs (S, n)
-    trained: Tensor  # (n, T) trained step indices per sample, ascending
-    rewards: Tensor  # (N,) weighted total, global batch (all ranks)
-    components: dict[str, Tensor]  # per-reward scores (N,), global batch
-    advantages: Tensor  # (n,) this rank's share
-    timing: dict[str, float]  # time_sample_s, time_reward_s
-    weights_version: (
-        int  # the trainer's optimizer steps when sampled: stored outputs are valid while unchanged
-    )
 
 
 class _Recorded:
@@ -90,10 +66,9 @@ class _Recorded:
         return value
 
 
-def _at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Tensor:
-    """(S[+1], n, ...) per-step rollout tensor -> (T, b, ...) at each sample's trained steps (+ offset)."""
-    cols = torch.arange(steps.shape[0])[None, :]  # (1, b)
-    return per_step[:, idx][steps.T + offset, cols]
+def _schedule(given: Tensor | None, num_steps: int, shift: float) -> Tensor:
+    """The model source's sigmas, else the shifted-linear schedule of DanceGRPO (the world's)."""
+    return given if given is not None else shifted_linear_sigmas(num_steps, shift)
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -138,12 +113,7 @@ class Trainer:
             if comp.eval_sigmas is not None
             else shifted_linear_sigmas(sampling.eval_num_steps, sampling.shift)
         )
-        self.train_reward = WeightedRewards(
-            {n: self._build_reward(n) for n in cfg.reward.weights}, dict(cfg.reward.weights)
-        )
-        self.eval_rewards: dict[str, Reward] = {
-            n: self.train_reward.rewards.get(n) or self._build_reward(n) for n in cfg.reward.eval
-        }
+        self.train_reward, self.eval_rewards = build_run_rewards(cfg, self.device)
         self.iteration = 0
         self.consecutive_skips = 0
         self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
@@ -151,11 +121,6 @@ class Trainer:
         # How the update runs its backward: fixed by the config, or (backward.jagg_frac=auto) None until
         # ``calibrate`` has measured the routing.
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
-
-    # ------------------------------------------------------------------ setup helpers
-    def _build_reward(self, name: str) -> Reward:
-        """Reward ``name`` with reward.kwargs[name], on the training device."""
-        return build_run_reward(name, self.cfg.reward.kwargs.get(name, {}), self.device)
 
     # ------------------------------------------------------------------ model calls
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -196,46 +161,27 @@ class Trainer:
         prompts = all_prompts[mine]
         cond = self.comp.text_encoder.encode_prompts(prompts)
         kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
-        if (
-            algorithm.init_same_noise
-        ):  # DanceGRPO's init_same_noise: one x_T per prompt, images differ by SDE noise
+        if algorithm.init_same_noise:  # DanceGRPO: one x_T per prompt, images differ by their SDE noise
             per_prompt = self._noise(train.prompts_per_iter, gen)
             noise = per_prompt.repeat_interleave(train.images_per_prompt, dim=0)[mine]
         else:
             noise = self._noise(len(all_prompts), gen)[mine]
         sde_seed = int(torch.randint(2**62, (1,), generator=gen))
-        keep_outputs = self.cfg.backward.reuse_rollout
-        chunks = []
-        for start in range(0, len(prompts), train.train_batch_size):
-            idx = slice(start, start + train.train_batch_size)
-            chunk = (mine.start + start) // train.train_batch_size  # global micro-batch index
-            sde_gen = torch.Generator(device=self.device).manual_seed(sde_seed + chunk)
-            chunks.append(
-                sample_trajectory(
-                    self.velocity(cond.select(idx)),
-                    noise[idx],
-                    self.sigmas.to(self.device),
-                    kinds,
-                    noise_level=algorithm.noise_level,
-                    generator=sde_gen,
-                    keep_outputs=keep_outputs,
-                )
-            )
-        traj = Trajectory(
-            torch.cat([c.latents for c in chunks], dim=1),
-            torch.cat([c.log_probs for c in chunks], dim=1),
-            chunks[0].sigmas,
-            chunks[0].kinds,
-            torch.cat([c.outputs for c in chunks], dim=1) if keep_outputs else None,
+        traj = sample_micro_batches(
+            lambda rows: self.velocity(cond.select(rows)),
+            noise,
+            self.sigmas.to(self.device),
+            kinds,
+            batch_size=train.train_batch_size,
+            first_sample=mine.start,
+            sde_seed=sde_seed,
+            noise_level=algorithm.noise_level,
+            keep_outputs=self.cfg.backward.reuse_rollout,
         )
         trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()
         images = self.comp.decode(traj.final.float()).cpu()
-        rewards = self.train_reward(images, prompts)
-        scores = dict(self.train_reward.components)
-        for name, fn in self.eval_rewards.items():  # e.g. attribute accuracy of the training samples
-            if name not in scores:
-                scores[name] = fn(images, prompts).float()
+        rewards, scores = score_samples(images, prompts, self.train_reward, self.eval_rewards)
         rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
         scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
         adv = group_advantages(
@@ -273,11 +219,11 @@ class Trainer:
         latents = ro.traj.latents
         sigmas = self.sigmas.to(self.device)
         return GRPOStepLoss(
-            x=_at_steps(latents, idx, steps),
-            x_next=_at_steps(latents, idx, steps, offset=1),
+            x=at_steps(latents, idx, steps),
+            x_next=at_steps(latents, idx, steps, offset=1),
             sigma=sigmas[steps.T],
             sigma_next=sigmas[steps.T + 1],
-            old_log_prob=_at_steps(ro.traj.log_probs, idx, steps),
+            old_log_prob=at_steps(ro.traj.log_probs, idx, steps),
             advantages=ro.advantages[idx].to(self.device),
             kind=algorithm.sde_kind,
             noise_level=algorithm.noise_level,
@@ -321,7 +267,7 @@ class Trainer:
                 recorded,
                 setting.routing.plans(steps.shape[1]),
                 endpoints=setting.endpoints,
-                outputs=None if outputs is None else _at_steps(outputs, idx, steps).to(self.device),
+                outputs=None if outputs is None else at_steps(outputs, idx, steps).to(self.device),
             )
             total = stats if total is None else total.merge(stats)
             step_stats += recorded.stats
