@@ -1,14 +1,8 @@
 """The training loop and its composition root: the top layer, with the CLI ``jagg.train``.
 
-    trainer     the loop: rollout -> update -> evaluate -> fit
-    components  build_components: picks the model source (world / tiny / pretrained); checks the config
-                against the full registries before anything is written
-    rewards     imports every module that registers a reward; builds a run's rewards on its device
-    placement   where the trained backbone lives: LoRA, dtypes, device, FSDP2 shards received from rank 0
-    checkpoint  checkpoint state, sharded (torch.distributed.checkpoint): each rank saves / loads its shards
-    export      the trained weights once, on rank 0: a diffusers transformer folder or a peft LoRA adapter
-    grids       PNG sample grids and their geometry
-    plan        the ``--dry-run`` plan (steps, groups, passes, memory per rank and GPU size) without weights
+The loop (``Trainer``: rollout -> calibrate -> update -> evaluate -> fit) and what it is built from: the model
+source and the rewards of a run, where the trained model lives, checkpoint state, export, sample grids, the
+``--dry-run`` plan, and side-by-side timing for the drivers. docs/architecture.md lists the modules.
 
 Layer: top; it may import every other layer. Nothing in ``jagg`` imports it except ``jagg.train``.
 """

@@ -3,7 +3,7 @@
 The transformer is built from its config on the meta device (no memory, no weights): the local
 ``model.path/transformer/config.json`` when present, otherwise the published FLUX.1-dev / Qwen-Image
 architecture (``KNOWN_CONFIGS``). LoRA is applied on the meta model to count adapter parameters. The plan lists
-the trained steps per sample, their groups and strategies (``jagg.engine.strategies.plan_groups``), the transformer
+the trained steps per sample, their groups and strategies (``jagg.engine.routing.plan_groups``), the transformer
 forward / backward passes per sample for the exact baseline and the configured strategy, and a per-rank memory
 plan under FSDP2 full sharding (``memory_plan``) that says per GPU size (80 GB, 141 GB) whether the run fits.
 
