@@ -36,19 +36,17 @@ TINY = [
 
 
 def _cfg(run_dir, strategy: str, grad_accum: int):
-    from jagg.config import load_config
+    from helpers import tiny_config
 
-    over = [f"log.run_dir={run_dir}", f"backward.strategy={strategy}", f"train.grad_accum={grad_accum}"]
-    return load_config("configs/world/flux_dancegrpo.yaml", TINY + over)
+    return tiny_config(run_dir, f"backward.strategy={strategy}", f"train.grad_accum={grad_accum}", base=TINY)
 
 
 def _run(cfg) -> dict:
     """One iteration; returns the metrics row, the full gradient before the step and the updated weights."""
+    from helpers import build_trainer
     from jagg.distributed import full_tensor
-    from jagg.loop.components import build_components
-    from jagg.loop.trainer import Trainer
 
-    trainer = Trainer(cfg, build_components(cfg), cfg.log.run_dir)
+    trainer = build_trainer(cfg)
     grads = []
     step = trainer._optimizer_step
 

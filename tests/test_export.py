@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jagg.config import TINY_RUN, load_config
+from helpers import build_trainer, tiny_config
+from jagg.config import TINY_RUN
 from jagg.distributed import DistInfo
 from jagg.loop.checkpoint import read_checkpoint
 from jagg.loop.components import build_components
 from jagg.loop.export import export_trained
 from jagg.loop.placement import place_backbone
-from jagg.loop.trainer import Trainer
 from jagg.models import BACKBONES
 from jagg.train import main
 
@@ -22,7 +22,7 @@ RUN = [*TINY_RUN, "sampling.num_steps=4", "optim.lr=1e-2"]
 
 
 def _cfg(tmp_path, *over, config="configs/world/flux_dancegrpo.yaml"):
-    return load_config(config, [*RUN, f"log.run_dir={tmp_path / 'run'}", *over])
+    return tiny_config(tmp_path / "run", *over, config=config, base=RUN)
 
 
 def _inputs(trainer, n=2):
@@ -35,7 +35,7 @@ def _inputs(trainer, n=2):
 @pytest.mark.parametrize("backbone", ["flux", "qwenimage"])
 def test_full_finetune_export_is_a_diffusers_folder_with_the_trained_weights(tmp_path, backbone):
     cfg = _cfg(tmp_path, "optim.ema_decay=0", config=f"configs/world/{backbone}_dancegrpo.yaml")
-    trainer = Trainer(cfg, build_components(cfg), cfg.log.run_dir)
+    trainer = build_trainer(cfg)
     before = trainer.backbone.velocity(*_inputs(trainer)).detach()
     trainer.fit()
     out = export_trained(cfg, trainer.backbone, tmp_path / "export", dist=trainer.dist)
@@ -49,7 +49,7 @@ def test_full_finetune_export_is_a_diffusers_folder_with_the_trained_weights(tmp
 
 def test_export_uses_the_ema_weights_when_the_run_keeps_an_ema(tmp_path):
     cfg = _cfg(tmp_path, "optim.ema_decay=0.5", "train.iterations=2")
-    trainer = Trainer(cfg, build_components(cfg), cfg.log.run_dir)
+    trainer = build_trainer(cfg)
     trainer.fit()
     out = export_trained(cfg, trainer.backbone, tmp_path / "export", dist=trainer.dist, ema=trainer.ema)
     saved = load_file(out / "diffusion_pytorch_model.safetensors")
@@ -82,7 +82,7 @@ def test_lora_export_is_a_peft_adapter_that_reproduces_the_trained_model(tmp_pat
     from peft import PeftModel
 
     cfg = _cfg(tmp_path, "model.lora_rank=4", "model.lora_alpha=8", "optim.ema_decay=0")
-    trainer = Trainer(cfg, build_components(cfg), cfg.log.run_dir)
+    trainer = build_trainer(cfg)
     trainer.fit()
     out = export_trained(cfg, trainer.backbone, tmp_path / "adapter", dist=trainer.dist)
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
@@ -104,5 +104,5 @@ def test_bf16_keeps_frozen_weights_in_bf16_and_trains_fp32(tmp_path, lora, froze
     assert {d for g, d in dtypes if g} == {torch.float32}
     assert {d for g, d in dtypes if not g} == ({frozen} if frozen else set())
     if lora:
-        (m,) = Trainer(cfg, build_components(cfg), cfg.log.run_dir).fit()
+        (m,) = build_trainer(cfg).fit()
         assert torch.isfinite(torch.tensor(m["loss"])) and m["onpolicy_ratio_max_dev"] == 0.0
