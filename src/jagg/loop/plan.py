@@ -106,11 +106,16 @@ def meta_transformer(cfg: Config):
 
     config, source = transformer_config(cfg)
     cls = BACKBONES[cfg.model.backbone].transformer_cls
-    m = cfg.model
+    model_cfg = cfg.model
     with torch.device("meta"):
         model = cls.from_config(config)
-        if m.lora_rank > 0:
-            apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_targets or DEFAULT_TARGETS[m.backbone])
+        if model_cfg.lora_rank > 0:
+            apply_lora(
+                model,
+                model_cfg.lora_rank,
+                model_cfg.lora_alpha,
+                model_cfg.lora_targets or DEFAULT_TARGETS[model_cfg.backbone],
+            )
     return model, source
 
 
@@ -383,15 +388,15 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     ``held_grad``: the ``joint`` endpoint mode's unsharded gradients held during its backward.
     """
     model = model if model is not None else meta_transformer(cfg)[0]
-    m, t, s, d = cfg.model, cfg.train, cfg.sampling, cfg.data
+    model_cfg, train, sampling, data = cfg.model, cfg.train, cfg.sampling, cfg.data
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
     blocks = [*getattr(model, "transformer_blocks", []), *getattr(model, "single_transformer_blocks", [])]
     n_block = max((sum(x.numel() for x in blk.parameters()) for blk in blocks), default=0)
     master = (
-        8 if t.precision == "fp64" else 4
+        8 if train.precision == "fp64" else 4
     )  # trained parameters (bf16 = autocast over fp32 master weights)
-    compute = 2 if t.precision == "bf16" else master  # activations; frozen parameters stay in this dtype
+    compute = 2 if train.precision == "bf16" else master  # activations; frozen parameters stay in this dtype
     r = world_size
     gpu = {
         "transformer weights (sharded)": (n_train * master + (n_all - n_train) * compute) / r,
@@ -412,30 +417,30 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         gpu["unsharded gradients held (joint)"] = n_train * compute
     if cfg.algorithm.kl_beta > 0:
         gpu["KL reference (unsharded copy)"] = n_all * compute
-    pretrained = m.source == "pretrained"
+    pretrained = model_cfg.source == "pretrained"
     aux: dict[str, int] = {}
     if pretrained:
-        if not d.precompute_embeddings:
-            aux.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[m.backbone]})
-        vae = "flux_vae" if m.backbone == "flux" else "qwenimage_vae"
+        if not data.precompute_embeddings:
+            aux.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
+        vae = "flux_vae" if model_cfg.backbone == "flux" else "qwenimage_vae"
         aux[vae] = aux_params(vae) * compute
         for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
             if name in AUX_MODELS:
                 aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}))
     gpu.update({f"{AUX_MODELS[k][0]}": v for k, v in aux.items()})
-    if pretrained and not d.embedding_cache:  # CachedTextEncoder keeps rows on the GPU without a cache dir
+    if pretrained and not data.embedding_cache:  # CachedTextEncoder keeps rows on the GPU without a cache dir
         prompts = PROMPT_LRU
-        if d.precompute_embeddings:  # every train + eval prompt stays in memory
-            prompts = (d.train_limit or HPDV2_TRAIN_PROMPTS) + (d.eval_limit or HPDV2_TRAIN_PROMPTS)
+        if data.precompute_embeddings:  # every train + eval prompt stays in memory
+            prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
         gpu["prompt embeddings (in memory)"] = prompts * embedding_bytes(cfg, model)
     # activations of the update: per graph, B samples x tokens x hidden x layers
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
     txt = (
-        m.max_sequence_length if m.backbone == "flux" else 64
+        model_cfg.max_sequence_length if model_cfg.backbone == "flux" else 64
     )  # Flux pads T5 to the max; Qwen: typical prompt
-    tokens = (s.latent_size // 2) ** 2 + txt
-    cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
-    per_layer = t.train_batch_size * cfg_mult * tokens * hidden  # elements
+    tokens = (sampling.latent_size // 2) ** 2 + txt
+    cfg_mult = 2 if model_cfg.backbone == "qwenimage" and model_cfg.true_cfg_scale > 1 else 1
+    per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
     activations = {
         # checkpointing: block inputs of every layer per graph + one block recomputed at a time
         True: graphs * per_layer * len(blocks) * compute + per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
@@ -443,25 +448,29 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     }
     # no-grad forwards (rollout at train_batch_size, evaluation in chunks of up to 32 per rank): one block's
     # intermediates at a time, ~20 x hidden per token (qkv, attention output, 4x MLP) in the compute dtype
-    lg = cfg.log
-    eval_batch = min(32, -(-lg.eval_prompts * lg.eval_images_per_prompt // r)) if lg.eval_every else 0
-    no_grad = max(t.train_batch_size, eval_batch) * cfg_mult * tokens * hidden * 20 * compute
+    log = cfg.log
+    eval_batch = min(32, -(-log.eval_prompts * log.eval_images_per_prompt // r)) if log.eval_every else 0
+    no_grad = max(train.train_batch_size, eval_batch) * cfg_mult * tokens * hidden * 20 * compute
     # host: rank 0 holds the loaded transformer once (memory-mapped safetensors, load dtype), every rank the
     # largest other model while it loads it (weights are read to the host, then moved to the GPU).
-    load_bytes = n_all * (2 if t.precision == "bf16" else 4) if pretrained else 0
+    load_bytes = n_all * (2 if train.precision == "bf16" else 4) if pretrained else 0
     staging = max(
         [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in aux.items()], default=0
     )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
     host = {"rank 0": HOST_BASELINE + load_bytes + staging, "other ranks": HOST_BASELINE + staging}
     return MemoryPlan(
-        gpu=gpu, activations=activations, no_grad=no_grad, host=host, checkpointing=m.gradient_checkpointing
+        gpu=gpu,
+        activations=activations,
+        no_grad=no_grad,
+        host=host,
+        checkpointing=model_cfg.gradient_checkpointing,
     )
 
 
 def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool) -> None:
     model, source = meta_transformer(cfg)
     mp = memory_plan(cfg, world_size, graphs, held_grad, model)
-    m, t, d = cfg.model, cfg.train, cfg.data
+    model_cfg, train, data = cfg.model, cfg.train, cfg.data
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
@@ -472,13 +481,15 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
     p.add("parameters", f"{n_all / 1e9:.2f}B total, {n_train / 1e6:.1f}M trainable")
     for key, b in mp.gpu.items():
         p.add(key, gib(b))
-    if m.source == "pretrained":
-        if d.precompute_embeddings:
+    if model_cfg.source == "pretrained":
+        if data.precompute_embeddings:
             p.add("text encoders", "freed after precomputing (data.precompute_embeddings)")
         per_prompt = embedding_bytes(cfg, model)
-        if d.embedding_cache:
-            where = f"on disk in data.embedding_cache={d.embedding_cache} (~{gib(per_prompt * 1e5)} per 1e5)"
-        elif d.precompute_embeddings:
+        if data.embedding_cache:
+            where = (
+                f"on disk in data.embedding_cache={data.embedding_cache} (~{gib(per_prompt * 1e5)} per 1e5)"
+            )
+        elif data.precompute_embeddings:
             where = "ALL prompts in GPU memory on every rank: set data.embedding_cache"
         else:
             where = f"an in-memory LRU of {PROMPT_LRU} prompts per rank (GPU)"
@@ -507,15 +518,17 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
         f"other ranks ~{gib(mp.host['other ranks'])}; node ~"
         f"{gib(mp.host['rank 0'] + (world_size - 1) * mp.host['other ranks'])}; checkpoints: shards only",
     )
-    export = n_all * 2 if m.lora_rank == 0 and t.precision == "bf16" else n_train * 4
+    export = n_all * 2 if model_cfg.lora_rank == 0 and train.precision == "bf16" else n_train * 4
     p.add("export (rank 0 host, once)", gib(export))
 
 
 def embedding_bytes(cfg: Config, model) -> int:
     """Bytes of one prompt's cached text conditioning (bf16 rows; the mask and pooled vector included)."""
-    m = cfg.model
+    model_cfg = cfg.model
     width = model.config.joint_attention_dim
-    if m.backbone == "flux":
-        return m.max_sequence_length * (width * 2 + 8) + 768 * 2
-    rows = 64 * (2 if m.true_cfg_scale > 1 else 1)  # a typical prompt (+ the negative prompt with true CFG)
+    if model_cfg.backbone == "flux":
+        return model_cfg.max_sequence_length * (width * 2 + 8) + 768 * 2
+    rows = 64 * (
+        2 if model_cfg.true_cfg_scale > 1 else 1
+    )  # a typical prompt (+ the negative prompt with true CFG)
     return rows * (width * 2 + 8)
