@@ -169,19 +169,17 @@ def test_bf16_autocast_smoke(tmp_path, tiny_cfg):
     assert torch.isfinite(torch.tensor(m["loss"]))
 
 
-def test_init_same_noise_shares_the_initial_latent_within_a_prompt_group(tmp_path, tiny_cfg):
-    cfg = tiny_cfg("algorithm.init_same_noise=true")
-    ro = build_trainer(cfg).rollout(0)
+def test_init_same_noise_shares_the_initial_latent_within_a_prompt_group(tiny_trainer):
+    ro = tiny_trainer("algorithm.init_same_noise=true").rollout(0)
     x_t = ro.traj.latents[0]  # (N, C, H, W), 2 prompts x 3 images
     assert torch.equal(x_t[0], x_t[1]) and torch.equal(x_t[0], x_t[2]) and not torch.equal(x_t[0], x_t[3])
     assert not torch.equal(ro.traj.final[0], ro.traj.final[1])  # the SDE noise still differs
 
 
-def test_dancegrpo_outputs_the_last_steps_x0_prediction(tmp_path, tiny_cfg):
+def test_dancegrpo_outputs_the_last_steps_x0_prediction(tiny_trainer):
     """DanceGRPO decodes ``pred_original = x - sigma v`` of the last step, not its noisy sample: the last step
     is deterministic (log-prob 0), never trained, and every earlier step is stochastic."""
-    cfg = tiny_cfg()
-    trainer = build_trainer(cfg)
+    trainer = tiny_trainer()
     ro = trainer.rollout(0)
     traj, sigmas = ro.traj, trainer.sigmas
     assert traj.kinds == ("dance",) * 5 + ("ode",)
@@ -377,6 +375,10 @@ def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w
     by_w = cal["calibration_by_group_size"]
     assert set(by_w) == {"2", "3"} and by_w["2"]["routing"][0] is True  # a 2-step group always qualifies
     assert by_w[str(w)]["predicted_cost"] <= min(c["predicted_cost"] for c in by_w.values())
+    # the cost of the whole update: 2 micro-batches, a step after each, stored outputs for the first only
+    plans = trainer.backward.routing.plans(3)
+    update = update_cost(plans, endpoints="batched", reuse_outputs=True, micro_batches=2, grad_accum=1)
+    assert by_w[str(w)]["predicted_cost"] == update.time()
     assert all(r["backward_passes_per_sample"] == passes for r in rows)
     resumed = build_trainer(cfg)
     resumed.load_checkpoint()
