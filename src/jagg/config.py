@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
 from jagg.engine.grpo import KL_STD
 from jagg.engine.sde import SDE_KINDS
 from jagg.engine.strategies import validate_routing
@@ -82,8 +82,16 @@ class AlgorithmConfig:
     sde_kind: str = "dance"  # dance | flow_grpo | cps
     noise_level: float = 0.3  # eta (dance) or a (flow_grpo, cps)
     timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
+    # DanceGRPO, which steps are trained (jagg.engine.algorithms.STEP_SELECTIONS):
+    #   sorted_subset      per sample a random int((S-1) * timestep_fraction) single steps, sorted (DanceGRPO)
+    #   contiguous_groups  the S-1 steps cut into blocks of W = backward.group_size consecutive steps (S-1 must
+    #                      be a multiple of W); per sample a random int((S-1)/W * timestep_fraction) whole blocks,
+    #                      each one JAGG group (the JAGG authors' code). With backward.strategy=exact: as many
+    #                      random single steps instead, the recipe's exact baseline (the authors' per-step path)
+    step_selection: str = "sorted_subset"
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
-    sde_window_range: list[int] = field(default_factory=lambda: [0, 3])  # window start drawn in [lo, hi)
+    # Flow-GRPO-Fast: the window start is drawn uniformly in [lo, hi - size], so the window lies in [lo, hi)
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 3])
     init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
@@ -96,7 +104,7 @@ class AlgorithmConfig:
 
 @dataclass
 class BackwardConfig:
-    strategy: str = "jagg"  # exact | jagg | endpoints | uniform
+    strategy: str = "jagg"  # exact | jagg | endpoints | uniform | jagg_index (alpha_j = j / (W - 1))
     group_size: int | str = 3  # W, or "auto": chosen from `group_sizes` at each calibration (see below)
     jagg_frac: float | str = 0.6  # leading fraction of groups on `strategy`, or "auto" (measured, see below)
     min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
@@ -347,7 +355,15 @@ def validate(cfg: Config) -> None:
     _require(a.adv_std in ("group", "global"), f"algorithm.adv_std must be group|global, got {a.adv_std!r}")
     _require(a.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {a.kl_beta}")
     _require(a.kl_std in KL_STD, f"algorithm.kl_std must be one of {list(KL_STD)}, got {a.kl_std!r}")
-    ALGORITHMS[a.name].validate(a, s.num_steps)
+    _require(
+        a.step_selection in STEP_SELECTIONS,
+        f"algorithm.step_selection must be one of {list(STEP_SELECTIONS)}, got {a.step_selection!r}",
+    )
+    _require(
+        a.step_selection == "sorted_subset" or a.name == "dancegrpo",
+        f"algorithm.step_selection={a.step_selection} applies to algorithm.name=dancegrpo only, got {a.name!r}",
+    )
+    ALGORITHMS[a.name].validate(a, s.num_steps, b)
     auto = isinstance(b.jagg_frac, str)
     _require(
         not auto or b.jagg_frac == "auto",

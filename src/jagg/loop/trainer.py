@@ -110,7 +110,7 @@ class Trainer:
             self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
         self.ema = [p.detach().clone() for p in self.params] if o.ema_decay > 0 else None
-        self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
+        self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
         s = cfg.sampling
         self.sigmas = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(s.num_steps, s.shift)
         self.eval_sigmas = (
