@@ -216,9 +216,9 @@ def test_aggregation_weights_sum_to_one_per_step():
 
 @pytest.mark.parametrize("strategy", AGGREGATION_WEIGHTS)
 def test_exact_at_two_is_read_from_the_weight_rule(strategy):
-    """A strategy is exact on a two-step group iff its W = 2 weight matrix is the identity: JAGG and the
-    endpoints ablation, not uniform; and then its two-step gradient equals the exact one."""
-    expected = {"jagg": True, "endpoints": True, "uniform": False}[strategy]
+    """A strategy is exact on a two-step group iff its W = 2 weight matrix is the identity: JAGG, jagg_index and
+    the endpoints ablation, not uniform; and then its two-step gradient equals the exact one."""
+    expected = {"jagg": True, "jagg_index": True, "endpoints": True, "uniform": False}[strategy]
     assert exact_at_two(strategy) is expected and exact_at_two("exact")
     module, velocity, latents, sigmas, step_loss = setup_group("flux", 2)
     g_exact, _ = run("exact", module, velocity, latents, sigmas, step_loss)

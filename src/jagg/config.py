@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
 from jagg.engine.grpo import KL_STD
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
@@ -83,8 +83,16 @@ class AlgorithmConfig:
     sde_kind: str = "dance"  # dance | flow_grpo | cps
     noise_level: float = 0.3  # eta (dance) or a (flow_grpo, cps)
     timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
+    # DanceGRPO, which steps are trained (jagg.engine.algorithms.STEP_SELECTIONS):
+    #   sorted_subset      per sample a random int((S-1) * timestep_fraction) single steps, sorted (DanceGRPO)
+    #   contiguous_groups  the S-1 steps cut into blocks of W = backward.group_size consecutive steps (S-1 must
+    #                      be a multiple of W); per sample a random int((S-1)/W * timestep_fraction) whole blocks,
+    #                      each one JAGG group (the JAGG authors' code). With backward.strategy=exact: as many
+    #                      random single steps instead, the recipe's exact baseline (the authors' per-step path)
+    step_selection: str = "sorted_subset"
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
-    sde_window_range: list[int] = field(default_factory=lambda: [0, 3])  # window start drawn in [lo, hi)
+    # Flow-GRPO-Fast: the window start is drawn uniformly in [lo, hi - size], so the window lies in [lo, hi)
+    sde_window_range: list[int] = field(default_factory=lambda: [0, 3])
     init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
@@ -103,7 +111,7 @@ def _auto(default, allowed: str):
 
 @dataclass(kw_only=True)
 class BackwardConfig:
-    strategy: str = "jagg"  # exact | jagg | endpoints | uniform
+    strategy: str = "jagg"  # exact | jagg | endpoints | uniform | jagg_index (alpha_j = j / (W - 1))
     # W; None (YAML `auto`): chosen from `group_sizes` at each calibration (see below)
     group_size: int | None = _auto(3, "an integer >= 2 or 'auto'")
     # leading fraction of groups on `strategy`; None (YAML `auto`): routed by measured cosines (see below)
@@ -354,7 +362,7 @@ def validate(cfg: Config) -> None:
     model, sampling = cfg.model, cfg.sampling
     _validate_model(model)
     _validate_sampling(sampling, model)
-    _validate_algorithm(cfg.algorithm, sampling)
+    _validate_algorithm(cfg.algorithm, sampling, cfg.backward)
     _validate_backward(cfg.backward)
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
@@ -421,7 +429,9 @@ def _validate_sampling(sampling: SamplingConfig, model: ModelConfig) -> None:
     )
 
 
-def _validate_algorithm(algorithm: AlgorithmConfig, sampling: SamplingConfig) -> None:
+def _validate_algorithm(
+    algorithm: AlgorithmConfig, sampling: SamplingConfig, backward: BackwardConfig
+) -> None:
     _require(
         algorithm.name in ALGORITHMS,
         f"algorithm.name must be one of {sorted(ALGORITHMS)}, got {algorithm.name!r}",
@@ -446,7 +456,16 @@ def _validate_algorithm(algorithm: AlgorithmConfig, sampling: SamplingConfig) ->
         algorithm.kl_std in KL_STD,
         f"algorithm.kl_std must be one of {list(KL_STD)}, got {algorithm.kl_std!r}",
     )
-    ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps)
+    _require(
+        algorithm.step_selection in STEP_SELECTIONS,
+        f"algorithm.step_selection must be one of {list(STEP_SELECTIONS)}, got {algorithm.step_selection!r}",
+    )
+    _require(
+        algorithm.step_selection == "sorted_subset" or algorithm.name == "dancegrpo",
+        f"algorithm.step_selection={algorithm.step_selection} applies to algorithm.name=dancegrpo only, "
+        f"got {algorithm.name!r}",
+    )
+    ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
 
 
 def _validate_backward(backward: BackwardConfig) -> None:

@@ -11,6 +11,7 @@ JAGG and the ablations differ only in the (W, 2) matrix that maps per-step signa
     jagg       [1 - alpha_j, alpha_j]                       (paper, Theorem 1: exact for linear v, and W = 2)
     endpoints  [1, 0] for j = 0, [0, 1] for j = W-1, else 0 (the paper's reading (a): intermediate signals dropped)
     uniform    [1/2, 1/2]                                   (aggregation without t-weights)
+    jagg_index [1 - j/(W-1), j/(W-1)]                       (the authors' code: step-index weights)
 Steps whose row is all zeros need no forward at all, so the endpoints ablation also skips those forwards.
 """
 
@@ -127,6 +128,19 @@ def jagg_weights(sigmas: Tensor) -> Tensor:
     return torch.stack([1 - alpha, alpha], dim=1)  # (W, 2) or (W, 2, B)
 
 
+def jagg_index_weights(sigmas: Tensor) -> Tensor:
+    """JAGG as the authors' code weights it: alpha_j = j / (W - 1), the step index instead of the time.
+
+    Follows SchumiDing/eff_grpo ``fastvideo/train_grpo_qwenimage_jagg.py`` : ``grpo_group_backward`` (commit
+    ae14d64, ``alpha = torch.linspace(0, 1, W)``). Equal to ``jagg_weights`` where the group's times are evenly
+    spaced; under a shifted schedule they are not, and Theorem 1's exactness needs the t-weights.
+    """
+    w = sigmas.shape[0]
+    alpha = torch.arange(w, dtype=sigmas.dtype, device=sigmas.device) / (w - 1)
+    alpha = alpha.view(w, *([1] * (sigmas.ndim - 1))).expand(sigmas.shape)  # per-sample: same for every b
+    return torch.stack([1 - alpha, alpha], dim=1)  # (W, 2) or (W, 2, B)
+
+
 def endpoints_weights(sigmas: Tensor) -> Tensor:
     """Ablation (a): each endpoint gets only its own step's signal; intermediate signals are dropped."""
     w = torch.zeros(sigmas.shape[0], 2, *sigmas.shape[1:], dtype=sigmas.dtype, device=sigmas.device)
@@ -145,6 +159,7 @@ AGGREGATION_WEIGHTS: dict[str, Callable[[Tensor], Tensor]] = {
     "jagg": jagg_weights,
     "endpoints": endpoints_weights,
     "uniform": uniform_weights,
+    "jagg_index": jagg_index_weights,
 }
 STRATEGIES: tuple[str, ...] = ("exact", *AGGREGATION_WEIGHTS)
 

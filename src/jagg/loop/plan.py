@@ -123,7 +123,7 @@ def trained_steps_per_sample(cfg: Config) -> int:
     """T: how many steps of one trajectory are trained (drawn once with a fixed generator)."""
     from jagg.engine.algorithms import ALGORITHMS
 
-    alg = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
+    alg = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
     gen = torch.Generator().manual_seed(0)
     kinds = alg.step_kinds(cfg.sampling.num_steps, gen)
     return int(alg.trained_steps(kinds, 1, gen).shape[1])

@@ -101,7 +101,7 @@ class Trainer:
             self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
         )
         self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
-        self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
+        self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
         sampling = cfg.sampling
         self.sigmas = (
             comp.sigmas
