@@ -3,6 +3,8 @@
     trainer     the loop: rollout -> update -> evaluate -> fit
     components  build_components: picks the model source (world / tiny / pretrained); checks the config
                 against the full registries before anything is written
+    preflight   the CLI's checks before the model code is imported: reward / prompt-set names, the device,
+                fresh / resume / resume-if-checkpoint and a resumed config against run.json
     rewards     imports every module that registers a reward; builds a run's rewards on its device
     placement   where the trained backbone lives: LoRA, dtypes, device, FSDP2 shards received from rank 0
     checkpoint  checkpoint state, sharded (torch.distributed.checkpoint): each rank saves / loads its shards
