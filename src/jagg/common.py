@@ -69,16 +69,38 @@ def hardware() -> str:
     return f"CPU, {cores} cores ({platform.machine()}), {threads} torch thread{'s' * (threads != 1)}"
 
 
+# The libraries whose versions can change a number: the numerics, the model code, the reward models, the data.
+VERSIONED = (
+    "torch",
+    "diffusers",
+    "transformers",
+    "peft",
+    "open-clip-torch",
+    "datasets",
+    "numpy",
+    "safetensors",
+)
+
+
 def versions() -> dict[str, str]:
-    """Versions of the libraries that determine the numbers."""
+    """Versions of the libraries that determine the numbers (``VERSIONED``) and, for a torch built with CUDA, the
+    CUDA / cuDNN / NCCL versions compiled into it (present on a CUDA build even on a machine without a GPU;
+    ``hardware()`` says whether one was used)."""
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "diffusers", "transformers", "numpy"):
+    for pkg in VERSIONED:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "missing"
+    if torch.version.cuda:
+        out["cuda_build"] = torch.version.cuda
+        if torch.backends.cudnn.is_available():
+            out["cudnn"] = str(torch.backends.cudnn.version())
+        nccl = getattr(torch.cuda, "nccl", None)
+        if nccl is not None and torch.distributed.is_nccl_available():
+            out["nccl"] = ".".join(map(str, nccl.version()))
     return out
 
 
@@ -92,18 +114,48 @@ def run_metadata(**extra) -> dict:
     return {"git_sha": git_sha(), "hardware": hardware(), "versions": versions(), **extra}
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and restoring it at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write via a temporary file + rename, so an interrupted run never leaves a half-written file."""
+    """Write via a temporary file + rename, so an interrupted run never leaves a half-written file.
+
+    The file gets the permissions an ordinary ``open(path, "w")`` would (0666 minus the umask; ``mkstemp``
+    alone gives 0600), and is fsynced before the rename and its directory after it, so the new content
+    survives a crash of the machine, not only of the process.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """fsync a directory, so that a rename inside it is durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_table(rows: list[dict], path: str | Path, meta: dict) -> None:
