@@ -32,6 +32,8 @@ from jagg.rewards import EVAL_ONLY
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
 BACKBONE_NAMES = ("flux", "qwenimage")
+# log.report_to: the experiment trackers of ``jagg.loop.trackers`` (imported there only when named).
+TRACKER_NAMES = ("tensorboard", "wandb")
 
 # The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
 # config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
@@ -169,6 +171,7 @@ class LogConfig:
     eval_images_per_prompt: int = 1
     checkpoint_every: int = 10  # iterations; 0 = only at the end
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
+    report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
 
 
 @dataclass
@@ -449,6 +452,10 @@ def validate(cfg: Config) -> None:
     for key in ("eval_every", "checkpoint_every", "grid_every"):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
+    bad = [name for name in cfg.log.report_to if name not in TRACKER_NAMES]
+    _require(
+        not bad, f"log.report_to: unknown tracker {bad[0] if bad else ''!r}; allowed: {list(TRACKER_NAMES)}"
+    )
 
 
 def _validate_data(cfg: Config) -> None:

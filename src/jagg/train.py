@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return _dry_run(cfg, args.world_size)
         preflight.check_device(cfg)
+        preflight.check_trackers(cfg)
         ckpt = find_checkpoint(cfg.log.run_dir)
         if args.export:
             return _export(cfg, Path(args.export), ckpt, args)

@@ -7,6 +7,7 @@ the real-model path are imported and before anything is written, so a typo costs
                          (``REWARD_NAMES``, a static copy; a test checks it equals the registry)
     check_prompt_sets    data.train_prompts / data.eval_prompts: a file or a name in ``PROMPT_DATASETS``
     check_device         train.device=cuda needs a CUDA device (one per local rank under torchrun)
+    check_trackers       every tracker in log.report_to is installed
     start_run_dir        fresh / resume / resume-if-checkpoint, and a resumed run's config against run.json
 
 Every failure is a ``ConfigError`` naming the key (the CLI prints it as one line, exit status 2).
@@ -40,7 +41,8 @@ REWARD_NAMES = (
 REWARD_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # reward.kwargs.<name>.dtype (jagg.loop.rewards.REWARD_DTYPES)
 # Keys a resumed run may change without --allow-config-change: iteration `it` depends only on (seed, it) and
 # the restored state, so a longer run continues the shorter one exactly.
-RESUMABLE_KEYS = ("train.iterations",)
+# log.report_to only adds where the same rows go.
+RESUMABLE_KEYS = ("train.iterations", "log.report_to")
 
 
 def _did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -80,6 +82,17 @@ def check_prompt_sets(cfg: Config) -> None:
             f"data.{key}: {source!r} is neither a file nor a prompt set{hint}; "
             f"prompt sets: {sorted(PROMPT_DATASETS)}"
         )
+
+
+def check_trackers(cfg: Config) -> None:
+    """Every tracker in log.report_to is installed (``jagg.loop.trackers`` imports it only when a run starts)."""
+    import importlib.util
+
+    for name in cfg.log.report_to:
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(
+                f"log.report_to: {name} is not installed (pip install {name}, or pip install 'jagg[trackers]')"
+            )
 
 
 def check_device(cfg: Config) -> None:

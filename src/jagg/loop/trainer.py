@@ -52,6 +52,7 @@ from jagg.loop.checkpoint import Progress, checkpoint_dir, find_checkpoint, load
 from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_reward
+from jagg.loop.trackers import Trackers
 from jagg.models import Backbone, Components, TextCond
 from jagg.rewards import Reward, WeightedRewards
 from jagg.scale.distributed import DistInfo, full_tensor
@@ -131,6 +132,8 @@ class Trainer:
         self.routing: list[bool] | None = None
         b = cfg.backward
         self.group_size: int | None = None if b.calibrated else b.candidate_group_sizes[0]
+        names = cfg.log.report_to if self.dist.is_main else []  # log.report_to: fed where metrics.jsonl is
+        self.trackers = Trackers(names, self.run_dir, cfg.to_dict())
 
     # ------------------------------------------------------------------ setup helpers
     def _build_reward(self, name: str) -> Reward:
@@ -566,6 +569,7 @@ class Trainer:
             if lg.checkpoint_every and self.iteration % lg.checkpoint_every == 0:
                 self.save_checkpoint()
         self.save_checkpoint()
+        self.trackers.close()
         return self.metrics
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
@@ -577,9 +581,11 @@ class Trainer:
         grid_every = self.cfg.log.grid_every
         if self.dist.is_main and (grid_every == 0 or it % grid_every == 0):
             save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
+            self.trackers.log_images(images, it)
 
     def _log(self, row: dict) -> None:
         self.metrics.append(row)
         if self.dist.is_main:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+            self.trackers.log_row(row)
