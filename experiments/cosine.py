@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from jagg.common import (
+    ProgressETA,
     SeedStream,
     atomic_write_text,
     command_line,
@@ -101,8 +102,11 @@ def rl_finetune(trainer: Trainer, iterations: int) -> None:
         trainer.update(trainer.rollout(it, SeedStream.FINETUNE))
 
 
-def measure(backbone: str, setting: str, args, extra: list[str]) -> tuple[list[dict], dict]:
-    """Rows of one (backbone, setting) and its resolved config (recorded in the metadata)."""
+def measure(
+    backbone: str, setting: str, args, extra: list[str], progress: ProgressETA | None = None
+) -> tuple[list[dict], dict]:
+    """Rows of one (backbone, setting) and its resolved config (recorded in the metadata); a ``progress``
+    line per (W, seed) measurement."""
     overrides, ws = SETTINGS[setting]
     cfg = load_config(
         "configs/world/flux_dancegrpo.yaml",
@@ -134,6 +138,8 @@ def measure(backbone: str, setting: str, args, extra: list[str]) -> tuple[list[d
                 seed=seed,
             )
             rows += group_rows(trainer, measurement_index(seed, w), w, meta)
+            if progress:
+                progress.step(f"{backbone} {setting} W={w} seed {seed}")
     return rows, cfg.to_dict()
 
 
@@ -283,9 +289,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.seeds, args.rl_iterations = 1, 1
     rows, configs = [], {}
+    units = len(BACKBONES) * args.seeds * sum(len(SETTINGS[setting][1]) for setting in args.settings)
+    eta = ProgressETA(units, "cosine")
     for backbone in BACKBONES:
         for setting in args.settings:
-            new_rows, configs[f"{backbone}/{setting}"] = measure(backbone, setting, args, extra)
+            new_rows, configs[f"{backbone}/{setting}"] = measure(backbone, setting, args, extra, eta)
             rows += new_rows
             print(f"{backbone} {setting}: {len(rows)} rows", flush=True)
     meta = run_metadata(

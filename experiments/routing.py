@@ -24,7 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import table1  # noqa: E402
-from jagg.common import SeedStream, atomic_write_text, command_line, run_metadata, set_threads, write_table
+from jagg.common import (
+    ProgressETA,
+    SeedStream,
+    atomic_write_text,
+    command_line,
+    run_metadata,
+    set_threads,
+    write_table,
+)
 from jagg.config import BackwardConfig, load_config
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
@@ -32,7 +40,13 @@ from jagg.loop.trainer import Trainer
 AUTO = ["backward.jagg_frac=auto", "backward.group_size=auto"]
 
 
-def measure(setup: tuple[str, str], extra: list[str], iterations: int, quick: bool = False) -> dict:
+def measure(
+    setup: tuple[str, str],
+    extra: list[str],
+    iterations: int,
+    quick: bool = False,
+    progress: ProgressETA | None = None,
+) -> dict:
     backbone, algo = setup
     timing = [] if quick else table1.WORLD_TIMING[setup] + table1.WORLD_BATCH
     cfg = load_config(f"configs/world/{backbone}_{algo}.yaml", timing + extra + AUTO)
@@ -43,7 +57,7 @@ def measure(setup: tuple[str, str], extra: list[str], iterations: int, quick: bo
         BackwardConfig(strategy="jagg", group_size=3, jagg_frac=0.6),
         BackwardConfig(strategy="jagg", group_size=trainer.group_size, jagg_frac="auto"),
     ]
-    rows = table1.time_strategies(trainer, strategies, iterations)
+    rows = table1.time_strategies(trainer, strategies, iterations, progress)
     keys = [table1.s_key(s) for s in strategies]
     med = {k: statistics.median(r["time_update_s"] for r in rows[k]) for k in keys}
     bwd = {k: rows[k][0]["backward_passes"] * cfg.train.train_batch_size / rows[k][0]["n"] for k in keys}
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(1)
     extra = (table1.QUICK if args.quick else []) + args.overrides
     iterations = 1 if args.quick else args.iterations
-    rows = [measure(setup, extra, iterations, args.quick) for setup in table1.SETUPS]
+    eta = ProgressETA(len(table1.SETUPS) * iterations, "routing")
+    rows = [measure(setup, extra, iterations, args.quick, eta) for setup in table1.SETUPS]
     meta = run_metadata(
         command=command_line("experiments/routing.py", argv),
         config=[f"configs/world/{b}_{a}.yaml" for b, a in table1.SETUPS],

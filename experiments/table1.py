@@ -22,7 +22,15 @@ import statistics
 import time
 from pathlib import Path
 
-from jagg.common import SeedStream, atomic_write_text, command_line, run_metadata, set_threads, write_table
+from jagg.common import (
+    ProgressETA,
+    SeedStream,
+    atomic_write_text,
+    command_line,
+    run_metadata,
+    set_threads,
+    write_table,
+)
 from jagg.config import TINY_RUN, BackwardConfig, load_config
 from jagg.engine.profiling import SavedActivationMeter
 from jagg.engine.strategies import GroupCost, trajectory_cost
@@ -97,9 +105,10 @@ def strategies_for(cfg, algo: str) -> list[BackwardConfig]:
 
 
 def time_strategies(
-    trainer: Trainer, strategies: list[BackwardConfig], iterations: int
+    trainer: Trainer, strategies: list[BackwardConfig], iterations: int, progress: ProgressETA | None = None
 ) -> dict[str, list[dict]]:
-    """Per strategy, one row per iteration: rollout phases (shared) + that strategy's update."""
+    """Per strategy, one row per iteration: rollout phases (shared) + that strategy's update; a ``progress``
+    line after each iteration."""
     rows: dict[str, list[dict]] = {s_key(s): [] for s in strategies}
     trainer.update(trainer.rollout(0, SeedStream.WARMUP), strategies[0])  # warm-up, not recorded
     for it in range(iterations):
@@ -110,6 +119,9 @@ def time_strategies(
             upd = trainer.update(ro, s)
             upd["time_update_s"] = time.perf_counter() - t0
             rows[s_key(s)].append({**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]})
+        if progress:
+            cfg = trainer.cfg
+            progress.step(f"{cfg.model.backbone} {cfg.algorithm.name} iteration {it + 1}/{iterations}")
     return rows
 
 
@@ -280,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.iterations, args.sweep_iterations = 2, 1
     rows, sweep_rows, cfg = [], [], None
+    eta = ProgressETA(len(SETUPS) * args.iterations + args.sweep_iterations, "table1")
     for backbone, algo in SETUPS:
         timing = (
             WORLD_TIMING[(backbone, algo)] + WORLD_BATCH if args.scale == "world" and not args.quick else []
@@ -287,12 +300,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(f"configs/{args.scale}/{backbone}_{algo}.yaml", timing + extra)
         trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
         strategies = strategies_for(cfg, algo)
-        timed = time_strategies(trainer, strategies, args.iterations)
+        timed = time_strategies(trainer, strategies, args.iterations, eta)
         rows += summarise((backbone, algo), trainer, timed, strategies)
         print(to_markdown(rows[-len(strategies) :], _meta(args, argv, cfg)).split("\n", 6)[-1], flush=True)
         if (backbone, algo) == SETUPS[0]:
             sweep = sweep_strategies(cfg)
-            timed = time_strategies(trainer, sweep, args.sweep_iterations)
+            timed = time_strategies(trainer, sweep, args.sweep_iterations, eta)
             sweep_rows += summarise((backbone, algo), trainer, timed, sweep)
     meta = _meta(args, argv, cfg)
     out = Path(args.out)

@@ -3,6 +3,7 @@ the versions of every library that can change a number."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from jagg import common
-from jagg.common import atomic_write_text, run_metadata, write_table
+from jagg.common import ProgressETA, atomic_write_text, format_seconds, run_metadata, write_table
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
@@ -75,3 +76,19 @@ def test_run_metadata_records_every_relevant_version():
     if torch.version.cuda is not None and torch.distributed.is_nccl_available():
         assert v["nccl"].count(".") == 2
     assert "accelerate" not in v  # not imported by jagg: not a version that can change a number
+
+
+def test_progress_eta_from_the_mean_pace():
+    now = [0.0]
+    out = io.StringIO()
+    eta = ProgressETA(4, "table1", stream=out, clock=lambda: now[0])
+    now[0] = 10.0
+    assert eta.step("flux dancegrpo iteration 1/4") == (
+        "[1/4  25%] table1 flux dancegrpo iteration 1/4 | elapsed 10s | ETA 30s"
+    )
+    now[0] = 30.0
+    assert eta.step().endswith("| elapsed 30s | ETA 30s")  # 15 s per unit so far, 2 left
+    now[0] = 3700.0
+    assert eta.step(n=2) == "[4/4 100%] table1 | elapsed 1h01m | ETA 0s"
+    assert out.getvalue().count("\n") == 3
+    assert [format_seconds(s) for s in (0, 59.4, 425, 3720)] == ["0s", "59s", "7m05s", "1h02m"]

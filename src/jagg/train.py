@@ -199,7 +199,9 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
 
 
 def _progress(total: int, start: int):
-    """A tqdm bar (iterations, reward, s/it) on a TTY, a plain line per iteration otherwise."""
+    """A tqdm bar (iterations, reward, s/it, ETA) on a TTY, a plain line per iteration with an ETA otherwise."""
+    from jagg.common import ProgressETA, format_seconds
+
     if sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -210,10 +212,18 @@ def _progress(total: int, start: int):
             bar.update(1)
 
         return update
-    return lambda row: log.info(
-        f"iter {row['iteration']}/{total} reward {row['reward_mean']:.4f} "
-        f"({row['time_iteration_s']:.1f} s/it, {row['backward_passes']} backward passes)"
-    )
+    eta = ProgressETA(total - start)
+
+    def line(row: dict) -> None:
+        eta.done += 1
+        left = eta.eta_seconds()
+        log.info(
+            f"iter {row['iteration']}/{total} reward {row['reward_mean']:.4f} "
+            f"({row['time_iteration_s']:.1f} s/it, {row['backward_passes']} backward passes, "
+            f"ETA {format_seconds(left)})"
+        )
+
+    return line
 
 
 def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> int:
