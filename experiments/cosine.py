@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from jagg.config import TINY_RUN, load_config
 from jagg.engine.diagnostics import group_gradient_cosines
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
+from plotting import figure_footer, world_scale
 
 BACKBONES = ("flux", "qwenimage")
 COMPARED = ("jagg", "endpoints", "uniform")
@@ -220,7 +222,10 @@ def plot(csv: Path, png: Path) -> None:
     ax_b.legend(fontsize=6, ncol=2, loc="lower left")
     for ax in (ax_a, ax_b):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.suptitle("Gradient quality per group: cos(JAGG, exact) and the ablations, on trained world backbones")
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    figure_footer(fig, meta, world_scale(csv.parent) + ", float64 cosines of float32 gradients")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.96))
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -263,8 +268,6 @@ def to_markdown(df, rec: dict, threshold: float, meta: dict) -> str:
 
 def render(csv: Path, png: Path) -> None:
     """Markdown summary (with the recommended jagg_frac) and the figure from the CSV + metadata only."""
-    import json
-
     import pandas as pd
 
     meta = json.loads(csv.with_suffix(".meta.json").read_text())
