@@ -10,6 +10,7 @@
     checkpoint  checkpoint state, sharded (torch.distributed.checkpoint): each rank saves / loads its shards
     export      the trained weights once, on rank 0: a diffusers transformer folder or a peft LoRA adapter
     grids       PNG sample grids and their geometry
+    trackers    log.report_to: the metrics rows and sample grids to TensorBoard / wandb (imported when named)
     plan        the ``--dry-run`` plan (steps, groups, passes, memory per rank and GPU size) without weights
 
 Layer: top; it may import every other layer. Nothing in ``jagg`` imports it except ``jagg.train``.
