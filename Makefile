@@ -37,12 +37,12 @@ test-dist: $(STAMP) ## 2-process FSDP2 tests on CPU (gloo): group backward, trai
 	$(PY) -m pytest -q tests/test_dist_harness.py tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py
 
 lint: $(STAMP) ## ruff check + format check
-	$(PY) -m ruff check src tests experiments
-	$(PY) -m ruff format --check src tests experiments
+	$(PY) -m ruff check src tests experiments examples
+	$(PY) -m ruff format --check src tests experiments examples
 
 format: $(STAMP) ## Auto-format with ruff
-	$(PY) -m ruff format src tests experiments
-	$(PY) -m ruff check --fix src tests experiments
+	$(PY) -m ruff format src tests experiments examples
+	$(PY) -m ruff check --fix src tests experiments examples
 
 bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image backbones -> results/bench_group_backward.csv
 	$(PY) experiments/bench_group_backward.py --repeats 15 --out results/bench_group_backward.csv

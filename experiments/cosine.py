@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
 
 from jagg.common import (
+    ProgressETA,
     SeedStream,
     atomic_write_text,
     command_line,
@@ -34,6 +36,7 @@ from jagg.config import TINY_RUN, load_config
 from jagg.engine.diagnostics import group_gradient_cosines
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
+from plotting import figure_footer, world_scale
 
 BACKBONES = ("flux", "qwenimage")
 COMPARED = ("jagg", "endpoints", "uniform")
@@ -101,8 +104,11 @@ def rl_finetune(trainer: Trainer, iterations: int) -> None:
         trainer.update(trainer.rollout(it, SeedStream.FINETUNE))
 
 
-def measure(backbone: str, setting: str, args, extra: list[str]) -> tuple[list[dict], dict]:
-    """Rows of one (backbone, setting) and its resolved config (recorded in the metadata)."""
+def measure(
+    backbone: str, setting: str, args, extra: list[str], progress: ProgressETA | None = None
+) -> tuple[list[dict], dict]:
+    """Rows of one (backbone, setting) and its resolved config (recorded in the metadata); a ``progress``
+    line per (W, seed) measurement."""
     overrides, ws = SETTINGS[setting]
     cfg = load_config(
         "configs/world/flux_dancegrpo.yaml",
@@ -134,6 +140,8 @@ def measure(backbone: str, setting: str, args, extra: list[str]) -> tuple[list[d
                 seed=seed,
             )
             rows += group_rows(trainer, measurement_index(seed, w), w, meta)
+            if progress:
+                progress.step(f"{backbone} {setting} W={w} seed {seed}")
     return rows, cfg.to_dict()
 
 
@@ -214,7 +222,10 @@ def plot(csv: Path, png: Path) -> None:
     ax_b.legend(fontsize=6, ncol=2, loc="lower left")
     for ax in (ax_a, ax_b):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.suptitle("Gradient quality per group: cos(JAGG, exact) and the ablations, on trained world backbones")
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    figure_footer(fig, meta, world_scale(csv.parent) + ", float64 cosines of float32 gradients")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.96))
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -257,8 +268,6 @@ def to_markdown(df, rec: dict, threshold: float, meta: dict) -> str:
 
 def render(csv: Path, png: Path) -> None:
     """Markdown summary (with the recommended jagg_frac) and the figure from the CSV + metadata only."""
-    import json
-
     import pandas as pd
 
     meta = json.loads(csv.with_suffix(".meta.json").read_text())
@@ -283,9 +292,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.seeds, args.rl_iterations = 1, 1
     rows, configs = [], {}
+    units = len(BACKBONES) * args.seeds * sum(len(SETTINGS[setting][1]) for setting in args.settings)
+    eta = ProgressETA(units, "cosine")
     for backbone in BACKBONES:
         for setting in args.settings:
-            new_rows, configs[f"{backbone}/{setting}"] = measure(backbone, setting, args, extra)
+            new_rows, configs[f"{backbone}/{setting}"] = measure(backbone, setting, args, extra, eta)
             rows += new_rows
             print(f"{backbone} {setting}: {len(rows)} rows", flush=True)
     meta = run_metadata(

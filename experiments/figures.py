@@ -1,29 +1,283 @@
 """Regenerate every table and figure from results/ alone (no training, seconds).
 
 python experiments/figures.py [--results results] [--figures paper_figures]   (make figures)
+
+Every figure names its hardware and scale on the figure. The memory figure's dry-run numbers are computed
+from configs/paper/ by jagg.loop.plan (no weights, no GPU) and written to results/memory_plan.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import runpy
 from pathlib import Path
 
+from jagg.loop.timing import TIMING_SETUPS
+from plotting import figure_footer, world_scale  # experiments/plotting.py: drawing helpers, not a driver
+
 EXPERIMENTS = Path(__file__).resolve().parent
 
-# (what, input under results/, figure under paper_figures/, driver, its function regenerate(input, figure))
-TARGETS = [
-    ("Theorem 1", "theorem1.csv", "theorem1.png", "theorem1.py", "plot"),
-    ("Table 1", "table1.csv", "table1_update_reduction.png", "table1.py", "render"),
-    ("cosine", "cosine.csv", "cosine_per_group.png", "cosine.py", "render"),
-    ("reward curves", "curves", ".", "curves.py", "render"),  # one reward_curves_<recipe>.png per recipe
+PHASES = [  # table1.csv columns, stacked bottom to top
+    ("sample_s", "sampling (rollout)"),
+    ("reward_s", "reward"),
+    ("update_fwd_s", "update forward"),
+    ("update_bwd_s", "update backward"),
+]
+PAPER_CONFIGS = ["flux_dancegrpo", "flux_flowgrpo_fast", "qwenimage_dancegrpo", "qwenimage_flowgrpo_fast"]
+MEMORY_MODES = [  # (label, backward overrides) of the memory figure
+    ("exact", ["backward.strategy=exact"]),
+    ("jagg joint", ["backward.endpoints=joint"]),
+    ("jagg batched", ["backward.endpoints=batched"]),
+    ("jagg sequential", ["backward.endpoints=sequential"]),
 ]
 
 
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, png: Path) -> None:
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    _plt().close(fig)
+
+
+def plot_phases(csv: Path, png: Path) -> None:
+    """Time per iteration by phase (stacked: sampling, reward, update forward, update backward, other), one
+    panel per setup, one bar per strategy / endpoint mode (results/table1.csv)."""
+    import pandas as pd
+
+    plt = _plt()
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    df = pd.read_csv(csv).fillna("")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, setup in zip(axes.flat, TIMING_SETUPS, strict=True):
+        sub = df[(df.backbone == setup[0]) & (df.algorithm == setup[1])]
+        x = range(len(sub))
+        bottom = [0.0] * len(sub)
+        for col, label in PHASES:
+            ax.bar(x, sub[col], bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, sub[col], strict=True)]
+        other = [max(t - b, 0.0) for t, b in zip(sub.iter_s, bottom, strict=True)]
+        ax.bar(x, other, bottom=bottom, label="other (optimizer, bookkeeping)", color="0.8")
+        ax.set_xticks(
+            list(x),
+            [f"{r.strategy} W{r.W}\n{r.mode.replace('sequential', 'seq.')}" for r in sub.itertuples()],
+            fontsize=7,
+        )
+        ax.set_title(f"{setup[0]} {setup[1]}", fontsize=10)
+        ax.set_ylabel("seconds per iteration (median)", fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.955), fontsize=8, ncol=5)
+    fig.suptitle(
+        "Time per iteration by phase: JAGG shortens the update (backward; forward too with stored outputs)"
+    )
+    scale = world_scale(csv.parent) + f", {meta.get('iterations', '?')} timed iterations per strategy"
+    figure_footer(fig, meta, scale)
+    fig.tight_layout(rect=(0, 0.03, 1, 0.93))
+    _save(fig, png)
+
+
+def plot_speedup(results: Path, png: Path) -> None:
+    """Speed-up vs W, measured vs ideal (pass counting): one group (results/bench_group_backward.csv, per
+    variant) and the whole update of a trajectory (results/table1_sweep.csv, per jagg_frac); panels for the
+    files that exist."""
+    import pandas as pd
+
+    plt = _plt()
+    bench, sweep = results / "bench_group_backward.csv", results / "table1_sweep.csv"
+    panels = [p for p in (bench, sweep) if p.is_file()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, path in zip(axes.flat, panels, strict=True):
+        df, meta = pd.read_csv(path).fillna(""), json.loads(path.with_suffix(".meta.json").read_text())
+        if path == bench:
+            df = df[df.variant.isin(["jagg/joint", "jagg/batched+stored"]) & (df.backbone == "flux")]
+            for k, (variant, d) in enumerate(df.groupby("variant")):
+                color = f"C{k}"
+                ax.plot(d.W, d.speedup, "o-", color=color, label=f"{variant}: measured")
+                ax.plot(d.W, d.ideal_speedup, "s--", color=color, alpha=0.6, label=f"{variant}: ideal")
+            ax.set_title("one group of W steps (tiny Flux, batch 2), make bench", fontsize=9)
+            ax.set_ylabel("speed-up of the group update vs exact (x)", fontsize=8)
+        else:
+            df = df[df.strategy == "jagg"]
+            for k, (frac, d) in enumerate(df.groupby("jagg_frac")):
+                color = f"C{k + 2}"
+                ax.plot(
+                    d.W,
+                    100 / (100 - d.reduction_update_pct),
+                    "o-",
+                    color=color,
+                    label=f"jagg_frac {frac}: measured",
+                )
+                ideal = 100 / (100 - d.ideal_reduction_update_pct)
+                ax.plot(d.W, ideal, "s--", color=color, alpha=0.6, label=f"jagg_frac {frac}: ideal")
+            ax.set_title(
+                f"whole update, {df.backbone.iloc[0]} {df.algorithm.iloc[0]}, make table1 sweep", fontsize=9
+            )
+            ax.set_ylabel("speed-up of the update phase vs exact (x)", fontsize=8)
+        ax.axhline(1, color="k", lw=0.5)
+        ax.set_xlabel("W (steps per group)")
+        ax.set_xticks(sorted(df.W.unique()))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Speed-up vs group size W: measured vs ideal (backward = 2 forwards)")
+    meta = json.loads(panels[0].with_suffix(".meta.json").read_text())
+    scale = []
+    if bench.is_file():
+        params = pd.read_csv(bench).query("backbone == 'flux'").params.iloc[0]
+        scale.append(f"left: random-init Flux-class backbone, {params / 1e6:.2f}M parameters")
+    if sweep.is_file():
+        scale.append("right: " + world_scale(results))
+    figure_footer(fig, meta, "; ".join(scale))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    _save(fig, png)
+
+
+def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> list[dict]:
+    """Per paper config x backward mode: the dry run's per-GPU GiB (``jagg.loop.plan.memory_plan``, the
+    transformer on the meta device, no weights), resident vs activation peak."""
+    from jagg.config import load_config
+    from jagg.engine.routing import Routing, trajectory_cost
+    from jagg.loop.plan import CUDA_RESERVE, GIB, memory_plan, meta_transformer, trained_steps_per_sample
+
+    rows = []
+    for name in PAPER_CONFIGS:
+        for label, overrides in MEMORY_MODES:
+            cfg = load_config(configs / f"{name}.yaml", overrides)
+            backward = cfg.backward
+            routing = Routing(  # auto: the largest candidate W, every group routed (as the dry run plans it)
+                strategy=backward.strategy,
+                group_size=backward.candidate_group_sizes[-1],
+                jagg_frac=1.0 if backward.jagg_frac is None else backward.jagg_frac,
+            )
+            cost = trajectory_cost(
+                routing.plans(trained_steps_per_sample(cfg)),
+                endpoints=backward.endpoints,
+                reuse_outputs=backward.reuse_rollout,
+            )
+            held = backward.strategy != "exact" and backward.endpoints == "joint"
+            model, _ = meta_transformer(cfg)
+            mp = memory_plan(cfg, world_size, cost.graphs_alive, held, model)
+            peak = max(mp.activations[mp.checkpointing], mp.no_grad)
+            rows.append(
+                dict(
+                    config=name,
+                    mode=label,
+                    world_size=world_size,
+                    resident_gib=sum(mp.gpu.values()) / GIB,
+                    activations_gib=peak / GIB,
+                    reserve_gib=CUDA_RESERVE / GIB,
+                    total_gib=mp.total() / GIB,
+                    graphs_alive=cost.graphs_alive,
+                    fits_80gb=mp.fits(80),
+                    fits_141gb=mp.fits(141),
+                )
+            )
+    return rows
+
+
+def plot_memory(results: Path, png: Path) -> None:
+    """Memory per endpoint mode: (a) the dry-run plan per GPU for the four paper configs on 8 GPUs, against
+    80 GB and 141 GB; (b) autograd-saved activations at peak measured on the CPU world (results/table1.csv)."""
+    import pandas as pd
+
+    from jagg.common import run_metadata, write_table
+
+    plt = _plt()
+    rows = memory_rows()
+    meta = run_metadata(
+        command="python experiments/figures.py",
+        config={"configs": [f"configs/paper/{c}.yaml" for c in PAPER_CONFIGS], "modes": dict(MEMORY_MODES)},
+        seed=None,  # a computed plan: nothing random
+        world_size=8,
+    )
+    write_table(rows, results / "memory_plan.csv", meta)
+    df = pd.DataFrame(rows)
+    t1 = results / "table1.csv"
+    fig, axes = plt.subplots(1, 2 if t1.is_file() else 1, figsize=(13, 5), squeeze=False)
+    ax = axes.flat[0]
+    modes = [m for m, _ in MEMORY_MODES]
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        d = df[df["mode"] == mode]
+        x = [i + (k - (len(modes) - 1) / 2) * width for i in range(len(PAPER_CONFIGS))]
+        ax.bar(
+            x, d.resident_gib, width, color=f"C{k}", label=f"{mode}: resident (weights, grads, AdamW, models)"
+        )
+        ax.bar(x, d.activations_gib + d.reserve_gib, width, bottom=d.resident_gib, color=f"C{k}", alpha=0.45)
+    for gb, style in ((80, "--"), (141, ":")):
+        ax.axhline(
+            gb * 1e9 / 2**30, color="k", ls=style, lw=1, label=f"{gb} GB GPU ({gb * 1e9 / 2**30:.1f} GiB)"
+        )
+    ax.set_xticks(range(len(PAPER_CONFIGS)), [c.replace("_", "\n", 1) for c in PAPER_CONFIGS], fontsize=8)
+    ax.set_ylabel("GiB per GPU (light: activations / no-grad peak + 3 GiB reserve)", fontsize=8)
+    ax.set_title("(a) dry-run plan, paper configs, FSDP2 over 8 GPUs (computed, not measured)", fontsize=9)
+    ax.legend(fontsize=6, loc="upper left")
+    ax.grid(alpha=0.3, axis="y")
+    if t1.is_file():
+        t1m = json.loads(t1.with_suffix(".meta.json").read_text())
+        d = pd.read_csv(t1).fillna("")
+        d = d[d.algorithm == "dancegrpo"]
+        ax = axes.flat[1]
+        ticks, names = [], []
+        for k, (backbone, g) in enumerate(d.groupby("backbone", sort=False)):
+            x = [i + k * (len(g) + 1) for i in range(len(g))]
+            ax.bar(x, g.peak_activation_mb, color=f"C{k}", label=f"{backbone} DanceGRPO")
+            ticks += x
+            names += [f"{r.strategy} W{r.W} {r.mode}".replace("sequential", "seq.") for r in g.itertuples()]
+        ax.set_xticks(ticks, names, fontsize=7, rotation=60, ha="right")
+        ax.set_ylabel("peak autograd-saved activations in the update (MB)", fontsize=8)
+        ax.set_title(f"(b) measured on {t1m['hardware']}, world DanceGRPO (make table1)", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(
+        "Memory per endpoint mode: 'joint' keeps two graphs alive, 'batched' one 2B graph, 'sequential' one"
+    )
+    figure_footer(
+        fig,
+        meta,
+        "(b) " + world_scale(results),
+        where="(a) computed by the dry-run plan (jagg.loop.plan) for the real FLUX.1-dev / Qwen-Image "
+        "architectures, no weights, no GPU",
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    _save(fig, png)
+
+
 def regenerator(driver: str, name: str):
-    """The drawing function ``name`` of the driver file (run as a file, not imported as a module: the
-    drivers share code through ``jagg`` only, never through each other)."""
-    return runpy.run_path(str(EXPERIMENTS / driver))[name]
+    """The drawing function ``name`` of the driver file, loaded when called (run as a file, not imported as a
+    module: the drivers share code through ``jagg`` and experiments/plotting.py only, never through each
+    other)."""
+    return lambda path, png: runpy.run_path(str(EXPERIMENTS / driver))[name](path, png)
+
+
+# (what, input under results/, figure under paper_figures/, regenerate(input, figure))
+TARGETS = [
+    ("Theorem 1", "theorem1.csv", "theorem1.png", regenerator("theorem1.py", "plot")),
+    ("Table 1", "table1.csv", "table1_update_reduction.png", regenerator("table1.py", "render")),
+    ("time per phase", "table1.csv", "table1_phases.png", plot_phases),
+    (
+        "speed-up vs W",
+        "table1_sweep.csv",
+        "speedup_vs_w.png",
+        lambda path, png: plot_speedup(path.parent, png),
+    ),
+    ("memory per mode", "table1.csv", "memory_per_mode.png", lambda path, png: plot_memory(path.parent, png)),
+    ("cosine", "cosine.csv", "cosine_per_group.png", regenerator("cosine.py", "render")),
+    (
+        "reward curves",
+        "curves",
+        ".",
+        regenerator("curves.py", "render"),
+    ),  # one reward_curves_<recipe>.png per recipe
+]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,10 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results", default="results")
     ap.add_argument("--figures", default="paper_figures")
     args = ap.parse_args(argv)
-    for what, source, figure, driver, name in TARGETS:
+    for what, source, figure, regenerate in TARGETS:
         path = Path(args.results) / source
         if path.is_file() or any(path.glob("*/*_seed*.csv")):
-            regenerator(driver, name)(path, Path(args.figures) / figure)
+            regenerate(path, Path(args.figures) / figure)
             print(f"{what}: regenerated from {path} -> {Path(args.figures) / figure}")
         else:
             print(f"{what}: no {path} yet (run its make target first)")

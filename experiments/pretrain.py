@@ -270,7 +270,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cache = Path(args.cache or default_cache_dir())
     t0 = time.perf_counter()
-    rebuilt = pretrain_all(cache)
+    rebuilt = pretrain_all(cache, log=print)
     outputs = [args.results / "world.md"] + [args.figures / f"world_samples_{n}.png" for n in BACKBONE_NAMES]
     if rebuilt or args.force_report or not all(p.exists() for p in outputs):
         write_report(

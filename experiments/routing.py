@@ -20,7 +20,15 @@ import json
 import statistics
 from pathlib import Path
 
-from jagg.common import SeedStream, atomic_write_text, command_line, run_metadata, set_threads, write_table
+from jagg.common import (
+    ProgressETA,
+    SeedStream,
+    atomic_write_text,
+    command_line,
+    run_metadata,
+    set_threads,
+    write_table,
+)
 from jagg.engine.routing import Routing
 from jagg.loop.components import build_components
 from jagg.loop.timing import QUICK, TIMING_SETUPS, time_settings, timing_config
@@ -29,7 +37,13 @@ from jagg.loop.trainer import Trainer
 AUTO = ["backward.jagg_frac=auto", "backward.group_size=auto"]
 
 
-def measure(setup: tuple[str, str], extra: list[str], iterations: int, quick: bool = False) -> dict:
+def measure(
+    setup: tuple[str, str],
+    extra: list[str],
+    iterations: int,
+    quick: bool = False,
+    progress: ProgressETA | None = None,
+) -> dict:
     backbone, algo = setup
     cfg = timing_config(setup, quick=quick, overrides=[*extra, *AUTO])
     trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/routing"))
@@ -39,7 +53,7 @@ def measure(setup: tuple[str, str], extra: list[str], iterations: int, quick: bo
         cfg.backward.setting(Routing(strategy="jagg", group_size=3, jagg_frac=0.6)),
         trainer.backward,  # the measured routing and W
     ]
-    rows = time_settings(trainer, strategies, iterations)
+    rows = time_settings(trainer, strategies, iterations, progress)
     keys = [s.key for s in strategies]
     med = {k: statistics.median(r["time_update_s"] for r in rows[k]) for k in keys}
     bwd = {k: rows[k][0]["backward_passes"] * cfg.train.train_batch_size / rows[k][0]["n"] for k in keys}
@@ -133,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     set_threads(1)
     iterations = 1 if args.quick else args.iterations
-    rows = [measure(setup, args.overrides, iterations, args.quick) for setup in TIMING_SETUPS]
+    eta = ProgressETA(len(TIMING_SETUPS) * iterations, "routing")
+    rows = [measure(setup, args.overrides, iterations, args.quick, eta) for setup in TIMING_SETUPS]
     meta = run_metadata(
         command=command_line("experiments/routing.py", argv),
         config=[f"configs/world/{b}_{a}.yaml" for b, a in TIMING_SETUPS],

@@ -11,6 +11,7 @@ Three sweeps on one group of W steps with a realistic GRPO step loss (SDE log-pr
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from jagg.common import command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import group_backward, t_weights
+from plotting import figure_footer
 
 SHAPE = (4, 4, 4)  # (C, H, W) latent
 D = 64
@@ -121,7 +123,14 @@ def plot(csv: Path, png: Path) -> None:
     fig.suptitle(
         "Theorem 1: JAGG is exact for linear v on a straight path; error grows with nonlinearity, curvature, W"
     )
-    fig.tight_layout()
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    figure_footer(
+        fig,
+        meta,
+        "float64, synthetic velocity fields of known linearity / curvature (no trained model)",
+        where=f"Computed on {meta.get('hardware', '?')}",
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)

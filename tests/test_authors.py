@@ -21,8 +21,8 @@ from helpers import grads_of, make_grpo_step_loss, make_model, rel_err, straight
 from jagg.config import AlgorithmConfig, BackwardConfig, load_config
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.routing import plan_groups, trajectory_backward
+from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import ENDPOINT_MODES, group_backward, jagg_index_weights, jagg_weights
 from jagg.errors import ConfigError
 

@@ -1,16 +1,20 @@
-"""``python -m jagg.train``: config errors exit 2 with one line naming the key, before anything is written."""
+"""``python -m jagg.train``: config errors exit 2 with one line naming the key, before anything is written;
+overrides anywhere, resume modes and run.json on resume."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from jagg.config import TINY_RUN, load_config
-from jagg.train import main
+from jagg.train import main, split_overrides
 
 TINY = [*TINY_RUN, "sampling.num_steps=4"]
 
@@ -105,3 +109,169 @@ def test_cli_end_to_end_subprocess(tmp_path):
     assert (run_dir / "checkpoint" / ".metadata").is_file()  # sharded (DCP) checkpoint directory
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+# --------------------------------------------------------------------------- issue 22: the CLI as a newcomer meets it
+WORLD = "configs/world/flux_dancegrpo.yaml"
+
+
+def _fails(capsys, argv: list[str]) -> str:
+    """Run the CLI expecting exit 2 with one line on stderr; return that line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_overrides_anywhere_on_the_line(capsys):
+    assert split_overrides(
+        ["--resume", "a.b=1", "--world-size", "2", "c.d=[1, 2]", "--config", "x=y.yaml"]
+    ) == (
+        ["--resume", "--world-size", "2", "--config", "x=y.yaml"],
+        ["a.b=1", "c.d=[1, 2]"],
+    )
+    argv = [
+        "--world-size",
+        "2",
+        "backward.strategy=exact",
+        "--config",
+        WORLD,
+        "--dry-run",
+        "train.grad_accum=1",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "plan for world size 2" in out and "strategy exact" in out.lower().replace("=", " ")
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("backward: {strategy: exact]\n", "YAML syntax error at line 2, column 27"),
+        ("train:\n\titerations: 2\n", "YAML syntax error at line 3, column 1"),
+    ],
+)
+def test_yaml_syntax_error_is_one_line_exit_2(tmp_path, capsys, text, where):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"inherit: {Path(WORLD).resolve().parent / 'base.yaml'}\n{text}")
+    err = _fails(capsys, ["--config", str(path)])
+    assert str(path) in err and where in err
+    err = _fails(capsys, ["--config", WORLD, "train.iterations=[1,"])
+    assert "override 'train.iterations=[1,': YAML syntax error" in err
+
+
+def test_config_is_required(capsys):
+    assert "--config is required" in _fails(capsys, ["train.iterations=2"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("backward.group_size=3.5", "backward.group_size must be an integer >= 2 or 'auto', got 3.5"),
+        ("data.train_limit=ten", "data.train_limit: expected int or null, got 'ten'"),
+        ("backward.group_sizes=[2, x]", "backward.group_sizes[1]: expected int, got 'x'"),
+    ],
+)
+def test_type_names_in_messages(capsys, override, expected):
+    err = _fails(capsys, ["--config", WORLD, override, "--dry-run"])
+    assert expected in err and "expected str," not in err
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("backward.stratgy=exact", "unknown key backward.stratgy (did you mean backward.strategy?)"),
+        ("bakward.strategy=exact", "unknown key bakward (did you mean backward?)"),
+        ("reward.eval=[prefs]", "reward.eval: unknown reward 'prefs' (did you mean 'pref'?)"),
+        ("train.iteration=3", "did you mean train.iterations?"),
+    ],
+)
+def test_did_you_mean(capsys, override, hint):
+    assert hint in _fails(capsys, ["--config", WORLD, override])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_fails_before_writing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    err = _fails(capsys, ["--config", WORLD, *TINY, f"log.run_dir={run_dir}", "train.device=cuda"])
+    assert "train.device=cuda, but no CUDA device is available" in err
+    assert not run_dir.exists()
+
+
+def test_prompt_set_typo_fails_before_the_model_code(tmp_path):
+    """A typo'd prompt set is reported before diffusers / the world are imported and before anything is written
+    (a fresh interpreter, so the test sees what the CLI imported)."""
+    run_dir = tmp_path / "run"
+    code = (
+        "import sys\nfrom jagg.train import main\n"
+        f"try:\n    main(['--config', 'configs/paper/flux_dancegrpo.yaml', 'log.run_dir={run_dir}',"
+        " 'data.train_prompts=hpdv2_trian'])\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+        "print('heavy', sorted(m for m in ('diffusers', 'transformers', 'open_clip', 'jagg.world') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "exit 2" in out.stdout and "heavy []" in out.stdout, out.stdout + out.stderr
+    assert "data.train_prompts: 'hpdv2_trian' is neither a file nor a prompt set" in out.stderr
+    assert "did you mean 'hpdv2_train'?" in out.stderr
+    assert not run_dir.exists()
+
+
+def test_preflight_reward_names_equal_the_registry():
+    from jagg.loop import preflight
+    from jagg.loop.rewards import REWARD_DTYPES, REWARDS
+
+    assert sorted(preflight.REWARD_NAMES) == sorted(REWARDS)
+    assert sorted(preflight.REWARD_DTYPE_NAMES) == sorted(REWARD_DTYPES)
+
+
+def test_resume_with_overwrite_refused(tmp_path, capsys):
+    for resume in (["--resume"], ["--resume", "auto"]):
+        err = _fails(
+            capsys, ["--config", WORLD, *TINY, f"log.run_dir={tmp_path / 'r'}", *resume, "--overwrite"]
+        )
+        assert "--resume and --overwrite contradict each other" in err
+
+
+def _meta(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_compares_config_and_keeps_run_json(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    cli = ["--config", WORLD, *TINY, f"log.run_dir={run_dir}"]
+    assert main(cli) == 0
+    first = _meta(run_dir)
+    err = _fails(capsys, [*cli, "--resume", "backward.strategy=exact", "optim.lr=0.001"])
+    assert "differs from" in err and "backward.strategy: 'jagg' -> 'exact'" in err and "optim.lr" in err
+    assert _meta(run_dir) == first
+    assert main([*cli, "--resume", "train.iterations=2"]) == 0  # a longer run needs no flag
+    assert [r["iteration"] for r in _rows(run_dir)] == [1, 2]
+    assert main([*cli, "train.iterations=3", "--resume", "--allow-config-change", "optim.lr=0.001"]) == 0
+    meta = _meta(run_dir)
+    assert {k: meta[k] for k in first} == first  # config, SHA, argv of the first run kept
+    assert meta["config"]["optim"]["lr"] == first["config"]["optim"]["lr"]
+    assert [r["config_changes"] for r in meta["resumes"]] == [
+        {"train.iterations": [1, 2]},
+        {"optim.lr": [first["config"]["optim"]["lr"], 0.001], "train.iterations": [1, 3]},
+    ]
+    assert [r["iteration"] for r in _rows(run_dir)] == [1, 2, 3]
+
+
+def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    cli = ["--config", WORLD, *TINY, f"log.run_dir={run_dir}", "--resume", "auto"]
+    assert main(cli) == 0  # nothing there yet: a fresh run
+    assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
+    assert main([*cli, "train.iterations=2"]) == 0  # a checkpoint now: resumed
+    assert [r["iteration"] for r in _rows(run_dir)] == [1, 2] and len(_meta(run_dir)["resumes"]) == 1
+    shutil.rmtree(run_dir / "checkpoint")  # preempted before its first checkpoint: run.json and metrics only
+    assert main(cli) == 0
+    assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
+    shutil.rmtree(run_dir / "checkpoint")
+    (run_dir / "run.json").unlink()  # someone else's directory
+    assert "is not a run directory" in _fails(capsys, cli)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -148,9 +149,22 @@ def test_figures_regenerate_from_results_alone(quick):
     assert {p.name for p in figs.glob("*.png")} == {
         "theorem1.png",
         "table1_update_reduction.png",
+        "table1_phases.png",
+        "speedup_vs_w.png",  # the table1 sweep panel only: no bench CSV here
+        "memory_per_mode.png",
         "cosine_per_group.png",
         "reward_curves_flowgrpo_fast.png",
     }
+    mem = pd.read_csv(res / "memory_plan.csv")  # the dry run per paper config x mode, 8 GPUs
+    assert len(mem) == 4 * 4 and set(mem["mode"]) == {
+        "exact",
+        "jagg joint",
+        "jagg batched",
+        "jagg sequential",
+    }
+    assert (mem.fits_80gb == (mem.total_gib <= 80e9 / 2**30)).all()
+    np.testing.assert_allclose(mem.total_gib, mem.resident_gib + mem.activations_gib + mem.reserve_gib)
+    _meta_ok(res / "memory_plan.csv")
 
 
 def test_world_rl_report_pairs_first_and_last_evaluation(tmp_path):

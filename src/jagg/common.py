@@ -1,14 +1,16 @@
 """Plumbing shared by the drivers: threads, named seed streams, run metadata (git SHA, versions, hardware),
-atomic writes."""
+atomic writes, a progress line with an ETA for long drivers."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import time
 from enum import IntEnum
 from pathlib import Path
 
@@ -69,16 +71,38 @@ def hardware() -> str:
     return f"CPU, {cores} cores ({platform.machine()}), {threads} torch thread{'s' * (threads != 1)}"
 
 
+# The libraries whose versions can change a number: the numerics, the model code, the reward models, the data.
+VERSIONED = (
+    "torch",
+    "diffusers",
+    "transformers",
+    "peft",
+    "open-clip-torch",
+    "datasets",
+    "numpy",
+    "safetensors",
+)
+
+
 def versions() -> dict[str, str]:
-    """Versions of the libraries that determine the numbers."""
+    """Versions of the libraries that determine the numbers (``VERSIONED``) and, for a torch built with CUDA, the
+    CUDA / cuDNN / NCCL versions compiled into it (present on a CUDA build even on a machine without a GPU;
+    ``hardware()`` says whether one was used)."""
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "diffusers", "transformers", "numpy"):
+    for pkg in VERSIONED:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = "missing"
+    if torch.version.cuda:
+        out["cuda_build"] = torch.version.cuda
+        if torch.backends.cudnn.is_available():
+            out["cudnn"] = str(torch.backends.cudnn.version())
+        nccl = getattr(torch.cuda, "nccl", None)
+        if nccl is not None and torch.distributed.is_nccl_available():
+            out["nccl"] = ".".join(map(str, nccl.version()))
     return out
 
 
@@ -92,18 +116,97 @@ def run_metadata(**extra) -> dict:
     return {"git_sha": git_sha(), "hardware": hardware(), "versions": versions(), **extra}
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and restoring it at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write via a temporary file + rename, so an interrupted run never leaves a half-written file."""
+    """Write via a temporary file + rename, so an interrupted run never leaves a half-written file.
+
+    The file gets the permissions an ordinary ``open(path, "w")`` would (0666 minus the umask; ``mkstemp``
+    alone gives 0600), and is fsynced before the rename and its directory after it, so the new content
+    survives a crash of the machine, not only of the process.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: str | Path) -> None:
+    """fsync a directory, so that a rename inside it is durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def format_seconds(seconds: float) -> str:
+    """``42s``, ``7m05s``, ``1h02m``: a duration for a progress line."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class ProgressETA:
+    """Progress of a long driver: one line per finished unit, ``[ 3/24  12%] flux dancegrpo it 2 | elapsed
+    1m05s | ETA 7m40s``, on ``stream`` (stderr, looked up per line, when None).
+
+    The ETA is elapsed / done x remaining, i.e. it assumes the units cost alike; give units of similar size
+    (an iteration, a run). Used by make table1 / cosine / routing and the CLI's per-iteration line.
+    """
+
+    def __init__(self, total: int, label: str = "", stream=None, clock=time.perf_counter) -> None:
+        self.total, self.label, self.stream, self.clock = max(int(total), 1), label, stream, clock
+        self.done, self.start = 0, clock()
+
+    def eta_seconds(self, elapsed: float | None = None) -> float:
+        """Seconds left at the mean pace so far (0 when done; inf before the first unit)."""
+        if self.done == 0:
+            return math.inf
+        elapsed = self.clock() - self.start if elapsed is None else elapsed
+        return elapsed / self.done * max(self.total - self.done, 0)
+
+    def line(self, what: str = "") -> str:
+        """The progress line after ``self.done`` units (without writing it)."""
+        width = len(str(self.total))
+        pct = 100 * self.done / self.total
+        head = " ".join(x for x in (self.label, what) if x)
+        elapsed = self.clock() - self.start
+        eta = self.eta_seconds(elapsed)
+        eta_text = format_seconds(eta) if math.isfinite(eta) else "?"
+        return f"[{self.done:>{width}}/{self.total} {pct:3.0f}%] {head} | elapsed {format_seconds(elapsed)} | ETA {eta_text}"
+
+    def step(self, what: str = "", n: int = 1) -> str:
+        """Count ``n`` finished units, write the line and return it."""
+        self.done += n
+        text = self.line(what)
+        stream = self.stream or sys.stderr
+        stream.write(text + "\n")
+        stream.flush()
+        return text
 
 
 def write_table(rows: list[dict], path: str | Path, meta: dict) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from jagg.rewards import EVAL_ONLY
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
 BACKBONE_NAMES = ("flux", "qwenimage")
+# log.report_to: the experiment trackers of ``jagg.loop.trackers`` (imported there only when named).
+TRACKER_NAMES = ("tensorboard", "wandb")
 
 # The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
 # config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
@@ -201,6 +204,7 @@ class LogConfig:
     eval_images_per_prompt: int = 1
     checkpoint_every: int = 10  # iterations; 0 = only at the end
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
+    report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
 
 
 @dataclass(kw_only=True)
@@ -245,7 +249,7 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = _safe_load(path.read_text(), f"config: {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must be a mapping")
     parent = data.pop("inherit", None)
@@ -257,7 +261,40 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value)
+    return key.strip().split("."), _safe_load(value, f"override {text!r}")
+
+
+def _safe_load(text: str, where: str) -> Any:
+    """``yaml.safe_load``; a syntax error becomes one ``ConfigError`` line naming ``where``, line and column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error{at}: {problem}") from None
+
+
+def type_name(tp) -> str:
+    """How a config message names an annotation: ``int``, ``float or 'auto'``, ``list of int``, ``int or null``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping to {type_name(typing.get_args(tp)[1])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def unknown_key_message(key: str, allowed: list[str]) -> str:
+    """``unknown key backward.strategi (did you mean backward.strategy?); allowed: [...]``, by difflib."""
+    prefix, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
+    hint = f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
+    return f"unknown key {key}{hint}; allowed: {sorted(allowed)}"
 
 
 def _coerce(key: str, tp, value):
@@ -267,12 +304,12 @@ def _coerce(key: str, tp, value):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None and len(args) < len(typing.get_args(tp)):
             return None
-        for a in args[:-1]:  # the first type that accepts the value
+        for a in args:  # the first type that accepts the value
             try:
                 return _coerce(key, a, value)
             except ConfigError:
                 pass
-        return _coerce(key, args[-1], value)
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -304,7 +341,7 @@ def _build(cls, data: dict, prefix: str):
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key {where}{unknown[0]}; allowed: {sorted(names)}")
+        raise ConfigError(unknown_key_message(where + unknown[0], sorted(names)))
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -382,6 +419,10 @@ def validate(cfg: Config) -> None:
     for key in ("eval_every", "checkpoint_every", "grid_every"):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
+    bad = [name for name in cfg.log.report_to if name not in TRACKER_NAMES]
+    _require(
+        not bad, f"log.report_to: unknown tracker {bad[0] if bad else ''!r}; allowed: {list(TRACKER_NAMES)}"
+    )
 
 
 def _validate_model(model: ModelConfig) -> None:

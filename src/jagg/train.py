@@ -1,11 +1,19 @@
 """Command line: ``python -m jagg.train --config configs/world/flux_dancegrpo.yaml [key=value ...]``.
 
-    --resume        continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded)
-    --overwrite     replace an existing run directory
-    --dry-run       validate the config and print the plan (steps, groups, passes, memory); no weights, no writes
-    --export OUT    no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
-                    folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
-Invalid configs exit with status 2 and one line naming the key, before anything is written.
+    --config FILE         the YAML config (required; configs/ holds the world and paper ones)
+    key=value             overrides (``backward.strategy=exact``), anywhere on the line
+    --resume              continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded);
+                          the config must equal run.json's (train.iterations may grow) unless
+                          --allow-config-change; run.json is kept and the resume recorded in it
+    --resume auto         the same when a checkpoint exists, else start fresh (preemptible clusters: a retry
+                          loop passes it on every attempt)
+    --overwrite           replace an existing run directory (not with --resume)
+    --dry-run             validate the config and print the plan (steps, groups, passes, memory); no weights, no writes
+    --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
+                          folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
+Invalid configs (unknown keys, bad values, YAML syntax, unknown reward or prompt-set names, train.device=cuda
+without CUDA, a resume that contradicts run.json) exit with status 2 and one line naming the key, before the
+model code is imported and before anything is written.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
@@ -16,46 +24,71 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
-from jagg.common import atomic_write_text, run_metadata, set_threads
-from jagg.config import load_config, validate_world_size
-from jagg.errors import ArtefactError, ConfigError, WeightsUnavailableError
+log = logging.getLogger("jagg.train")  # not __name__: "__main__" under python -m
+VALUE_OPTIONS = ("--config", "--export", "--world-size")  # options whose value is the next token
+
+
+class ConsoleHandler(logging.Handler):
+    """INFO lines to stdout as they are, warnings and errors to stderr as ``warning: ...`` / ``error: ...``;
+    the streams are looked up per record, so a redirected ``sys.stdout`` (pytest's capsys) is followed."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = self.format(record)
+        if record.levelno >= logging.WARNING:
+            sys.stderr.write(f"{record.levelname.lower()}: {msg}\n")
+            sys.stderr.flush()
+        else:
+            sys.stdout.write(msg + "\n")
+            sys.stdout.flush()
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The ``jagg`` loggers print through one ``ConsoleHandler`` (installed once per process)."""
+    root = logging.getLogger("jagg")
+    root.setLevel(level)
+    if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
+        root.addHandler(ConsoleHandler())
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    print(f"error: {msg}", file=sys.stderr)
+    log.error(msg)
     raise SystemExit(code)
 
 
-def _progress(total: int, start: int):
-    """A tqdm bar (iterations, reward, s/it) on a TTY, a plain line per iteration otherwise."""
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=start, unit="it")
-
-        def update(row: dict) -> None:
-            bar.set_postfix(reward=f"{row['reward_mean']:.4f}", s_it=f"{row['time_iteration_s']:.1f}")
-            bar.update(1)
-
-        return update
-    return lambda row: print(
-        f"iter {row['iteration']}/{total} reward {row['reward_mean']:.4f} "
-        f"({row['time_iteration_s']:.1f} s/it, {row['backward_passes']} backward passes)",
-        flush=True,
-    )
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(options, overrides)``: every ``key=value`` token that is not an option's value is an override, so
+    overrides may stand anywhere on the line (also after ``--resume`` or ``--world-size 2``)."""
+    options, overrides = [], []
+    expects_value = False
+    for tok in argv:
+        if not expects_value and not tok.startswith("-") and "=" in tok:
+            overrides.append(tok)
+            continue
+        options.append(tok)
+        expects_value = tok in VALUE_OPTIONS
+    return options, overrides
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m jagg.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--config", help="YAML config (see configs/)")
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--config", help="YAML config (see configs/); required")
+    ap.add_argument(
+        "--resume",
+        nargs="?",
+        const="required",
+        choices=("required", "auto"),
+        help="continue from log.run_dir's checkpoint; 'auto': start fresh when there is none yet",
+    )
+    ap.add_argument("--allow-config-change", action="store_true", help="resume although the config differs")
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (offline, no weights)")
     ap.add_argument(
@@ -69,37 +102,50 @@ def main(argv: list[str] | None = None) -> int:
         default=int(os.environ.get("WORLD_SIZE", 1)),
         help="ranks assumed by --dry-run (default: $WORLD_SIZE or 1)",
     )
-    ap.add_argument("overrides", nargs="*", help="section.key=value")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging()
+    argv_used = sys.argv if argv is None else argv
+    options, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(options)
+    if not args.config:
+        _fail("--config is required: a YAML file such as configs/world/flux_dancegrpo.yaml (see configs/)")
+    from jagg.config import load_config  # the engine's names (torch), not the model code
+    from jagg.errors import ConfigError
+    from jagg.loop import preflight
     from jagg.loop.checkpoint import find_checkpoint
-    from jagg.loop.components import build_components, check_config  # the registries: world, diffusers
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        check_config(cfg)
+        cfg = load_config(args.config, overrides)
+        preflight.check_reward_names(cfg)
+        preflight.check_prompt_sets(cfg)
         if args.dry_run:
             return _dry_run(cfg, args.world_size)
+        preflight.check_device(cfg)
+        preflight.check_trackers(cfg)
+        ckpt = find_checkpoint(cfg.log.run_dir)
+        if args.export:
+            return _export(cfg, Path(args.export), ckpt, args)
+        start = preflight.start_run_dir(cfg, ckpt, args.resume, args.overwrite, args.allow_config_change)
     except ConfigError as err:
         _fail(str(err))
-    run_dir = Path(cfg.log.run_dir)
-    ckpt = find_checkpoint(run_dir)
-    if args.export:
-        if args.resume or args.overwrite:
-            _fail("--export does not train: drop --resume / --overwrite (train first, then export)")
-        if ckpt is None:
-            _fail(f"--export: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={cfg.log.run_dir})")
-        return _export(cfg, Path(args.export))
-    if args.resume and ckpt is None:
-        _fail(f"--resume: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={cfg.log.run_dir})")
-    if not args.resume and run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
-        _fail(
-            f"log.run_dir={cfg.log.run_dir} already exists; pass --resume to continue or --overwrite to replace"
-        )
+    return _train(cfg, start, argv_used)
+
+
+def _train(cfg, start, argv_used: list[str]) -> int:
+    """Build the components (the heavy imports start here), write run.json on rank 0, fit."""
+    from jagg.common import set_threads
 
     set_threads(1)
+    from jagg.config import validate_world_size
     from jagg.distributed import DistInfo, init_distributed
+    from jagg.errors import ArtefactError, ConfigError, WeightsUnavailableError
+    from jagg.loop.components import build_components  # the registries: world, diffusers
     from jagg.loop.trainer import Trainer, TrainingAborted
 
+    run_dir = Path(cfg.log.run_dir)
     init_distributed()
     info = DistInfo.current()
     info.barrier()  # every rank has checked run_dir before rank 0 touches it
@@ -109,32 +155,87 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
         _fail(str(err))
     if info.is_main:
-        if args.overwrite and not args.resume and run_dir.exists():
+        if start.wipe:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        argv_used = sys.argv if argv is None else argv
-        meta = run_metadata(
-            config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=info.world_size
-        )
-        atomic_write_text(run_dir / "run.json", json.dumps(meta, indent=2, default=str) + "\n")
+        _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
     info.barrier()
 
     trainer = Trainer(cfg, comp, run_dir)
-    if args.resume:
+    if start.resume:
         trainer.load_checkpoint()
+        if info.is_main:
+            log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
     try:
         trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
     except TrainingAborted as err:
         _fail(str(err), code=3)
     if info.is_main:
-        print(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {trainer.checkpoint_path}/")
+        log.info(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {trainer.checkpoint_path}/")
     del trainer, comp  # the sharded model and its gloo / NCCL work objects go before the process group
     _shutdown()
     return 0
 
 
-def _export(cfg, out_dir: Path) -> int:
+def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int) -> None:
+    """A fresh run writes run.json; a resumed one keeps it and appends what this attempt changed."""
+    from jagg.common import atomic_write_text, git_sha, run_metadata
+
+    path = run_dir / "run.json"
+    if start.resume and path.is_file():
+        meta = json.loads(path.read_text())
+        meta.setdefault("resumes", []).append(
+            {
+                "argv": argv_used,
+                "git_sha": git_sha(),
+                "world_size": world_size,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "config_changes": {k: list(v) for k, v in start.changes.items()},
+            }
+        )
+    else:
+        meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=world_size)
+    atomic_write_text(path, json.dumps(meta, indent=2, default=str) + "\n")
+
+
+def _progress(total: int, start: int):
+    """A tqdm bar (iterations, reward, s/it, ETA) on a TTY, a plain line per iteration with an ETA otherwise."""
+    from jagg.common import ProgressETA, format_seconds
+
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=start, unit="it")
+
+        def update(row: dict) -> None:
+            bar.set_postfix(reward=f"{row['reward_mean']:.4f}", s_it=f"{row['time_iteration_s']:.1f}")
+            bar.update(1)
+
+        return update
+    eta = ProgressETA(total - start)
+
+    def line(row: dict) -> None:
+        eta.done += 1
+        left = eta.eta_seconds()
+        log.info(
+            f"iter {row['iteration']}/{total} reward {row['reward_mean']:.4f} "
+            f"({row['time_iteration_s']:.1f} s/it, {row['backward_passes']} backward passes, "
+            f"ETA {format_seconds(left)})"
+        )
+
+    return line
+
+
+def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> int:
     """``--export``: the checkpoint's weights to ``out_dir`` (``jagg.loop.export.export_run``), no training."""
+    from jagg.common import set_threads
+    from jagg.errors import ArtefactError, ConfigError, WeightsUnavailableError
+
+    if args.resume or args.overwrite:
+        raise ConfigError("--export does not train: drop --resume / --overwrite (train first, then export)")
+    if ckpt is None:
+        run_dir = Path(cfg.log.run_dir)
+        raise ConfigError(f"--export: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")
     set_threads(1)
     from jagg.distributed import DistInfo, init_distributed
     from jagg.loop.export import export_run
@@ -145,20 +246,21 @@ def _export(cfg, out_dir: Path) -> int:
     except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
         _fail(str(err))
     if DistInfo.current().is_main:
-        print(f"exported: {out}")
+        log.info(f"exported: {out}")
     _shutdown()
     return 0
 
 
 def _dry_run(cfg, world_size: int) -> int:
     """Validate against ``world_size`` and print the plan (``jagg.loop.plan``); no weights read, nothing written."""
+    from jagg.config import validate_world_size
     from jagg.loop.plan import build_plan
 
     if world_size < 1:
         _fail(f"--world-size must be >= 1, got {world_size}")
     validate_world_size(cfg, world_size)
-    print(f"dry run: config valid; plan for world size {world_size}")
-    print(build_plan(cfg, world_size))
+    log.info(f"dry run: config valid; plan for world size {world_size}")
+    log.info(build_plan(cfg, world_size))
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,6 +26,15 @@ def save_grid(images: Tensor, path: Path, nrow: int = GRID_COLS) -> None:
     """Save (B, 3, H, W) images in [0, 1] as one PNG grid (GRID_PAD px padding, GRID_ZOOM x nearest zoom)."""
     from PIL import Image
 
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid_array(images, nrow)).save(path)
+
+
+def grid_array(images: Tensor, nrow: int = GRID_COLS) -> np.ndarray:
+    """The ``save_grid`` picture of (B, 3, H, W) images in [0, 1] as an (H', W', 3) uint8 array (the trackers
+    log it as the sample grid)."""
+    from PIL import Image
+
     b, c, h, w = images.shape
     ncol = min(nrow, b)
     nrows = math.ceil(b / ncol)
@@ -32,7 +42,6 @@ def save_grid(images: Tensor, path: Path, nrow: int = GRID_COLS) -> None:
     for i in range(b):
         y, x = grid_cell(i, h, w, ncol)
         grid[:, y : y + h, x : x + w] = images[i]
-    path.parent.mkdir(parents=True, exist_ok=True)
     arr = (grid.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
     z = GRID_ZOOM
-    Image.fromarray(arr).resize((arr.shape[1] * z, arr.shape[0] * z), Image.NEAREST).save(path)
+    return np.asarray(Image.fromarray(arr).resize((arr.shape[1] * z, arr.shape[0] * z), Image.NEAREST))

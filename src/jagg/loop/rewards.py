@@ -14,25 +14,17 @@ import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
 from jagg.config import Config
-from jagg.errors import ConfigError
+from jagg.loop import preflight
 from jagg.rewards import REWARDS, Reward, WeightedRewards, build_reward
 
 REWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_reward_names(cfg: Config) -> None:
-    """``ConfigError`` naming the key when ``reward.weights`` or ``reward.eval`` names an unknown reward, or a
-    ``reward.kwargs.<name>.dtype`` is not a dtype name."""
-    for key, names in (("reward.weights", list(cfg.reward.weights)), ("reward.eval", cfg.reward.eval)):
-        unknown = [n for n in names if n not in REWARDS]
-        if unknown:
-            raise ConfigError(f"{key}: unknown reward {unknown[0]!r}; known: {sorted(REWARDS)}")
-    for name, kwargs in cfg.reward.kwargs.items():
-        dtype = kwargs.get("dtype") if isinstance(kwargs, dict) else None
-        if dtype is not None and dtype not in REWARD_DTYPES:
-            raise ConfigError(
-                f"reward.kwargs.{name}.dtype must be one of {sorted(REWARD_DTYPES)}, got {dtype!r}"
-            )
+    """``ConfigError`` naming the key when ``reward.weights`` or ``reward.eval`` names a reward missing from the
+    filled registry (also one registered after import), or a ``reward.kwargs.<name>.dtype`` is not a dtype name
+    (``jagg.loop.preflight.check_reward_names`` against the registry)."""
+    preflight.check_reward_names(cfg, known=REWARDS)
 
 
 def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:

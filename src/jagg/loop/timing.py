@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from jagg.common import SeedStream
+from jagg.common import ProgressETA, SeedStream
 from jagg.config import TINY_RUN, Config, load_config
 from jagg.engine.routing import BackwardSetting
 from jagg.loop.rollout import Rollout
@@ -111,10 +111,14 @@ def update_with(trainer: Trainer, ro: Rollout, setting: BackwardSetting) -> dict
 
 
 def time_settings(
-    trainer: Trainer, settings: Sequence[BackwardSetting], iterations: int
+    trainer: Trainer,
+    settings: Sequence[BackwardSetting],
+    iterations: int,
+    progress: ProgressETA | None = None,
 ) -> dict[str, list[dict]]:
     """Per setting (by ``BackwardSetting.key``), one row per iteration: the rollout's phases (shared), that
-    setting's update metrics and seconds, the samples ``n`` and trained steps ``T`` per sample."""
+    setting's update metrics and seconds, the samples ``n`` and trained steps ``T`` per sample; a
+    ``progress`` line after each iteration."""
     rows: dict[str, list[dict]] = {s.key: [] for s in settings}
     update_with(trainer, trainer.rollout(0, SeedStream.WARMUP), settings[0])  # warm-up, not recorded
     for it in range(iterations):
@@ -123,4 +127,7 @@ def time_settings(
         for setting in [*settings[k:], *settings[:k]]:
             upd = update_with(trainer, ro, setting)
             rows[setting.key].append({**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]})
+        if progress:
+            cfg = trainer.cfg
+            progress.step(f"{cfg.model.backbone} {cfg.algorithm.name} iteration {it + 1}/{iterations}")
     return rows

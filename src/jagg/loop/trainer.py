@@ -47,6 +47,7 @@ from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_rewards, score_samples
 from jagg.loop.rollout import Rollout, at_steps, sample_micro_batches
+from jagg.loop.trackers import Trackers
 from jagg.models import Backbone, Components, TextCond
 
 
@@ -121,6 +122,8 @@ class Trainer:
         # How the update runs its backward: fixed by the config, or (backward.jagg_frac=auto) None until
         # ``calibrate`` has measured the routing.
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
+        names = cfg.log.report_to if self.dist.is_main else []  # log.report_to: fed where metrics.jsonl is
+        self.trackers = Trackers(names, self.run_dir, cfg.to_dict())
 
     # ------------------------------------------------------------------ model calls
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -483,6 +486,7 @@ class Trainer:
             if log.checkpoint_every and self.iteration % log.checkpoint_every == 0:
                 self.save_checkpoint()
         self.save_checkpoint()
+        self.trackers.close()
         return self.metrics
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
@@ -494,9 +498,11 @@ class Trainer:
         grid_every = self.cfg.log.grid_every
         if self.dist.is_main and (grid_every == 0 or it % grid_every == 0):
             save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
+            self.trackers.log_images(images, it)
 
     def _log(self, row: dict) -> None:
         self.metrics.append(row)
         if self.dist.is_main:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+            self.trackers.log_row(row)

@@ -6,6 +6,7 @@ measured on the held-out *prompts* (compositions never seen by the generator).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,8 @@ from jagg.world.train import (
     train_flow,
     train_preference,
 )
+
+logger = logging.getLogger(__name__)
 
 EVAL_SEED = 90_000
 EVAL_PER_PROMPT = 20  # judges: held-out renders per prompt
@@ -176,7 +179,7 @@ def _manifest(name: str, stats: dict, metrics: dict) -> dict:
     )
 
 
-def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = print) -> dict:
+def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = logger.info) -> dict:
     """Train, evaluate and cache one artefact (its dependencies must already be cached)."""
     world = World()
     tok = WordTokenizer(world.words)
@@ -217,7 +220,7 @@ def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = prin
     return manifest
 
 
-def pretrain_all(cache_dir: Path | None = None, log: Callable[[str], None] = print) -> list[str]:
+def pretrain_all(cache_dir: Path | None = None, log: Callable[[str], None] = logger.info) -> list[str]:
     """Build every stale or missing artefact in dependency order; returns the names rebuilt ([] = no-op)."""
     cache_dir = Path(cache_dir or default_cache_dir())
     rebuilt = []

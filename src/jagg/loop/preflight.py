@@ -1,0 +1,189 @@
+"""The CLI's checks before the heavy imports: names, the device, the run directory, a resumed run's config.
+
+``python -m jagg.train`` runs these right after ``jagg.config.load_config``, before diffusers, the world or
+the real-model path are imported and before anything is written, so a typo costs a second, not a model load:
+
+    check_reward_names   reward.weights / reward.eval against the names ``jagg.loop.rewards`` registers
+                         (``REWARD_NAMES``, a static copy; a test checks it equals the registry)
+    check_prompt_sets    data.train_prompts / data.eval_prompts: a file or a name in ``PROMPT_DATASETS``
+    check_device         train.device=cuda needs a CUDA device (one per local rank under torchrun)
+    check_trackers       every tracker in log.report_to is installed
+    start_run_dir        fresh / resume / resume-if-checkpoint, and a resumed run's config against run.json
+
+Every failure is a ``ConfigError`` naming the key (the CLI prints it as one line, exit status 2).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jagg.config import Config
+from jagg.errors import ConfigError
+
+# The rewards ``jagg.loop.rewards`` registers (jpeg, world, real models); tests/test_cli.py checks they agree.
+REWARD_NAMES = (
+    "attr",
+    "attr_judge",
+    "attr_soft",
+    "clip",
+    "clipscore",
+    "hpsv2",
+    "jpeg",
+    "jpeg_incompressibility",
+    "pickscore",
+    "pref",
+)
+REWARD_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # reward.kwargs.<name>.dtype (jagg.loop.rewards.REWARD_DTYPES)
+# Keys a resumed run may change without --allow-config-change: iteration `it` depends only on (seed, it) and
+# the restored state, so a longer run continues the shorter one exactly.
+# log.report_to only adds where the same rows go.
+RESUMABLE_KEYS = ("train.iterations", "log.report_to")
+
+
+def _did_you_mean(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_reward_names(cfg: Config, known: Iterable[str] = REWARD_NAMES) -> None:
+    """``ConfigError`` naming the key when ``reward.weights`` / ``reward.eval`` names a reward not in ``known``,
+    or a ``reward.kwargs.<name>.dtype`` is not a dtype name."""
+    known = sorted(known)
+    for key, names in (("reward.weights", list(cfg.reward.weights)), ("reward.eval", cfg.reward.eval)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            hint = _did_you_mean(unknown[0], known)
+            raise ConfigError(f"{key}: unknown reward {unknown[0]!r}{hint}; known: {known}")
+    for name, kwargs in cfg.reward.kwargs.items():
+        dtype = kwargs.get("dtype") if isinstance(kwargs, dict) else None
+        if dtype is not None and dtype not in REWARD_DTYPE_NAMES:
+            raise ConfigError(
+                f"reward.kwargs.{name}.dtype must be one of {list(REWARD_DTYPE_NAMES)}, got {dtype!r}"
+            )
+
+
+def check_prompt_sets(cfg: Config) -> None:
+    """With model.source=pretrained, each prompt source is an existing file or a known hub prompt set."""
+    if cfg.model.source != "pretrained":
+        return
+    from jagg.scale.prompts import PROMPT_DATASETS  # no model code: the names and their hub sources
+
+    for key in ("train_prompts", "eval_prompts"):
+        source = getattr(cfg.data, key)
+        if source in PROMPT_DATASETS or Path(source).is_file():
+            continue
+        hint = _did_you_mean(source, PROMPT_DATASETS)
+        raise ConfigError(
+            f"data.{key}: {source!r} is neither a file nor a prompt set{hint}; "
+            f"prompt sets: {sorted(PROMPT_DATASETS)}"
+        )
+
+
+def check_trackers(cfg: Config) -> None:
+    """Every tracker in log.report_to is installed (``jagg.loop.trackers`` imports it only when a run starts)."""
+    import importlib.util
+
+    for name in cfg.log.report_to:
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(
+                f"log.report_to: {name} is not installed (pip install {name}, or pip install 'jagg[trackers]')"
+            )
+
+
+def check_device(cfg: Config) -> None:
+    """train.device=cuda needs CUDA, and under torchrun a device for this process's LOCAL_RANK."""
+    if cfg.train.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device=cuda, but no CUDA device is available (torch.cuda.is_available() is False); "
+            "use train.device=cpu or train.device=auto"
+        )
+    local_rank, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(f"train.device=cuda: LOCAL_RANK={local_rank} but only {count} CUDA device(s)")
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """Flattened ``{"section.key": (old, new)}`` for every value that differs between two config dicts."""
+    out: dict[str, tuple] = {}
+    for k in sorted(set(old) | set(new)):
+        a, b, key = old.get(k), new.get(k), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, key + "."))
+        elif a != b:
+            out[key] = (a, b)
+    return out
+
+
+@dataclass
+class RunStart:
+    """How the CLI starts in ``log.run_dir``: resume from its checkpoint or not, remove what is there first or
+    not, and (on resume) the config keys that differ from run.json's ``{key: (old, new)}``."""
+
+    resume: bool
+    wipe: bool
+    changes: dict[str, tuple] = field(default_factory=dict)
+
+
+def start_run_dir(
+    cfg: Config, checkpoint: Path | None, resume: str | None, overwrite: bool, allow_change: bool
+) -> RunStart:
+    """Decide fresh / resume for ``--resume`` (``"required"``), ``--resume auto`` or neither; reads only.
+
+    ``auto`` resumes when a checkpoint exists and otherwise starts fresh, also over a directory that a
+    preempted attempt left without a checkpoint (its run.json must match, as on resume), so a retry loop can
+    always pass it. A resumed config must equal run.json's except ``RESUMABLE_KEYS``, unless ``allow_change``.
+    """
+    run_dir = Path(cfg.log.run_dir)
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: drop one")
+    occupied = run_dir.exists() and any(run_dir.iterdir())
+    if resume == "required" and checkpoint is None:
+        raise ConfigError(f"--resume: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")
+    if not resume:
+        if occupied and not overwrite:
+            raise ConfigError(
+                f"log.run_dir={run_dir} already exists; pass --resume to continue or --overwrite to replace"
+            )
+        return RunStart(resume=False, wipe=overwrite and run_dir.exists())
+    what = "--resume" if resume == "required" else "--resume auto"
+    changes = _resumed_config_changes(cfg, run_dir, allow_change, what, has_checkpoint=checkpoint is not None)
+    if checkpoint is None:  # auto, nothing to resume from yet
+        return RunStart(resume=False, wipe=occupied)
+    return RunStart(resume=True, wipe=False, changes=changes)
+
+
+def _resumed_config_changes(
+    cfg: Config, run_dir: Path, allow_change: bool, what: str, has_checkpoint: bool
+) -> dict[str, tuple]:
+    """The keys whose value differs from run.json's config; ``ConfigError`` unless allowed or resumable.
+
+    Without run.json there is nothing to compare: fine beside a checkpoint (run.json is then written anew) or
+    in an empty directory, refused in a non-empty one (not a run directory of this CLI).
+    """
+    meta_path = run_dir / "run.json"
+    if not meta_path.is_file():
+        if not has_checkpoint and run_dir.exists() and any(run_dir.iterdir()):
+            raise ConfigError(
+                f"{what}: {meta_path} is missing, so {run_dir} is not a run directory of this CLI"
+            )
+        return {}
+    old = json.loads(meta_path.read_text()).get("config", {})
+    new = json.loads(json.dumps(cfg.to_dict(), default=str))
+    changes = config_changes(old, new)
+    refused = sorted(k for k in changes if k not in RESUMABLE_KEYS)
+    if refused and not allow_change:
+        shown = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in refused)
+        raise ConfigError(
+            f"{what}: the config differs from {meta_path} in {shown}; "
+            "pass --allow-config-change to continue with the new values"
+        )
+    return changes

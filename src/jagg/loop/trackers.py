@@ -1,0 +1,113 @@
+"""Experiment trackers (``log.report_to``): the rows of metrics.jsonl and the sample grids, also to TensorBoard
+and / or Weights & Biases.
+
+    tensorboard   event files under ``<log.run_dir>/tensorboard/`` (``tensorboard --logdir runs/``): every
+                  numeric field of a row as a scalar at step ``row["iteration"]``, the sample grid as an image,
+                  the config as text
+    wandb         ``wandb.init(project=$WANDB_PROJECT or "jagg", name=<run_dir name>, dir=<run_dir>)`` with the
+                  same scalars and grids; offline with wandb's own ``WANDB_MODE=offline`` (``wandb sync``
+                  uploads later). Not installed by ``make``: ``pip install wandb``
+
+Each tracker library is imported only when named (``jagg.loop.preflight`` checks that it is installed before
+anything is written). Only rank 0 opens trackers; the trainer feeds them where it appends to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+from torch import Tensor
+
+from jagg.loop.grids import grid_array
+
+
+def scalars(row: dict, prefix: str = "") -> dict[str, float]:
+    """The numeric fields of a metrics row, nested dicts flattened with "/" (bools, lists and strings left out)."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(scalars(value, name + "/"))
+        elif isinstance(value, int | float) and not isinstance(value, bool) and key != "iteration":
+            out[name] = float(value)
+    return out
+
+
+class TensorBoardTracker:
+    """Scalars, grids and the config to ``<run_dir>/tensorboard`` (``torch.utils.tensorboard.SummaryWriter``)."""
+
+    def __init__(self, run_dir: Path, config: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
+
+    def log_row(self, row: dict, step: int) -> None:
+        for name, value in scalars(row).items():
+            if math.isfinite(value):
+                self.writer.add_scalar(name, value, step)
+        self.writer.flush()  # one row per iteration: a crashed run keeps every row it logged
+
+    def log_grid(self, grid: np.ndarray, step: int) -> None:
+        self.writer.add_image("samples", grid, step, dataformats="HWC")
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """Scalars, grids and the config to a wandb run (offline with ``WANDB_MODE=offline``)."""
+
+    def __init__(self, run_dir: Path, config: dict) -> None:
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "jagg"),
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=config,
+        )
+
+    def log_row(self, row: dict, step: int) -> None:
+        self.run.log(scalars(row), step=step)
+
+    def log_grid(self, grid: np.ndarray, step: int) -> None:
+        self.run.log({"samples": self.wandb.Image(grid)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}  # keys: jagg.config.TRACKER_NAMES
+
+
+class Trackers:
+    """The run's trackers as one: each call goes to every tracker named in ``log.report_to`` (none: no-op)."""
+
+    def __init__(self, names: list[str], run_dir: str | Path, config: dict) -> None:
+        run_dir = Path(run_dir)
+        if names:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        self.trackers = [TRACKERS[name](run_dir, config) for name in names]
+
+    def log_row(self, row: dict) -> None:
+        for tracker in self.trackers:
+            tracker.log_row(row, int(row["iteration"]))
+
+    def log_images(self, images: Tensor, step: int) -> None:
+        """(B, 3, H, W) images in [0, 1] as the sample grid of ``save_grid`` (built only when a tracker is on)."""
+        if self.trackers:
+            grid = grid_array(images)
+            for tracker in self.trackers:
+                tracker.log_grid(grid, step)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

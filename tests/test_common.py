@@ -1,0 +1,94 @@
+"""``jagg.common`` plumbing: atomic writes keep the umask's permissions and are fsynced; run metadata records
+the versions of every library that can change a number."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+
+import pytest
+import torch
+
+from jagg import common
+from jagg.common import ProgressETA, atomic_write_text, format_seconds, run_metadata, write_table
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_atomic_write_follows_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "run.json", "{}\n")
+        write_table([{"a": 1}], tmp_path / "t.csv", {"seed": 0})
+        with open(tmp_path / "plain.txt", "w") as f:  # what an ordinary write gives, for comparison
+            f.write("x")
+    finally:
+        os.umask(old)
+    for name in ("run.json", "t.csv", "t.meta.json", "plain.txt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == mode, name
+    assert (tmp_path / "run.json").read_text() == "{}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.txt", "run.json", "t.csv", "t.meta.json"]
+
+
+def test_atomic_write_fsyncs_file_and_directory(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(common.os, "fsync", fsync)
+    atomic_write_text(tmp_path / "sub" / "x.txt", "hello")
+    assert synced == ["file", "dir"]
+
+
+def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "x.txt"
+    atomic_write_text(path, "old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(common.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_text(path, "new")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["x.txt"]
+
+
+def test_run_metadata_records_every_relevant_version():
+    meta = json.loads(json.dumps(run_metadata(seed=0)))
+    v = meta["versions"]
+    for pkg in (
+        "python",
+        "torch",
+        "diffusers",
+        "transformers",
+        "peft",
+        "open-clip-torch",
+        "datasets",
+        "numpy",
+    ):
+        assert v[pkg] not in ("", "missing"), pkg
+    assert v["torch"] == torch.__version__.split("+")[0]
+    assert ("cuda_build" in v) == (torch.version.cuda is not None)
+    if torch.version.cuda is not None and torch.distributed.is_nccl_available():
+        assert v["nccl"].count(".") == 2
+    assert "accelerate" not in v  # not imported by jagg: not a version that can change a number
+
+
+def test_progress_eta_from_the_mean_pace():
+    now = [0.0]
+    out = io.StringIO()
+    eta = ProgressETA(4, "table1", stream=out, clock=lambda: now[0])
+    now[0] = 10.0
+    assert eta.step("flux dancegrpo iteration 1/4") == (
+        "[1/4  25%] table1 flux dancegrpo iteration 1/4 | elapsed 10s | ETA 30s"
+    )
+    now[0] = 30.0
+    assert eta.step().endswith("| elapsed 30s | ETA 30s")  # 15 s per unit so far, 2 left
+    now[0] = 3700.0
+    assert eta.step(n=2) == "[4/4 100%] table1 | elapsed 1h01m | ETA 0s"
+    assert out.getvalue().count("\n") == 3
+    assert [format_seconds(s) for s in (0, 59.4, 425, 3720)] == ["0s", "59s", "7m05s", "1h02m"]

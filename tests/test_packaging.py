@@ -1,0 +1,72 @@
+"""Packaging: every third-party import of the package is a declared dependency, pinned in requirements.txt;
+LICENSE and CITATION.cff say what pyproject says."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# import name -> distribution name, where they differ
+DISTRIBUTION = {
+    "PIL": "pillow",
+    "yaml": "pyyaml",
+    "open_clip": "open-clip-torch",
+    "huggingface_hub": "huggingface-hub",
+}
+
+
+def _imports(folder: Path) -> set[str]:
+    """Top-level names of every absolute import under ``folder`` (inside functions too), stdlib left out."""
+    names = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n != "jagg"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~ ;\[]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_every_import_is_declared_and_pinned():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {_name(r) for r in project["dependencies"]}
+    extras = {name: {_name(r) for r in reqs} for name, reqs in project["optional-dependencies"].items()}
+    used = {DISTRIBUTION.get(m, m).lower() for m in _imports(ROOT / "src" / "jagg")}
+    # the trackers are imported only when log.report_to names them: an extra, not a core dependency
+    assert used - core == {"wandb"} and "wandb" in extras["trackers"]
+    pinned = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            assert "==" in line, f"requirements.txt pins exactly: {line}"
+            pinned[_name(line)] = line
+    unpinned = (core | extras["trackers"] | extras["experiments"] | extras["dev"]) - set(pinned) - {"wandb"}
+    assert not unpinned, f"declared but not pinned in requirements.txt: {sorted(unpinned)}"
+    assert "scikit-learn" not in pinned  # never imported
+
+
+def test_license_and_citation_match_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"]["text"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert (
+        "Apache License" in text
+        and "Version 2.0, January 2004" in text
+        and "END OF TERMS AND CONDITIONS" in text
+    )
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["license"] == "Apache-2.0"
+    assert cff["version"] == project["version"]
+    paper = cff["preferred-citation"]
+    assert paper["title"].startswith("JAGG: Jacobian-Aggregated Group Gradient")
+    assert paper["year"] == 2026 and "2607.17572" in paper["url"]
