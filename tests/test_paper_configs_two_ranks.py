@@ -1,0 +1,101 @@
+"""Every paper config (configs/paper/*.yaml, both backbones) through the CLI on 2 gloo ranks, as a new user runs
+it, on the tiny random-init pipelines of the real classes that ``tests/test_pretrained_pipeline.py`` builds.
+
+One ``dist_harness.run_ranks`` job (one process start per rank) calls ``jagg.train.main`` once per config with
+the config's own precision (bf16 autocast over fp32 master weights), gradient checkpointing, LoRA or full
+fine-tuning and embedding precompute; only sizes shrink (one iteration, 8x8 latents, 2 samples). Rank 1 builds
+the transformer on the meta device and receives its shards from rank 0 (``shard_from_rank0``): before the fix,
+Qwen-Image's rotary tables (plain tensor attributes) stayed on the meta device there and the first forward
+failed with ``Cannot copy out of meta tensor``. ``main``'s final process-group teardown is left to the harness.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+WORLD = 2
+CONFIGS = sorted(p.stem for p in Path("configs/paper").glob("*.yaml") if p.stem != "base")
+
+
+def _argv(out: Path, name: str) -> list[str]:
+    backbone = name.split("_")[0]
+    pipe = out / backbone
+    return [
+        "--config",
+        f"configs/paper/{name}.yaml",
+        f"model.path={pipe}",
+        "model.max_sequence_length=16",
+        "sampling.latent_size=8",
+        "sampling.num_steps=4",
+        "sampling.eval_num_steps=2",
+        "algorithm.sde_window_range=[0, 3]",
+        "train.device=cpu",
+        "train.iterations=1",
+        "train.prompts_per_iter=1",
+        "train.images_per_prompt=2",
+        "train.train_batch_size=1",
+        "train.grad_accum=1",
+        "reward.weights={jpeg: 1.0}",
+        "reward.eval=[jpeg]",
+        "reward.kwargs={}",
+        f"data.train_prompts={out / 'prompts.txt'}",
+        f"data.eval_prompts={out / 'prompts.txt'}",
+        "data.eval_limit=null",
+        f"data.embedding_cache={out / 'emb' / name}",
+        "log.eval_every=1",
+        "log.eval_prompts=2",
+        f"log.run_dir={out / 'runs' / name}",
+    ]
+
+
+def paper_worker(rank: int, out_dir: str) -> None:
+    """One rank: the CLI's ``main`` for every paper config (the harness owns the process group)."""
+    import jagg.train
+
+    jagg.train._shutdown = lambda: None  # the harness destroys the process group after the last config
+    out = Path(out_dir)
+    codes = {}
+    for name in CONFIGS:
+        codes[name] = jagg.train.main(_argv(out, name))
+    (out / f"codes_rank{rank}.json").write_text(json.dumps(codes))
+
+
+@pytest.fixture(scope="module")
+def paper_runs(tmp_path_factory):
+    from test_pretrained_pipeline import PROMPTS, save_flux_pipeline, save_qwenimage_pipeline
+
+    out = tmp_path_factory.mktemp("paper_two_ranks")
+    save_flux_pipeline(out / "flux")
+    save_qwenimage_pipeline(out / "qwenimage")
+    (out / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
+    run_ranks("test_paper_configs_two_ranks:paper_worker", WORLD, out)
+    return out
+
+
+def test_the_four_paper_configs_are_found():
+    assert CONFIGS == [
+        "flux_dancegrpo",
+        "flux_flowgrpo_fast",
+        "qwenimage_dancegrpo",
+        "qwenimage_flowgrpo_fast",
+    ]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_paper_config_trains_on_two_ranks(paper_runs, name):
+    for r in range(WORLD):
+        assert json.loads((paper_runs / f"codes_rank{r}.json").read_text())[name] == 0
+    run = paper_runs / "runs" / name
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]  # evaluation first, then the one iteration (+ its eval)
+    last = rows[-1]
+    assert last["skipped_steps"] == 0 and last["optimizer_steps"] == 1
+    assert torch.isfinite(torch.tensor([last["loss"], last["grad_norm"], last["eval_jpeg_mean"]])).all()
+    assert json.loads((run / "run.json").read_text())["world_size"] == WORLD
+    assert sorted(p.name for p in (run / "checkpoint").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
