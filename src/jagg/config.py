@@ -139,6 +139,9 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp64
     device: str = "cpu"  # cpu | cuda | auto
     max_consecutive_skips: int = 3
+    # seconds any collective (barriers included) may wait under torchrun: rank 0 alone loads the weights,
+    # precomputes embeddings, exports or writes a slow checkpoint while the others wait (NCCL default: 10 min)
+    dist_timeout_s: int = 3600
 
 
 @dataclass
@@ -388,6 +391,7 @@ def validate(cfg: Config) -> None:
         "train_batch_size",
         "grad_accum",
         "max_consecutive_skips",
+        "dist_timeout_s",
     ):
         _require(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
     _require(

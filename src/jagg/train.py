@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from jagg.loop.trainer import Trainer, TrainingAborted
     from jagg.scale.distributed import DistInfo, init_distributed
 
-    init_distributed()
+    init_distributed(timeout_s=cfg.train.dist_timeout_s)
     info = DistInfo.current()
     info.barrier()  # every rank has checked run_dir before rank 0 touches it
     try:
@@ -139,7 +139,7 @@ def _export(cfg, out_dir: Path) -> int:
     from jagg.loop.export import export_run
     from jagg.scale.distributed import DistInfo, init_distributed
 
-    init_distributed()
+    init_distributed(timeout_s=cfg.train.dist_timeout_s)
     try:
         out = export_run(cfg, out_dir)
     except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
