@@ -48,3 +48,37 @@ def test_dist_timeout_reaches_init_process_group(tmp_path, monkeypatch, override
 def test_dist_timeout_must_be_positive():
     with pytest.raises(ConfigError, match="train.dist_timeout_s must be >= 1"):
         load_config("configs/world/flux_dancegrpo.yaml", ["train.dist_timeout_s=0"])
+
+
+# --------------------------------------------------------------------------- one checkpoint at the end
+def _tiny_trainer(tmp_path, *overrides):
+    from jagg.loop.components import build_components
+    from jagg.loop.trainer import Trainer
+
+    cfg = load_config("configs/world/flux_dancegrpo.yaml", [*TINY, f"log.run_dir={tmp_path}", *overrides])
+    return Trainer(cfg, build_components(cfg), tmp_path)
+
+
+def _count_saves(monkeypatch) -> list[int]:
+    import jagg.loop.trainer as trainer_module
+
+    saved: list[int] = []
+    real = trainer_module.save_checkpoint
+
+    def counted(run_dir, **kw):
+        saved.append(kw["progress"].iteration)
+        return real(run_dir, **kw)
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", counted)
+    return saved
+
+
+@pytest.mark.parametrize(("every", "expected"), [(1, [1, 2]), (2, [2]), (0, [2]), (3, [2])])
+def test_one_checkpoint_per_iteration_at_most(tmp_path, monkeypatch, every, expected):
+    saved = _count_saves(monkeypatch)
+    _tiny_trainer(tmp_path, "train.iterations=2", f"log.checkpoint_every={every}").fit()
+    assert saved == expected
+    resumed = _tiny_trainer(tmp_path, "train.iterations=2", f"log.checkpoint_every={every}")
+    resumed.load_checkpoint()
+    resumed.fit()  # nothing left to train: the checkpoint it loaded is not written again
+    assert saved == expected

@@ -127,6 +127,7 @@ class Trainer:
         self.iteration = 0
         self.consecutive_skips = 0
         self.metrics: list[dict] = []
+        self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
         # backward.jagg_frac=auto: the routing per group position; backward.group_size=auto: W. Set by calibrate.
         self.routing: list[bool] | None = None
         b = cfg.backward
@@ -518,6 +519,7 @@ class Trainer:
             config=self.cfg.to_dict(),
             dist=self.dist,
         )
+        self.checkpointed_at = self.iteration
 
     def load_checkpoint(self) -> None:
         """Restore weights, optimizer, EMA, RNG states, counters and metrics from the run's checkpoint
@@ -532,6 +534,7 @@ class Trainer:
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
         self.metrics, self.routing = progress.metrics, progress.routing
         self.group_size = progress.group_size or self.group_size
+        self.checkpointed_at = self.iteration
         self._write_metrics()
 
     def _write_metrics(self) -> None:
@@ -565,7 +568,8 @@ class Trainer:
                 )
             if lg.checkpoint_every and self.iteration % lg.checkpoint_every == 0:
                 self.save_checkpoint()
-        self.save_checkpoint()
+        if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
+            self.save_checkpoint()
         return self.metrics
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
