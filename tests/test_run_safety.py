@@ -113,3 +113,42 @@ def test_precompute_checks_the_cache_by_existence(tmp_path, monkeypatch):
     again.release()
     cond = again.encode_prompts(prompts[:2])  # read when used
     assert len(loads) == 2 and cond.batch_size == 2
+
+
+# --------------------------------------------------------------------------- eval rewards at evaluation only
+class _CountingReward:
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def __call__(self, images, prompts):
+        self.batches += 1
+        return images.flatten(1).float().mean(1)
+
+
+@pytest.mark.parametrize("on_train", [False, True])
+def test_eval_rewards_score_training_batches_only_when_asked(tmp_path, monkeypatch, on_train):
+    from jagg.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "counting_test", _CountingReward)
+    trainer = _tiny_trainer(
+        tmp_path,
+        "reward.eval=[jpeg, counting_test]",
+        "log.eval_every=1",
+        "log.eval_prompts=2",
+        f"log.eval_rewards_on_train={str(on_train).lower()}",
+    )
+    rows = trainer.fit()
+    calls = trainer.eval_rewards["counting_test"].batches
+    assert calls == 2 + on_train  # the evaluations at iterations 0 and 1 (+ the one training batch)
+    assert ("reward_counting_test_mean" in rows[-1]) == on_train and "eval_counting_test_mean" in rows[-1]
+    assert "reward_jpeg_mean" in rows[-1]  # the training reward's own score is always logged
+
+
+def test_paper_configs_score_training_batches_with_the_training_reward_only():
+    from pathlib import Path
+
+    for path in sorted(Path("configs/paper").glob("*_*.yaml")):
+        assert not load_config(path).log.eval_rewards_on_train, path
+    assert load_config(
+        "configs/world/flux_dancegrpo.yaml"
+    ).log.eval_rewards_on_train  # world_rl_report reads them

@@ -171,6 +171,9 @@ class LogConfig:
     eval_images_per_prompt: int = 1
     checkpoint_every: int = 10  # iterations; 0 = only at the end
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
+    # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
+    # off: the eval reward models (HPSv2.1, PickScore, CLIPScore at paper scale) run at evaluations only
+    eval_rewards_on_train: bool = False
 
 
 @dataclass

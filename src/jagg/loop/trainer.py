@@ -210,8 +210,8 @@ class Trainer:
         images = self.comp.decode(traj.final.float()).cpu()
         rewards = self.train_reward(images, prompts)
         scores = dict(self.train_reward.components)
-        for name, fn in self.eval_rewards.items():  # e.g. attribute accuracy of the training samples
-            if name not in scores:
+        for name, fn in self.eval_rewards.items() if self.cfg.log.eval_rewards_on_train else ():
+            if name not in scores:  # e.g. attribute accuracy of the training samples
                 scores[name] = fn(images, prompts).float()
         rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
         scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
