@@ -152,3 +152,60 @@ def test_paper_configs_score_training_batches_with_the_training_reward_only():
     assert load_config(
         "configs/world/flux_dancegrpo.yaml"
     ).log.eval_rewards_on_train  # world_rl_report reads them
+
+
+# --------------------------------------------------------------------------- rotary tables stay fp32 under FSDP2
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A world-size-1 gloo process group in this process (FSDP2 needs one), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rotary_dtypes(backbone) -> list[torch.dtype]:
+    """Run one bf16-autocast forward (fp32 latents, as the trainer's); the dtypes of every tensor in the
+    ``image_rotary_emb`` each block hands to its attention (after FSDP2's pre-forward hooks)."""
+    from jagg.models import TextCond
+    from jagg.scale.distributed import transformer_blocks
+
+    seen: list[torch.dtype] = []
+
+    def record(module, args, kwargs):
+        seen.extend(t.dtype for t in kwargs["image_rotary_emb"])
+
+    hooks = [
+        b.attn.register_forward_pre_hook(record, with_kwargs=True)
+        for b in transformer_blocks(backbone.transformer)
+    ]
+    g = torch.Generator().manual_seed(0)
+    cond = TextCond(
+        embeds=torch.randn(2, 5, 32, generator=g),
+        mask=torch.ones(2, 5, dtype=torch.long),
+        pooled=torch.randn(2, 32, generator=g),
+    )
+    z = torch.randn(2, backbone.latent_channels, 8, 8, generator=g)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = backbone.velocity(z, torch.full((2,), 0.5), cond)
+    for h in hooks:
+        h.remove()
+    assert torch.isfinite(out.float()).all()
+    return seen
+
+
+@pytest.mark.parametrize(("name", "rotary"), [("flux", torch.float32), ("qwenimage", torch.complex64)])
+def test_rotary_inputs_stay_fp32_under_bf16_fsdp2(one_rank_group, name, rotary):
+    from jagg.loop.placement import mixed_precision
+    from jagg.models import build_tiny_backbone
+    from jagg.scale.distributed import shard_backbone
+
+    unsharded = _rotary_dtypes(build_tiny_backbone(name, seed=1))  # world size 1: no FSDP2
+    sharded = _rotary_dtypes(
+        shard_backbone(build_tiny_backbone(name, seed=1), mp_policy=mixed_precision("bf16"))
+    )
+    assert set(unsharded) == {rotary}
+    assert len(sharded) == len(unsharded) and set(sharded) == {rotary}  # not cast to bf16 by FSDP2
