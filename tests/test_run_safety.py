@@ -4,6 +4,8 @@ evaluation, fp32 rotary tables under bf16 FSDP2 and verified checkpoints (issue 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -209,3 +211,93 @@ def test_rotary_inputs_stay_fp32_under_bf16_fsdp2(one_rank_group, name, rotary):
     )
     assert set(unsharded) == {rotary}
     assert len(sharded) == len(unsharded) and set(sharded) == {rotary}  # not cast to bf16 by FSDP2
+
+
+# --------------------------------------------------------------------------- verified checkpoints
+def _cli(tmp_path, *extra):
+    flags = [e for e in extra if e.startswith("--")]  # before the positional overrides (argparse)
+    overrides = [e for e in extra if not e.startswith("--")]
+    return [
+        *flags,
+        "--config",
+        "configs/world/flux_dancegrpo.yaml",
+        *TINY,
+        f"log.run_dir={tmp_path / 'run'}",
+        *overrides,
+    ]
+
+
+def _exit_code(args) -> int:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    return exc.value.code
+
+
+def _damage(path, how: str) -> None:
+    if how == "truncate":  # what `truncate -s 1000` does
+        with open(path, "r+b") as f:
+            f.truncate(1000)
+    else:  # one flipped byte, same size
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "says"),
+    [
+        ("__0_0.distcp", "truncate", "truncated or corrupt (1000 bytes"),
+        ("__0_0.distcp", "flip", "SHA-256 differs"),
+        (".metadata", "flip", "SHA-256 differs"),
+        ("progress.pt", "truncate", "truncated or corrupt (1000 bytes"),
+    ],
+)
+def test_corrupt_checkpoint_is_one_line_exit_2(tmp_path, capsys, name, how, says):
+    assert main(_cli(tmp_path)) == 0
+    ckpt = tmp_path / "run" / "checkpoint"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in ckpt.iterdir()} - {"manifest.json"}
+    assert all(v["bytes"] == (ckpt / k).stat().st_size for k, v in manifest["files"].items())
+    if name == "progress.pt" and (ckpt / name).stat().st_size <= 1000:
+        pytest.skip("progress.pt is smaller than 1000 bytes")
+    _damage(ckpt / name, how)
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(ckpt / name) in err and says in err
+    assert "--overwrite" in err and "log.keep_checkpoints=2" in err  # what to do
+
+
+def test_unverified_checkpoint_read_error_is_one_line(tmp_path, capsys):
+    """A checkpoint without a manifest (written before it existed): the reader's error, as one line."""
+    assert main(_cli(tmp_path)) == 0
+    ckpt = tmp_path / "run" / "checkpoint"
+    (ckpt / "manifest.json").unlink()
+    _damage(ckpt / "__0_0.distcp", "truncate")
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"checkpoint {ckpt} cannot be read" in err
+
+
+def _rows(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time_", "peak_memory"))} for r in rows]
+
+
+def test_keep_two_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    assert main(_cli(tmp_path, *keep, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint*")) == ["checkpoint", "checkpoint.prev"]
+    assert torch.load(run / "checkpoint.prev" / "progress.pt", weights_only=False)["iteration"] == 1
+    _damage(run / "checkpoint" / "__0_0.distcp", "truncate")
+    with pytest.warns(
+        UserWarning, match=r"truncated or corrupt .*resuming from .*checkpoint.prev \(iteration 1\)"
+    ):
+        assert main(_cli(tmp_path, *keep, "train.iterations=3", "--resume")) == 0
+    assert main(_cli(tmp_path / "b", *keep, "train.iterations=3")) == 0  # uninterrupted
+    assert _rows(run) == _rows(tmp_path / "b" / "run")  # iteration 2 redone exactly
+    # with the default (keep 1) there is nothing to fall back to
+    assert main(_cli(tmp_path / "c", "log.checkpoint_every=1", "train.iterations=2")) == 0
+    assert sorted(p.name for p in (tmp_path / "c" / "run").glob("checkpoint*")) == ["checkpoint"]

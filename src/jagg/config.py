@@ -170,6 +170,9 @@ class LogConfig:
     eval_prompts: int = 24
     eval_images_per_prompt: int = 1
     checkpoint_every: int = 10  # iterations; 0 = only at the end
+    # 1 | 2: also keep the previous checkpoint (checkpoint.prev/), which --resume falls back to, with a warning,
+    # when the newest fails its size / SHA-256 check (one more checkpoint's worth of disk at rest)
+    keep_checkpoints: int = 1
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
     # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
     # off: the eval reward models (HPSv2.1, PickScore, CLIPScore at paper scale) run at evaluations only
@@ -422,6 +425,10 @@ def validate(cfg: Config) -> None:
     for key in ("eval_every", "checkpoint_every", "grid_every"):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
+    _require(
+        cfg.log.keep_checkpoints in (1, 2),
+        f"log.keep_checkpoints must be 1 or 2, got {cfg.log.keep_checkpoints}",
+    )
 
 
 def _validate_data(cfg: Config) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from jagg.common import atomic_write_text, run_metadata, set_threads
 from jagg.config import load_config, validate_world_size
-from jagg.errors import ArtefactError, ConfigError, WeightsUnavailableError
+from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = Trainer(cfg, comp, run_dir)
     if args.resume:
-        trainer.load_checkpoint()
+        try:
+            trainer.load_checkpoint()
+        except CheckpointError as err:  # the same on every rank; one line from rank 0
+            _fail(str(err)) if info.is_main else sys.exit(2)
     try:
         trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
     except TrainingAborted as err:
@@ -142,7 +145,7 @@ def _export(cfg, out_dir: Path) -> int:
     init_distributed(timeout_s=cfg.train.dist_timeout_s)
     try:
         out = export_run(cfg, out_dir)
-    except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
+    except (ConfigError, ArtefactError, WeightsUnavailableError, CheckpointError) as err:
         _fail(str(err))
     if DistInfo.current().is_main:
         print(f"exported: {out}")

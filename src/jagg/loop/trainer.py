@@ -48,7 +48,7 @@ from jagg.engine.grpo import GRPOStepLoss, group_advantages
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats, group_cost, plan_groups, trajectory_backward
-from jagg.loop.checkpoint import Progress, checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
+from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
 from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_reward
@@ -518,17 +518,15 @@ class Trainer:
             progress=progress,
             config=self.cfg.to_dict(),
             dist=self.dist,
+            keep=self.cfg.log.keep_checkpoints,
         )
         self.checkpointed_at = self.iteration
 
     def load_checkpoint(self) -> None:
-        """Restore weights, optimizer, EMA, RNG states, counters and metrics from the run's checkpoint
-        (each rank reads its shards; the checkpoint may come from another world size)."""
-        path = find_checkpoint(self.run_dir)
-        if path is None:
-            raise FileNotFoundError(f"no complete checkpoint under {self.run_dir}")
-        progress = load_checkpoint(
-            path, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
+        """Restore weights, optimizer, EMA, RNG states, counters and metrics from the run's newest checkpoint
+        that verifies (each rank reads its shards; the checkpoint may come from another world size)."""
+        progress, _ = resume_checkpoint(
+            self.run_dir, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
         )
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
