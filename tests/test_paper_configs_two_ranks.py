@@ -7,6 +7,8 @@ fine-tuning and embedding precompute; only sizes shrink (one iteration, 8x8 late
 the transformer on the meta device and receives its shards from rank 0 (``shard_from_rank0``): before the fix,
 Qwen-Image's rotary tables (plain tensor attributes) stayed on the meta device there and the first forward
 failed with ``Cannot copy out of meta tensor``. ``main``'s final process-group teardown is left to the harness.
+Last, rank 1's checkpoint shard of one run is truncated and ``--resume`` must end on both ranks with exit 2 and
+one error line (rank 0's) naming the file.
 """
 
 from __future__ import annotations
@@ -59,10 +61,22 @@ def paper_worker(rank: int, out_dir: str) -> None:
     import jagg.train
 
     jagg.train._shutdown = lambda: None  # the harness destroys the process group after the last config
+    import torch.distributed as dist
+
     out = Path(out_dir)
     codes = {}
     for name in CONFIGS:
         codes[name] = jagg.train.main(_argv(out, name))
+    # issue 19's second failure: rank 1's shard truncated (`truncate -s 1000`), then --resume on both ranks
+    shard = out / "runs" / CONFIGS[0] / "checkpoint" / "__1_0.distcp"
+    if rank == 0:
+        with open(shard, "r+b") as f:
+            f.truncate(1000)
+    dist.barrier()
+    try:
+        jagg.train.main(["--resume", *_argv(out, CONFIGS[0]), "train.iterations=2"])
+    except SystemExit as exc:
+        codes["resume_truncated"] = exc.code
     (out / f"codes_rank{rank}.json").write_text(json.dumps(codes))
 
 
@@ -76,6 +90,19 @@ def paper_runs(tmp_path_factory):
     (out / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
     run_ranks("test_paper_configs_two_ranks:paper_worker", WORLD, out)
     return out
+
+
+def test_truncated_shard_on_resume_is_one_line_exit_2(paper_runs):
+    shard = paper_runs / "runs" / CONFIGS[0] / "checkpoint" / "__1_0.distcp"
+    for r in range(WORLD):
+        assert json.loads((paper_runs / f"codes_rank{r}.json").read_text())["resume_truncated"] == 2
+    errors = [
+        line
+        for r in range(WORLD)
+        for line in (paper_runs / f"rank{r}.log").read_text().splitlines()
+        if line.startswith("error:")
+    ]
+    assert len(errors) == 1 and str(shard) in errors[0] and "truncated or corrupt (1000 bytes" in errors[0]
 
 
 def test_the_four_paper_configs_are_found():
