@@ -105,6 +105,23 @@ def test_truncated_shard_on_resume_is_one_line_exit_2(paper_runs):
     assert len(errors) == 1 and str(shard) in errors[0] and "truncated or corrupt (1000 bytes" in errors[0]
 
 
+def test_meta_built_qwenimage_gets_the_rotary_tables_of_a_real_build():
+    """What ``shard_from_rank0`` does on ranks > 0: the meta-built transformer's plain tensor attributes are
+    recomputed, equal to those of a transformer built on the CPU."""
+    from jagg.models import build_tiny_backbone
+    from jagg.scale.distributed import materialize_tensor_attributes
+
+    real = build_tiny_backbone("qwenimage").transformer
+    with torch.device("meta"):
+        meta = type(real).from_config(real.config)
+    meta.to_empty(device="cpu")
+    assert meta.pos_embed.pos_freqs.is_meta
+    assert materialize_tensor_attributes(meta, "cpu") == 2  # pos_freqs, neg_freqs
+    for attr in ("pos_freqs", "neg_freqs"):
+        assert torch.equal(getattr(meta.pos_embed, attr), getattr(real.pos_embed, attr))
+    assert materialize_tensor_attributes(meta, "cpu") == 0
+
+
 def test_the_four_paper_configs_are_found():
     assert CONFIGS == [
         "flux_dancegrpo",

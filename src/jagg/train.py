@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             trainer.load_checkpoint()
         except CheckpointError as err:  # the same on every rank; one line from rank 0
-            _fail(str(err)) if info.is_main else sys.exit(2)
+            if info.is_main:
+                _fail(str(err))
+            raise SystemExit(2) from None
     try:
         trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
     except TrainingAborted as err:
