@@ -117,6 +117,17 @@ def test_precompute_checks_the_cache_by_existence(tmp_path, monkeypatch):
     assert len(loads) == 2 and cond.batch_size == 2
 
 
+def test_precompute_shares_do_not_depend_on_timing(tmp_path):
+    """Rank 0 finishes its share before rank 1 looks at the shared cache: every prompt is still encoded."""
+    from jagg.scale.pipelines import CachedTextEncoder
+
+    prompts = [f"prompt {i}" for i in range(5)]
+    done = [
+        CachedTextEncoder(_CountingEncoder(), cache_dir=tmp_path).precompute(prompts, r, 2) for r in (0, 1)
+    ]
+    assert done == [3, 2] and len(list(tmp_path.glob("*.pt"))) == 5
+
+
 # --------------------------------------------------------------------------- eval rewards at evaluation only
 class _CountingReward:
     def __init__(self) -> None:

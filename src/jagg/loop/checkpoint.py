@@ -120,8 +120,9 @@ def _gather_dicts(part: dict, dist: DistInfo) -> dict:
 
 
 def _digest_share(path: Path, names: list[str], dist: DistInfo) -> dict:
-    """Digests of ``names`` in ``path``, each rank hashing every world_size-th one; gathered on every rank."""
-    mine = sorted(names)[dist.rank :: dist.world_size]
+    """Digests of ``names`` in ``path``, each rank hashing every world_size-th one (``__<r>_0.distcp`` first,
+    so after a save rank r hashes the shard it wrote); gathered on every rank."""
+    mine = sorted(names, key=lambda n: (n.startswith("."), n))[dist.rank :: dist.world_size]
     return _gather_dicts({n: file_digest(path / n) for n in mine}, dist)
 
 

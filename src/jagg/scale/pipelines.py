@@ -258,9 +258,9 @@ class CachedTextEncoder:
         file's existence, not loaded (a resumed HPDv2 run on Qwen-Image would read ~43 GiB per rank)."""
         unique = list(dict.fromkeys(prompts))
         self.max_memory = max(self.max_memory, len(unique))  # in memory: keep every precomputed prompt
+        if self.cache_dir:  # split before looking at the cache: the others write into it meanwhile
+            unique = unique[rank::world_size]
         todo = [p for p in unique if not self._has(p)]
-        if self.cache_dir:
-            todo = todo[rank::world_size]
         if todo:
             self._encode_missing(todo)
         return len(todo)
