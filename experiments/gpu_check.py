@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.config import AlgorithmConfig
@@ -42,6 +42,7 @@ from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import ENDPOINT_MODES, group_backward
 from jagg.loop.plan import KNOWN_CONFIGS, VAE_SCALE
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
+from jagg.scale.distributed import materialize_tensor_attributes
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
 GPU_OUT = "results/gpu/gpu_check.csv"
@@ -92,20 +93,14 @@ def build_transformer(
     """The diffusers transformer of ``config``, built on the meta device and materialised on ``device``.
 
     Never holds an fp32 copy of the full model. Plain tensor attributes computed in ``__init__`` (Qwen-Image's
-    RoPE tables) are not parameters or buffers, so they are taken from a block-less copy built on the CPU.
+    RoPE tables) are not parameters or buffers; ``materialize_tensor_attributes`` recomputes them, as
+    ``shard_from_rank0`` does on the ranks that built the model on the meta device.
     """
     cls = BACKBONES[name].transformer_cls
     with torch.device("meta"):
         model = cls.from_config(config).to(dtype)
     model = model.to_empty(device=device)
-    reference = None
-    for path, module in model.named_modules():
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, Tensor) and value.is_meta:
-                if reference is None:
-                    no_blocks = {k: 0 for k in ("num_layers", "num_single_layers") if k in config}
-                    reference = dict(cls.from_config({**config, **no_blocks}).named_modules())
-                setattr(module, attr, getattr(reference[path], attr).to(device))
+    materialize_tensor_attributes(model, device)  # the trainer's fix (jagg.scale.distributed)
     _init_(model, seed)
     model.enable_gradient_checkpointing()
     return model

@@ -175,6 +175,9 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp64
     device: str = "cpu"  # cpu | cuda | auto
     max_consecutive_skips: int = 3
+    # seconds any collective (barriers included) may wait under torchrun: rank 0 alone loads the weights,
+    # precomputes embeddings, exports or writes a slow checkpoint while the others wait (NCCL default: 10 min)
+    dist_timeout_s: int = 3600
 
 
 @dataclass(kw_only=True)
@@ -203,8 +206,14 @@ class LogConfig:
     eval_prompts: int = 24
     eval_images_per_prompt: int = 1
     checkpoint_every: int = 10  # iterations; 0 = only at the end
+    # 1 | 2: also keep the previous checkpoint (checkpoint.prev/), which --resume falls back to, with a warning,
+    # when the newest fails its size / SHA-256 check (one more checkpoint's worth of disk at rest)
+    keep_checkpoints: int = 1
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
     report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
+    # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
+    # off: the eval reward models (HPSv2.1, PickScore, CLIPScore at paper scale) run at evaluations only
+    eval_rewards_on_train: bool = False
 
 
 @dataclass(kw_only=True)
@@ -419,6 +428,10 @@ def validate(cfg: Config) -> None:
     for key in ("eval_every", "checkpoint_every", "grid_every"):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
+    _require(
+        cfg.log.keep_checkpoints in (1, 2),
+        f"log.keep_checkpoints must be 1 or 2, got {cfg.log.keep_checkpoints}",
+    )
     bad = [name for name in cfg.log.report_to if name not in TRACKER_NAMES]
     _require(
         not bad, f"log.report_to: unknown tracker {bad[0] if bad else ''!r}; allowed: {list(TRACKER_NAMES)}"
@@ -554,6 +567,7 @@ def _validate_train(train: TrainConfig) -> None:
         "train_batch_size",
         "grad_accum",
         "max_consecutive_skips",
+        "dist_timeout_s",
     ):
         _require(getattr(train, key) >= 1, f"train.{key} must be >= 1, got {getattr(train, key)}")
     _require(

@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
-def init_distributed(backend: str | None = None) -> tuple[int, int]:
+def init_distributed(backend: str | None = None, timeout_s: float = 3600.0) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment; returns (rank, world_size).
 
-    Backend: nccl when CUDA is available, else gloo. A run without torchrun's variables is world size 1
-    and initialises nothing.
+    Backend: nccl when CUDA is available, else gloo. ``timeout_s`` bounds every collective, barriers
+    included (``train.dist_timeout_s``; torch's NCCL default of 10 min is shorter than rank 0 alone loading,
+    precomputing embeddings or exporting 22-38 GiB while the others wait). A run without torchrun's
+    variables is world size 1 and initialises nothing.
     """
     if "RANK" not in os.environ:
         return 0, 1
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size()

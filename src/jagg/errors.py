@@ -17,3 +17,7 @@ class ArtefactError(RuntimeError):
 
 class WeightsUnavailableError(RuntimeError):
     """Requested weights (or data) are neither a local path nor in the hub cache, and cannot be fetched."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated or corrupt; the message names the file and what to do."""

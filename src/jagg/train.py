@@ -141,12 +141,12 @@ def _train(cfg, start, argv_used: list[str]) -> int:
     set_threads(1)
     from jagg.config import validate_world_size
     from jagg.distributed import DistInfo, init_distributed
-    from jagg.errors import ArtefactError, ConfigError, WeightsUnavailableError
+    from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
     from jagg.loop.components import build_components  # the registries: world, diffusers
     from jagg.loop.trainer import Trainer, TrainingAborted
 
     run_dir = Path(cfg.log.run_dir)
-    init_distributed()
+    init_distributed(timeout_s=cfg.train.dist_timeout_s)
     info = DistInfo.current()
     info.barrier()  # every rank has checked run_dir before rank 0 touches it
     try:
@@ -163,7 +163,12 @@ def _train(cfg, start, argv_used: list[str]) -> int:
 
     trainer = Trainer(cfg, comp, run_dir)
     if start.resume:
-        trainer.load_checkpoint()
+        try:
+            trainer.load_checkpoint()
+        except CheckpointError as err:  # the same on every rank; one line from rank 0
+            if info.is_main:
+                _fail(str(err))
+            raise SystemExit(2) from None
         if info.is_main:
             log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
     try:
@@ -229,7 +234,7 @@ def _progress(total: int, start: int):
 def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> int:
     """``--export``: the checkpoint's weights to ``out_dir`` (``jagg.loop.export.export_run``), no training."""
     from jagg.common import set_threads
-    from jagg.errors import ArtefactError, ConfigError, WeightsUnavailableError
+    from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
 
     if args.resume or args.overwrite:
         raise ConfigError("--export does not train: drop --resume / --overwrite (train first, then export)")
@@ -240,10 +245,10 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
     from jagg.distributed import DistInfo, init_distributed
     from jagg.loop.export import export_run
 
-    init_distributed()
+    init_distributed(timeout_s=cfg.train.dist_timeout_s)
     try:
         out = export_run(cfg, out_dir)
-    except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
+    except (ConfigError, ArtefactError, WeightsUnavailableError, CheckpointError) as err:
         _fail(str(err))
     if DistInfo.current().is_main:
         log.info(f"exported: {out}")

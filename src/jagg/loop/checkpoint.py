@@ -19,12 +19,24 @@ Saving is atomic: every rank writes into ``checkpoint.tmp/``; once all have fini
 ``checkpoint/`` or, between the two renames, ``checkpoint.old/``, which ``find_checkpoint`` falls back to.
 Restoring also restores the RNG states, which makes a resumed run equal the uninterrupted one.
 
+Verified: after writing, ``manifest.json`` records every file's size and SHA-256 (each rank hashes its
+share of the files, in parallel: a shard is hashed right after it is written, from the page cache); loading
+checks every size and, again split over the ranks, every hash before reading anything, and a mismatch is a
+``CheckpointError`` naming the file (the CLI prints it as one line, exit 2). Checkpoints written before the
+manifest existed load unverified. ``log.keep_checkpoints: 2`` keeps the previous checkpoint as
+``checkpoint.prev/`` (removed when the next save starts, so a save never needs more than two copies on
+disk); resuming falls back to it automatically, with a warning, when the newest one fails verification (the
+lost iterations are redone exactly: iteration ``it`` depends only on the seed and the restored state).
+
 The optimizer is saved once it has stepped (its state exists); saving before that writes the weights only,
 because building an AdamW state dict of a fresh optimizer would take a zero step and change the live run.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import pickle
 import random
 import shutil
 import warnings
@@ -37,9 +49,11 @@ import torch
 from torch import nn
 
 from jagg.distributed import DistInfo
+from jagg.errors import CheckpointError
 
 CHECKPOINT = "checkpoint"  # directory under log.run_dir
 PROGRESS = "progress.pt"
+MANIFEST = "manifest.json"  # {"checksum": "sha256", "files": {name: {"bytes": n, "sha256": hex}}}
 
 
 @dataclass
@@ -70,14 +84,83 @@ def _complete(path: Path) -> bool:
     return (path / ".metadata").is_file() and (path / PROGRESS).is_file()
 
 
-def find_checkpoint(run_dir: str | Path) -> Path | None:
-    """The run's complete checkpoint directory (``checkpoint/``, else a ``checkpoint.old/`` left by a save
-    interrupted between its two renames), or None."""
+def checkpoint_candidates(run_dir: str | Path) -> list[Path]:
+    """The run's complete checkpoint directories, newest first: ``checkpoint/``, a ``checkpoint.old/`` left by
+    a save interrupted between its two renames, the previous one kept by ``log.keep_checkpoints: 2``."""
     final = checkpoint_dir(run_dir)
-    for path in (final, final.with_name(CHECKPOINT + ".old")):
-        if _complete(path):
-            return path
-    return None
+    paths = (final, final.with_name(CHECKPOINT + ".old"), final.with_name(CHECKPOINT + ".prev"))
+    return [p for p in paths if _complete(p)]
+
+
+def find_checkpoint(run_dir: str | Path) -> Path | None:
+    """The run's newest complete checkpoint directory (``checkpoint_candidates``), or None."""
+    found = checkpoint_candidates(run_dir)
+    return found[0] if found else None
+
+
+# --------------------------------------------------------------------------- verification
+def file_digest(path: Path, chunk: int = 16 * 2**20) -> dict:
+    """``{"bytes": size, "sha256": hex}`` of one file, read in 16 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _gather_dicts(part: dict, dist: DistInfo) -> dict:
+    """The union of every rank's ``part`` (one ``all_gather_object``); ``part`` itself on one process."""
+    if not dist.enabled:
+        return dict(part)
+    import torch.distributed
+
+    parts: list = [None] * dist.world_size
+    torch.distributed.all_gather_object(parts, part)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _digest_share(path: Path, names: list[str], dist: DistInfo) -> dict:
+    """Digests of ``names`` in ``path``, each rank hashing every world_size-th one (``__<r>_0.distcp`` first,
+    so after a save rank r hashes the shard it wrote); gathered on every rank."""
+    mine = sorted(names, key=lambda n: (n.startswith("."), n))[dist.rank :: dist.world_size]
+    return _gather_dicts({n: file_digest(path / n) for n in mine}, dist)
+
+
+def _advice(path: Path) -> str:
+    return (
+        f"delete {path} to resume from an earlier checkpoint, if the run kept one (log.keep_checkpoints=2), "
+        "or start again with --overwrite"
+    )
+
+
+def verify_checkpoint(path: str | Path, dist: DistInfo) -> None:
+    """Check every file of a checkpoint against its ``manifest.json`` (sizes, then SHA-256 split over the
+    ranks; a collective). Raises ``CheckpointError`` naming the first bad file; no manifest: nothing checked."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        return
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(
+            f"checkpoint file {path / MANIFEST} is corrupt ({err}); {_advice(path)}"
+        ) from None
+    for name, want in sorted(files.items()):
+        f = path / name
+        size = f.stat().st_size if f.is_file() else None
+        if size != want["bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise CheckpointError(
+                f"checkpoint file {f} is truncated or corrupt ({found}, written with {want['bytes']} bytes); "
+                + _advice(path)
+            )
+    got = _digest_share(path, list(files), dist)
+    for name in sorted(files):
+        if got[name]["sha256"] != files[name]["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {path / name} is corrupt (SHA-256 differs from the one recorded when it "
+                f"was written); {_advice(path)}"
+            )
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -113,20 +196,27 @@ def save_checkpoint(
     progress: Progress,
     config: dict,
     dist: DistInfo,
+    keep: int = 1,
 ) -> Path:
-    """Atomically write ``run_dir/checkpoint/`` (module docstring); a collective: every rank calls it."""
+    """Atomically write ``run_dir/checkpoint/`` with its manifest (module docstring); ``keep=2`` keeps the
+    previous one as ``checkpoint.prev/``. A collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
     final = checkpoint_dir(run_dir)
     tmp, old = final.with_name(CHECKPOINT + ".tmp"), final.with_name(CHECKPOINT + ".old")
+    prev = final.with_name(CHECKPOINT + ".prev")
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
+        if keep < 2 or final.exists():  # the one before the newest goes (never the only complete one)
+            shutil.rmtree(prev, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
     stepped = bool(optimizer.state)  # the same on every rank (steps are global decisions)
     state = _state(model, optimizer if stepped else None, progress.ema)
     with _single_process_ok():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.enabled)
+    dist.barrier()  # every shard is on disk before any rank hashes the files
+    digests = _digest_share(tmp, [p.name for p in tmp.iterdir()], dist)
     if dist.is_main:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
         meta = {
@@ -141,9 +231,12 @@ def save_checkpoint(
             "world_size": dist.world_size,
         }
         torch.save(meta, tmp / PROGRESS)
+        digests[PROGRESS] = file_digest(tmp / PROGRESS)
+        manifest = {"checksum": "sha256", "files": dict(sorted(digests.items()))}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
-            final.rename(old)
+            final.rename(prev if keep >= 2 else old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
@@ -170,11 +263,12 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
-    meta = read_progress(path)
+    verify_checkpoint(path, dist)
+    meta = _readable(path, lambda: read_progress(path))
     with_optim = meta["optimizer_saved"]
     state = _state(model, optimizer if with_optim else None, ema)
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.enabled)
+        _readable(path, lambda: dcp.load(state, checkpoint_id=str(path), no_dist=not dist.enabled))
     if with_optim:
         set_state_dict(
             model,
@@ -200,17 +294,64 @@ def load_checkpoint(
     )
 
 
+def _readable(path: Path, read):
+    """``read()``, with a failure to read the files (an unverified checkpoint: no manifest) reported as one
+    ``CheckpointError`` naming the checkpoint and what to do, instead of a reader's traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return read()
+    except (CheckpointException, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
+        if isinstance(err, CheckpointException) and err.failures:  # DCP: {rank: (exception, traceback)}
+            err = next(iter(err.failures.values()))[0]
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(err).__name__}: {first}); {_advice(path)}"
+        ) from None
+
+
+def resume_checkpoint(
+    run_dir: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: list[torch.Tensor] | None,
+    dist: DistInfo,
+) -> tuple[Progress, Path]:
+    """``load_checkpoint`` of the newest complete checkpoint of ``run_dir`` that verifies; an older one (kept
+    by ``log.keep_checkpoints: 2``) is used, with a warning, when a newer one fails. Raises the newest
+    one's ``CheckpointError`` when none verifies, ``FileNotFoundError`` when there is none."""
+    found = checkpoint_candidates(run_dir)
+    if not found:
+        raise FileNotFoundError(f"no complete checkpoint under {run_dir}")
+    first: CheckpointError | None = None
+    for path in found:
+        try:
+            progress = load_checkpoint(path, model=model, optimizer=optimizer, ema=ema, dist=dist)
+        except CheckpointError as err:
+            first = first or err
+            continue
+        if first is not None and dist.is_main:
+            warnings.warn(
+                f"{first}; resuming from {path} (iteration {progress.iteration}) instead", stacklevel=2
+            )
+        return progress, path
+    raise first
+
+
 def load_weights(path: str | Path, model: nn.Module, *, ema: bool = False) -> None:
     """Only the trainable weights of a checkpoint into ``model`` (sharded or not; every rank calls it):
     the EMA weights when ``ema`` (the checkpoint must hold them), else the trained ones. No optimizer."""
     import torch.distributed.checkpoint as dcp
 
+    dist = DistInfo.current()
+    verify_checkpoint(path, dist)
     params = dict(model.named_parameters())
     names = trainable_names(model)
     key = "ema" if ema else "model"
     state = {key: {n: params[n].detach() for n in names}}  # DCP loads into these views in place
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not DistInfo.current().enabled)
+        _readable(Path(path), lambda: dcp.load(state, checkpoint_id=str(path), no_dist=not dist.enabled))
 
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:

@@ -36,12 +36,19 @@ def parameter_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype]:
 
 
 def mixed_precision(precision: str):
-    """FSDP2 policy: bf16 compute and all-gathers, fp32 gradient reduction, when ``precision`` is bf16."""
+    """FSDP2 policy: bf16 compute and all-gathers, fp32 gradient reduction, when ``precision`` is bf16.
+
+    Forward inputs keep their dtype (``cast_forward_inputs=False``; FSDP2's default casts every float input
+    of every block to bf16, Flux's rotary cos / sin included): the rotary tables stay fp32 as in the diffusers
+    pipelines, DanceGRPO and a one-process run, and the trainer's bf16 autocast picks each op's compute dtype.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if DTYPES[precision] != torch.bfloat16:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
 
 
 def apply_run_lora(cfg: Config, backbone: Backbone) -> None:

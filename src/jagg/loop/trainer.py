@@ -41,7 +41,7 @@ from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages
 from jagg.engine.routing import BackwardSetting, Routing, calibrate_routing, trajectory_backward
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
-from jagg.loop.checkpoint import Progress, checkpoint_dir, find_checkpoint, load_checkpoint, save_checkpoint
+from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
@@ -119,6 +119,7 @@ class Trainer:
         self.consecutive_skips = 0
         self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
         self.metrics: list[dict] = []
+        self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
         # How the update runs its backward: fixed by the config, or (backward.jagg_frac=auto) None until
         # ``calibrate`` has measured the routing.
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
@@ -184,7 +185,8 @@ class Trainer:
         trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()
         images = self.comp.decode(traj.final.float()).cpu()
-        rewards, scores = score_samples(images, prompts, self.train_reward, self.eval_rewards)
+        evals = self.eval_rewards if self.cfg.log.eval_rewards_on_train else {}  # else: at evaluations only
+        rewards, scores = score_samples(images, prompts, self.train_reward, evals)
         rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
         scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
         adv = group_advantages(
@@ -428,16 +430,16 @@ class Trainer:
             progress=progress,
             config=self.cfg.to_dict(),
             dist=self.dist,
+            keep=self.cfg.log.keep_checkpoints,
         )
+        self.checkpointed_at = self.iteration
 
     def load_checkpoint(self) -> None:
         """Restore weights, optimizer, EMA, RNG states, counters, metrics and a measured routing from the run's
-        checkpoint (each rank reads its shards; the checkpoint may come from another world size)."""
-        path = find_checkpoint(self.run_dir)
-        if path is None:
-            raise FileNotFoundError(f"no complete checkpoint under {self.run_dir}")
-        progress = load_checkpoint(
-            path, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
+        newest checkpoint that verifies (each rank reads its shards; the checkpoint may come from another world
+        size)."""
+        progress, _ = resume_checkpoint(
+            self.run_dir, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
         )
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
@@ -449,6 +451,7 @@ class Trainer:
                 measured=tuple(progress.routing),
             )
             self.backward = self.cfg.backward.setting(routing)
+        self.checkpointed_at = self.iteration
         self._write_metrics()
 
     def _write_metrics(self) -> None:
@@ -485,7 +488,8 @@ class Trainer:
                 )
             if log.checkpoint_every and self.iteration % log.checkpoint_every == 0:
                 self.save_checkpoint()
-        self.save_checkpoint()
+        if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
+            self.save_checkpoint()
         self.trackers.close()
         return self.metrics
 

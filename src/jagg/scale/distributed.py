@@ -172,6 +172,48 @@ def _non_persistent_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
     ]
 
 
+def _config_root(path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The path of the innermost module at or above ``path`` that diffusers can rebuild (``from_config``)."""
+    parts = path.split(".") if path else []
+    for k in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:k])
+        if hasattr(modules[prefix], "from_config") and hasattr(modules[prefix], "config"):
+            return prefix
+    return None
+
+
+def materialize_tensor_attributes(module: nn.Module, device: torch.device | str) -> int:
+    """Fill, on ``device``, the plain tensor attributes that building on the meta device left without data.
+
+    Tensors an ``__init__`` computes and keeps as plain attributes (neither parameters nor buffers: diffusers'
+    ``QwenEmbedRope.pos_freqs`` / ``neg_freqs``, complex rotary tables kept out of the buffers so that a dtype
+    cast cannot drop their imaginary part) are not moved by ``to_empty`` nor sent by a state dict. They are
+    recomputed from a copy of their diffusers model built on the CPU without its repeated blocks
+    (``num_layers`` / ``num_single_layers`` = 0; the tables do not depend on depth). Call it before the first
+    forward (diffusers memoises per-device copies of the tables). Returns how many were filled. Used by
+    ``shard_from_rank0`` and ``experiments/gpu_check.py``.
+    """
+    modules = dict(module.named_modules())
+    rebuilt: dict[str, dict[str, nn.Module]] = {}
+    filled = 0
+    for path, owner in modules.items():
+        for attr, value in list(vars(owner).items()):
+            if not (isinstance(value, torch.Tensor) and value.is_meta):
+                continue
+            root = _config_root(path, modules)
+            if root is None:
+                raise RuntimeError(f"{path}.{attr} is a meta tensor that no diffusers model can recompute")
+            if root not in rebuilt:
+                config = dict(modules[root].config)
+                config.update({k: 0 for k in ("num_layers", "num_single_layers") if k in config})
+                with torch.device("cpu"):
+                    rebuilt[root] = dict(type(modules[root]).from_config(config).named_modules())
+            rel = path[len(root) :].lstrip(".")
+            setattr(owner, attr, getattr(rebuilt[root][rel], attr).to(device))
+            filled += 1
+    return filled
+
+
 def shard_from_rank0(
     module: nn.Module,
     shard: Callable[[nn.Module], object],
@@ -190,8 +232,9 @@ def shard_from_rank0(
     (``to_empty``) and receives them from rank 0 tensor by tensor
     (``set_model_state_dict(..., StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``:
     each tensor is broadcast in rank 0's dtype and copied, converted, into the local shard). Buffers left
-    out of ``state_dict`` are broadcast too. Host peak: rank 0 its loaded weights + its shards; other ranks
-    their shards + the largest single tensor.
+    out of ``state_dict`` are broadcast too; plain tensor attributes left on the meta device (Qwen-Image's
+    rotary tables) are recomputed (``materialize_tensor_attributes``). Host peak: rank 0 its loaded weights
+    + its shards; other ranks their shards + the largest single tensor.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -212,6 +255,7 @@ def shard_from_rank0(
             if info.is_main:
                 buf.copy_(value)
             dist.broadcast(buf, src=0)
+    materialize_tensor_attributes(module, device)
     return module
 
 

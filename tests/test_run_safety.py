@@ -1,0 +1,314 @@
+"""What a first paper-scale run needs beyond the numerics: the process group's timeout from the config, one
+checkpoint at the end, a resume that checks the embedding cache without loading it, eval rewards only at
+evaluation, fp32 rotary tables under bf16 FSDP2 and verified checkpoints (issue 19)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from jagg.config import TINY_OVERRIDES, load_config
+from jagg.errors import ConfigError
+from jagg.train import main
+
+TINY = [*TINY_OVERRIDES, "train.iterations=1", "train.prompts_per_iter=1", "train.images_per_prompt=2"]
+TINY += ["train.train_batch_size=2", "sampling.num_steps=4", "log.eval_every=0"]
+
+
+# --------------------------------------------------------------------------- process-group timeout
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("override", "seconds"), [([], 3600), (["train.dist_timeout_s=123"], 123)])
+def test_dist_timeout_reaches_init_process_group(tmp_path, monkeypatch, override, seconds):
+    import torch.distributed as dist
+
+    seen = {}
+
+    def fake_init(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise _Stop
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    args = [
+        "--config",
+        "configs/world/flux_dancegrpo.yaml",
+        *TINY,
+        f"log.run_dir={tmp_path / 'r'}",
+        *override,
+    ]
+    with pytest.raises(_Stop):
+        main(args)
+    assert seen["timeout"].total_seconds() == seconds
+
+
+def test_dist_timeout_must_be_positive():
+    with pytest.raises(ConfigError, match="train.dist_timeout_s must be >= 1"):
+        load_config("configs/world/flux_dancegrpo.yaml", ["train.dist_timeout_s=0"])
+
+
+# --------------------------------------------------------------------------- one checkpoint at the end
+def _tiny_trainer(tmp_path, *overrides):
+    from jagg.loop.components import build_components
+    from jagg.loop.trainer import Trainer
+
+    cfg = load_config("configs/world/flux_dancegrpo.yaml", [*TINY, f"log.run_dir={tmp_path}", *overrides])
+    return Trainer(cfg, build_components(cfg), tmp_path)
+
+
+def _count_saves(monkeypatch) -> list[int]:
+    import jagg.loop.trainer as trainer_module
+
+    saved: list[int] = []
+    real = trainer_module.save_checkpoint
+
+    def counted(run_dir, **kw):
+        saved.append(kw["progress"].iteration)
+        return real(run_dir, **kw)
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", counted)
+    return saved
+
+
+@pytest.mark.parametrize(("every", "expected"), [(1, [1, 2]), (2, [2]), (0, [2]), (3, [2])])
+def test_one_checkpoint_per_iteration_at_most(tmp_path, monkeypatch, every, expected):
+    saved = _count_saves(monkeypatch)
+    _tiny_trainer(tmp_path, "train.iterations=2", f"log.checkpoint_every={every}").fit()
+    assert saved == expected
+    resumed = _tiny_trainer(tmp_path, "train.iterations=2", f"log.checkpoint_every={every}")
+    resumed.load_checkpoint()
+    resumed.fit()  # nothing left to train: the checkpoint it loaded is not written again
+    assert saved == expected
+
+
+# --------------------------------------------------------------------------- embedding cache on resume
+class _CountingEncoder:
+    """Stands in for the text encoders: one random row per prompt, counting the prompts it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def encode_prompts(self, prompts):
+        from jagg.models import TextCond
+
+        self.encoded += len(prompts)
+        return TextCond(embeds=torch.randn(len(prompts), 3, 4), pooled=torch.randn(len(prompts), 4))
+
+
+def test_precompute_checks_the_cache_by_existence(tmp_path, monkeypatch):
+    from jagg.scale.pipelines import CachedTextEncoder
+
+    prompts = [f"prompt {i}" for i in range(5)]
+    first = CachedTextEncoder(_CountingEncoder(), cache_dir=tmp_path)
+    assert first.precompute(prompts) == 5 and len(list(tmp_path.glob("*.pt"))) == 5
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
+    again = CachedTextEncoder(_CountingEncoder(), cache_dir=tmp_path)  # what a resumed run builds
+    assert again.precompute([*prompts, "a new one"]) == 1 and again.encoder.encoded == 1
+    assert loads == []  # nothing read back to see that it is there
+    again.release()
+    cond = again.encode_prompts(prompts[:2])  # read when used
+    assert len(loads) == 2 and cond.batch_size == 2
+
+
+def test_precompute_shares_do_not_depend_on_timing(tmp_path):
+    """Rank 0 finishes its share before rank 1 looks at the shared cache: every prompt is still encoded."""
+    from jagg.scale.pipelines import CachedTextEncoder
+
+    prompts = [f"prompt {i}" for i in range(5)]
+    done = [
+        CachedTextEncoder(_CountingEncoder(), cache_dir=tmp_path).precompute(prompts, r, 2) for r in (0, 1)
+    ]
+    assert done == [3, 2] and len(list(tmp_path.glob("*.pt"))) == 5
+
+
+# --------------------------------------------------------------------------- eval rewards at evaluation only
+class _CountingReward:
+    def __init__(self, device=None) -> None:  # every reward factory takes the run's device
+        self.batches = 0
+
+    def __call__(self, images, prompts):
+        self.batches += 1
+        return images.flatten(1).float().mean(1)
+
+
+@pytest.mark.parametrize("on_train", [False, True])
+def test_eval_rewards_score_training_batches_only_when_asked(tmp_path, monkeypatch, on_train):
+    from jagg.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "counting_test", _CountingReward)
+    trainer = _tiny_trainer(
+        tmp_path,
+        "reward.eval=[jpeg, counting_test]",
+        "log.eval_every=1",
+        "log.eval_prompts=2",
+        f"log.eval_rewards_on_train={str(on_train).lower()}",
+    )
+    rows = trainer.fit()
+    calls = trainer.eval_rewards["counting_test"].batches
+    assert calls == 2 + on_train  # the evaluations at iterations 0 and 1 (+ the one training batch)
+    assert ("reward_counting_test_mean" in rows[-1]) == on_train and "eval_counting_test_mean" in rows[-1]
+    assert "reward_jpeg_mean" in rows[-1]  # the training reward's own score is always logged
+
+
+def test_paper_configs_score_training_batches_with_the_training_reward_only():
+    from pathlib import Path
+
+    for path in sorted(Path("configs/paper").glob("*_*.yaml")):
+        assert not load_config(path).log.eval_rewards_on_train, path
+    assert load_config(
+        "configs/world/flux_dancegrpo.yaml"
+    ).log.eval_rewards_on_train  # world_rl_report reads them
+
+
+# --------------------------------------------------------------------------- rotary tables stay fp32 under FSDP2
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A world-size-1 gloo process group in this process (FSDP2 needs one), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rotary_dtypes(backbone) -> list[torch.dtype]:
+    """Run one bf16-autocast forward (fp32 latents, as the trainer's); the dtypes of every tensor in the
+    ``image_rotary_emb`` each block hands to its attention (after FSDP2's pre-forward hooks)."""
+    from jagg.models import TextCond
+    from jagg.scale.distributed import transformer_blocks
+
+    seen: list[torch.dtype] = []
+
+    def record(module, args, kwargs):
+        seen.extend(t.dtype for t in kwargs["image_rotary_emb"])
+
+    hooks = [
+        b.attn.register_forward_pre_hook(record, with_kwargs=True)
+        for b in transformer_blocks(backbone.transformer)
+    ]
+    g = torch.Generator().manual_seed(0)
+    cond = TextCond(
+        embeds=torch.randn(2, 5, 32, generator=g),
+        mask=torch.ones(2, 5, dtype=torch.long),
+        pooled=torch.randn(2, 32, generator=g),
+    )
+    z = torch.randn(2, backbone.latent_channels, 8, 8, generator=g)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = backbone.velocity(z, torch.full((2,), 0.5), cond)
+    for h in hooks:
+        h.remove()
+    assert torch.isfinite(out.float()).all()
+    return seen
+
+
+@pytest.mark.parametrize(("name", "rotary"), [("flux", torch.float32), ("qwenimage", torch.complex64)])
+def test_rotary_inputs_stay_fp32_under_bf16_fsdp2(one_rank_group, name, rotary):
+    from jagg.loop.placement import mixed_precision
+    from jagg.models import build_tiny_backbone
+    from jagg.scale.distributed import shard_backbone
+
+    unsharded = _rotary_dtypes(build_tiny_backbone(name, seed=1))  # world size 1: no FSDP2
+    sharded = _rotary_dtypes(
+        shard_backbone(build_tiny_backbone(name, seed=1), mp_policy=mixed_precision("bf16"))
+    )
+    assert set(unsharded) == {rotary}
+    assert len(sharded) == len(unsharded) and set(sharded) == {rotary}  # not cast to bf16 by FSDP2
+
+
+# --------------------------------------------------------------------------- verified checkpoints
+def _cli(tmp_path, *extra):
+    flags = [e for e in extra if e.startswith("--")]  # before the positional overrides (argparse)
+    overrides = [e for e in extra if not e.startswith("--")]
+    return [
+        *flags,
+        "--config",
+        "configs/world/flux_dancegrpo.yaml",
+        *TINY,
+        f"log.run_dir={tmp_path / 'run'}",
+        *overrides,
+    ]
+
+
+def _exit_code(args) -> int:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    return exc.value.code
+
+
+def _damage(path, how: str) -> None:
+    if how == "truncate":  # what `truncate -s 1000` does
+        with open(path, "r+b") as f:
+            f.truncate(1000)
+    else:  # one flipped byte, same size
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "says"),
+    [
+        ("__0_0.distcp", "truncate", "truncated or corrupt (1000 bytes"),
+        ("__0_0.distcp", "flip", "SHA-256 differs"),
+        (".metadata", "flip", "SHA-256 differs"),
+        ("progress.pt", "truncate", "truncated or corrupt (1000 bytes"),
+    ],
+)
+def test_corrupt_checkpoint_is_one_line_exit_2(tmp_path, capsys, name, how, says):
+    assert main(_cli(tmp_path)) == 0
+    ckpt = tmp_path / "run" / "checkpoint"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in ckpt.iterdir()} - {"manifest.json"}
+    assert all(v["bytes"] == (ckpt / k).stat().st_size for k, v in manifest["files"].items())
+    if name == "progress.pt" and (ckpt / name).stat().st_size <= 1000:
+        pytest.skip("progress.pt is smaller than 1000 bytes")
+    _damage(ckpt / name, how)
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(ckpt / name) in err and says in err
+    assert "--overwrite" in err and "log.keep_checkpoints=2" in err  # what to do
+
+
+def test_unverified_checkpoint_read_error_is_one_line(tmp_path, capsys):
+    """A checkpoint without a manifest (written before it existed): the reader's error, as one line."""
+    assert main(_cli(tmp_path)) == 0
+    ckpt = tmp_path / "run" / "checkpoint"
+    (ckpt / "manifest.json").unlink()
+    _damage(ckpt / "__0_0.distcp", "truncate")
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"checkpoint {ckpt} cannot be read" in err
+
+
+def _rows(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time_", "peak_memory"))} for r in rows]
+
+
+def test_keep_two_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    assert main(_cli(tmp_path, *keep, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint*")) == ["checkpoint", "checkpoint.prev"]
+    assert torch.load(run / "checkpoint.prev" / "progress.pt", weights_only=False)["iteration"] == 1
+    _damage(run / "checkpoint" / "__0_0.distcp", "truncate")
+    with pytest.warns(
+        UserWarning, match=r"truncated or corrupt .*resuming from .*checkpoint.prev \(iteration 1\)"
+    ):
+        assert main(_cli(tmp_path, *keep, "train.iterations=3", "--resume")) == 0
+    assert main(_cli(tmp_path / "b", *keep, "train.iterations=3")) == 0  # uninterrupted
+    assert _rows(run) == _rows(tmp_path / "b" / "run")  # iteration 2 redone exactly
+    # with the default (keep 1) there is nothing to fall back to
+    assert main(_cli(tmp_path / "c", "log.checkpoint_every=1", "train.iterations=2")) == 0
+    assert sorted(p.name for p in (tmp_path / "c" / "run").glob("checkpoint*")) == ["checkpoint"]
