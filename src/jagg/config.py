@@ -139,6 +139,8 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp64
     device: str = "cpu"  # cpu | cuda | auto
     max_consecutive_skips: int = 3
+    # positive control (jagg.engine.control): the gradient mixed with one fixed random direction at this cosine
+    control_cosine: float | None = None
 
 
 @dataclass
@@ -397,6 +399,10 @@ def validate(cfg: Config) -> None:
     _require(
         t.precision in ("fp32", "bf16", "fp64"),
         f"train.precision must be fp32|bf16|fp64, got {t.precision!r}",
+    )
+    _require(
+        t.control_cosine is None or 0 < t.control_cosine <= 1,
+        f"train.control_cosine must be null or in (0, 1], got {t.control_cosine}",
     )
     _require(t.device in ("cpu", "cuda", "auto"), f"train.device must be cpu|cuda|auto, got {t.device!r}")
     _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")

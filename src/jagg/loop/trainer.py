@@ -43,6 +43,7 @@ from torch import Tensor
 from jagg.common import SeedStream, atomic_write_text, generator
 from jagg.config import BackwardConfig, Config, validate_world_size
 from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.control import degrade_gradients, fixed_direction
 from jagg.engine.diagnostics import group_gradient_cosines, route_by_cosine
 from jagg.engine.grpo import GRPOStepLoss, group_advantages
 from jagg.engine.sampling import Trajectory, sample_trajectory
@@ -110,6 +111,11 @@ class Trainer:
             self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
         self.ema = [p.detach().clone() for p in self.params] if o.ema_decay > 0 else None
+        # train.control_cosine (positive control): one direction per run, a function of the seed (resume-safe)
+        c = t.control_cosine
+        self.control = (
+            None if c is None else fixed_direction(self.params, generator(t.seed, SeedStream.CONTROL))
+        )
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm)
         s = cfg.sampling
         self.sigmas = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(s.num_steps, s.shift)
@@ -331,6 +337,8 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
+        if self.control is not None:
+            degrade_gradients(self.params, self.control, self.cfg.train.control_cosine)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
         norm = float(full_tensor(norm))  # global norm (a DTensor under FSDP2): same on every rank
         if not math.isfinite(norm):
