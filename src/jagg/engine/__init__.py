@@ -5,6 +5,7 @@
     strategies  exact / JAGG / ablation backward of a group of steps, ``jagg_frac`` routing, pass counts
     diagnostics per-group cosine of each strategy's gradient to the exact one (``group_gradient_cosines``) and
                 the routing rule built on it (``route_by_cosine``: JAGG where the cosine stays high)
+    control     the positive control: the gradient mixed with one fixed random direction at a set cosine
     sampling    trajectory sampling with per-step kinds
     algorithms  DanceGRPO / Flow-GRPO / Flow-GRPO-Fast: which steps are SDE and which are trained
     profiling   bytes autograd saves for backward (memory of a strategy, on CPU or GPU)
