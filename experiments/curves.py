@@ -506,6 +506,36 @@ def render(csv_dir: Path, figures: Path, proto_path: Path = PROTOCOL, long: bool
         plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(proto["arms"]))
 
 
+def pilot_report(
+    run_root: Path, metric: str, alpha: float, power: float, control: str = "control_0.5"
+) -> str:
+    """The pilot's numbers (runs under ``run_root``/<arm>_seed<k>/): per seed exact's gain over the base model
+    and the control's paired difference at the last evaluation, their mean and SD, and the MDD per n."""
+    import numpy as np
+
+    def last(arm: str, seed: int) -> tuple[float, float]:
+        rows = [
+            json.loads(x) for x in (run_root / f"{arm}_seed{seed}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        ev = [r for r in rows if metric in r]
+        return ev[0][metric], ev[-1][metric]
+
+    seeds = sorted(
+        int(p.name.split("seed")[1]) for p in run_root.glob(f"{control}_seed*") if (p / "done").is_file()
+    )
+    seeds = [k for k in seeds if (run_root / f"exact_seed{k}" / "done").is_file()]
+    gain = [last("exact", k)[1] - last("exact", k)[0] for k in seeds]
+    diff = [last(control, k)[1] - last("exact", k)[1] for k in seeds]
+    sd = float(np.std(diff, ddof=1))
+    mdd = {n: minimum_detectable_difference(sd, n, alpha, power, "less") for n in (3, 6, 8, 10, 12, 16)}
+    return (
+        f"seeds {seeds}; exact gain {np.mean(gain):+.3f} (per seed {', '.join(f'{g:+.3f}' for g in gain)}); "
+        f"{control} - exact {np.mean(diff):+.3f} (per seed {', '.join(f'{d:+.3f}' for d in diff)}), paired SD "
+        f"{sd:.3f}; one-sided MDD (alpha {alpha}, power {power}) by n: "
+        + ", ".join(f"{n}: {m:.3f}" for n, m in mdd.items())
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--protocol", default=str(PROTOCOL))
@@ -518,11 +548,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="default results/curves (results/curves_quick with --quick)")
     ap.add_argument("--figures", default="paper_figures")
     ap.add_argument("--quick", action="store_true", help="a few iterations, two seeds (QUICK=1: a smoke run)")
+    ap.add_argument(
+        "--pilot-report", default=None, help="print the pilot's numbers from these run dirs, exit"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     set_threads(1)  # this process only orchestrates; each run uses one thread
     proto_path = Path(args.protocol)
     proto = load_protocol(proto_path, args.long)
+    if args.pilot_report:
+        print(pilot_report(Path(args.pilot_report), "eval_pref_mean", proto["alpha"], proto["power"]))
+        return
     unknown = sorted(set(args.arms or []) - set(proto["arms"])) + sorted(
         set(args.recipes or []) - set(proto["recipes"])
     )
