@@ -39,8 +39,8 @@ def test_shape_thresholds_lie_between_the_classes_on_clean_renders():
         _, _, a3, a4 = harmonics(alpha)
         h3.setdefault(attrs.shape, []).append(a3)
         h4.setdefault(attrs.shape, []).append(a4)
-    assert min(h3["triangle"]) > H3_TRIANGLE + 0.15 and max(h3["circle"] + h3["square"]) < H3_TRIANGLE - 0.15
-    assert min(h4["square"]) > H4_SQUARE + 0.05 and max(h4["circle"]) < H4_SQUARE - 0.05
+    assert min(h3["triangle"]) > H3_TRIANGLE + 0.3 and max(h3["circle"] + h3["square"]) < H3_TRIANGLE - 0.05
+    assert min(h4["square"]) > H4_SQUARE + 0.1 and max(h4["circle"]) < H4_SQUARE - 0.05
 
 
 def test_wrong_images_score_zero():

@@ -3,20 +3,21 @@
 No weights: what a policy learns to please a network cannot please this judge by the same route (the learned
 judges ``attr`` and ``attr_judge`` share a reading of generated shapes, docs/decisions.md). Per image:
 
-    colour    every pixel goes to the nearest of the world's palette colours and the background
-              (``scene.PALETTE``, ``scene.BACKGROUND``); the object's colour is the palette colour with the
-              most pixels
-    coverage  the render is ``bg (1 - alpha) + colour alpha`` (``scene.World.render_attributes``), so alpha
-              is recovered by projecting each pixel onto the segment background -> colour, the background
-              taken as the image's per-channel median (most pixels are background); alpha < 0.1 counts as 0
+    colour    the render is ``bg (1 - alpha) + colour alpha`` (``scene.World.render_attributes``): with the
+              background taken as the image's per-channel median (most pixels are background), each of the
+              world's palette colours (``scene.PALETTE``) explains every pixel by its best alpha in [0, 1] on
+              the segment background -> colour; the colour that explains the most pixel energy wins (robust to
+              blur, which keeps mixtures on that segment)
+    coverage  that colour's alpha per pixel; alpha < 0.1 counts as 0 (background jitter)
     position  the coverage centroid, the nearest of ``scene.POSITIONS``
     shape     angular harmonics of the coverage about its centroid, h_k = |sum a r^2 e^{ik theta}| /
               sum a r^2: a triangle has 3-fold symmetry (h_3 ~ 0.5, the others < 0.07), a square 4-fold
-              (h_4 ~ 0.27, a circle < 0.07); triangle if h_3 > 0.25, else square if h_4 > 0.15, else circle
+              (h_4 ~ 0.27, a circle < 0.07); triangle if h_3 > 0.15, else square if h_4 > 0.12, else circle
+              (thresholds low in the clean ranges because blur shrinks every harmonic)
 
-The thresholds lie mid-way between the classes' ranges on clean renders of every prompt (printed by the
-test); the reading is exact on clean renders (``tests/test_geometry.py``) and degrades with the image, not
-with a network's training set. Worlds with other shapes (``diamond``) are refused.
+The reading is exact on clean renders (``tests/test_geometry.py``) and degrades with the image, not with a
+network's training set: 0.74-0.86 exact match under JPEG 30 / half resolution / Gaussian blur + noise, where
+the learned judges keep 0.92-0.98 (``experiments/judges_ood.py``). Worlds with other shapes are refused.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import math
 import torch
 from torch import Tensor
 
-from jagg.world.scene import BACKGROUND, PALETTE, POSITIONS, Attributes, World
+from jagg.world.scene import PALETTE, POSITIONS, Attributes, World
 
 SHAPES_READ = ("circle", "square", "triangle")
 MIN_ALPHA = 0.1  # coverage below this is background noise / jitter
-H3_TRIANGLE = 0.25  # 3-fold harmonic above which the shape is a triangle
-H4_SQUARE = 0.15  # 4-fold harmonic above which (and no 3-fold) the shape is a square
+H3_TRIANGLE = 0.15  # 3-fold harmonic above which the shape is a triangle
+H4_SQUARE = 0.12  # 4-fold harmonic above which (and no 3-fold) the shape is a square
 
 
 def harmonics(alpha: Tensor) -> tuple[float, float, float, float]:
@@ -62,21 +63,22 @@ def read_attributes(images: Tensor, world: World) -> list[Attributes | None]:
             f"the geometric judge reads shapes {SHAPES_READ}, the world has {world.config.shapes}"
         )
     names = list(world.config.colors)
-    ref = torch.tensor([PALETTE[c] for c in names] + [BACKGROUND], dtype=torch.float32)  # (K + 1, 3)
+    ref = torch.tensor([PALETTE[c] for c in names], dtype=torch.float32)  # (K, 3)
     x = images.detach().float().cpu().clamp(0, 1)
     _, _, h, w = x.shape
     out: list[Attributes | None] = []
     for img in x:
-        pixels = img.permute(1, 2, 0)  # (H, W, 3)
-        nearest = ((pixels[..., None, :] - ref) ** 2).sum(-1).argmin(-1)
-        counts = torch.bincount(nearest.flatten(), minlength=len(names) + 1)[: len(names)]
-        if counts.sum() == 0:
+        pixels = img.permute(1, 2, 0).reshape(-1, 3)  # (P, 3)
+        bg = pixels.median(0).values
+        d = ref - bg  # (K, 3): background -> each colour
+        alphas = ((pixels - bg) @ d.T / (d * d).sum(1).clamp_min(1e-8)).clamp(0, 1)  # (P, K)
+        resid = ((pixels[:, None, :] - bg - alphas[..., None] * d) ** 2).sum(-1)  # (P, K)
+        explained = (((pixels - bg) ** 2).sum(-1, keepdim=True) - resid).sum(0)  # (K,)
+        k = int(explained.argmax())
+        if explained[k] <= 0:  # no pixel departs from the background towards any colour
             out.append(None)
             continue
-        k = int(counts.argmax())
-        bg = img.flatten(1).median(1).values
-        d = ref[k] - bg
-        alpha = ((pixels - bg) @ d / (d @ d).clamp_min(1e-8)).clamp(0, 1)
+        alpha = alphas[:, k].reshape(h, w)
         alpha = torch.where(alpha < MIN_ALPHA, torch.zeros_like(alpha), alpha)
         if alpha.sum() <= 0:
             out.append(None)
