@@ -260,6 +260,8 @@ def verdict(r: dict, alpha: float, controls: dict[str, bool], control_arms: list
     if r["tost_adj"] < alpha:
         if controls and all(controls.values()):
             return "equivalent within the margin"
+        if not controls:
+            return "TOST passed, NO claim: no positive control ran"
         return "TOST passed, NO claim: the design does not detect the positive control"
     if r["mdd"] > r["margin"]:
         return "no difference shown; underpowered (MDD > margin)"
