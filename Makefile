@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test test-dist lint format bench gpu-check hpsv2-ref pretrain clean theorem table1 cosine routing curves world-rl figures notebooks all
+.PHONY: help venv test test-dist lint format bench gpu-check hpsv2-ref pretrain clean theorem table1 cosine routing curves curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -73,8 +73,14 @@ cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact) -> 
 routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per world backbone x algorithm, timed vs jagg_frac 0.6 -> results/routing.{csv,md}
 	$(PY) experiments/routing.py
 
-curves: $(STAMP) pretrain ## Reward curves: DanceGRPO + Flow-GRPO-Fast x exact / JAGG / auto / endpoints / uniform x 6 paired seeds, CIs and equivalence tests (~45 min; QUICK=1: a smoke run) -> results/curves/, paper_figures/reward_curves_*.png
+curves: $(STAMP) pretrain ## Reward curves under experiments/curves_protocol.yaml: DanceGRPO x exact / jagg / auto / endpoints / uniform / jagg_index / positive control x 8 paired seeds, the same battery on every arm (~47 min; QUICK=1: a smoke run) -> results/curves/, paper_figures/reward_curves_*.png
 	$(PY) experiments/curves.py $(if $(QUICK),--quick,)
+
+curves-long: $(STAMP) pretrain ## The protocol's long design: + Flow-GRPO-Fast, 12 paired seeds (~2 h) -> results/curves/
+	$(PY) experiments/curves.py --long
+
+judges-ood: $(STAMP) pretrain ## The three attribute judges on degradations none was trained on (~1 min) -> results/judges_ood.md
+	$(PY) experiments/judges_ood.py
 
 world-rl: $(STAMP) pretrain ## DanceGRPO + JAGG on the world, 180 iterations (~13 min): before/after -> results/world_rl_eval.md, paper_figures/world_rl_before_after.png
 	@# The committed results came from the paper-literal update (joint endpoints, every step forwarded); these two

@@ -1,23 +1,24 @@
-"""Reward curves: GRPO training with exact, JAGG, auto routing and the two ablations over paired seeds.
+"""Reward curves under a committed protocol: every arm (strategies and a positive control) vs exact, one battery.
 
-Two world recipes (DanceGRPO and Flow-GRPO-Fast, ``RECIPES``) x five strategies (``STRATEGIES``) x seeds.
-Each (recipe, strategy, seed) is one ``python -m jagg.train`` run; a seed fixes the prompts, the initial noise
-and the SDE noise of the first rollout for every strategy, so the comparison with exact is paired by seed.
-Runs go two at a time (one torch thread each, on 2 cores); a finished run is reused, an interrupted one
-resumed. The per-iteration metrics land in ``results/curves/<recipe>/<strategy>_seed<k>.csv``; the analysis
-reads only those files:
+The protocol (``experiments/curves_protocol.yaml``, committed before the runs it governs) fixes the recipes,
+the arms, the paired seeds, alpha, one primary metric per recipe, the secondary metrics and an absolute
+equivalence margin per metric. Each (recipe, arm, seed) is one ``python -m jagg.train`` run; a seed fixes the
+prompts, the initial noise and the SDE noise of the first rollout for every arm, so the comparison with exact
+is paired by seed. Runs go two at a time (one torch thread each); a finished run is reused, an interrupted one
+resumed; a line per finished run reports the time and an ETA. The per-iteration metrics land in
+``results/curves/<recipe>/<arm>_seed<k>.csv``; the analysis reads only those files and the protocol:
 
-* per metric (held-out ``pref``, ``clip``, ``attr`` and the eval-only ``attr_judge``; the policy trains on
-  ``pref`` and, in DanceGRPO, ``attr``), at the last evaluation and as the area under the curve (its mean
-  level over the evaluations): the mean paired difference to exact with a 95% t interval over seeds;
-* equivalence of ``jagg`` and ``auto`` to exact by two one-sided t-tests with the margin fixed before any run
-  (``EQUIVALENCE_FRACTION`` of exact's mean gain over the base model, per metric and summary);
-* a one-sided t-test of ``endpoints`` below exact;
-* each strategy's gain over the base model for ``attr`` next to ``attr_judge`` (an attribute gain is claimed
-  only where the eval-only judge confirms it), and the two judges' agreement on the generated samples;
-* seconds per iteration and per update, and what the auto calibration cost next to what it saved.
+* per metric, every arm against exact (``battery``): paired difference with its 95% t interval, TOST at the
+  margin, one-sided "worse than exact" t-test, the exact sign-flip test (one-sided and two-sided) and the
+  minimum detectable difference from the paired SD; Holm over the secondary metrics of an arm;
+* the positive control (``train.control_cosine``: the exact gradient mixed with one fixed random direction at
+  a set cosine) must be detected on the primary metric, else the recipe's design cannot discriminate and no
+  equivalence is claimed;
+* each arm's attribute gain over the base model by three judges (``attr``, ``attr_judge``, the non-learned
+  ``attr_geom``), claimed only where the geometric judge and a learned one agree;
+* seconds per iteration and per update, what the auto calibration cost next to what it saved.
 
-    python experiments/curves.py [--recipes dancegrpo flowgrpo_fast] [--seeds 6] [--quick]
+    python experiments/curves.py [--long] [--recipes dancegrpo] [--seeds 8] [--arms exact jagg ...] [--quick]
     -> results/curves/<recipe>/*.csv, results/curves/summary.md, paper_figures/reward_curves_<recipe>.png
 """
 
@@ -29,32 +30,26 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.stats import area_under_curve, one_sided_below, paired_interval, tost
+import yaml
 
-RECIPES = {
-    "dancegrpo": "configs/world/curves_flux_dancegrpo.yaml",
-    "flowgrpo_fast": "configs/world/curves_flux_flowgrpo_fast.yaml",
-}
-# Strategy name -> config overrides. "jagg" is the paper's routing (jagg_frac 0.6 of base.yaml), "auto" the
-# measured one (backward.jagg_frac=auto); both run in the engine's default mode (batched endpoints, stored
-# rollout outputs), the fastest of the exact-equivalent implementations.
-STRATEGIES = {
-    "exact": ["backward.strategy=exact"],
-    "jagg": ["backward.strategy=jagg"],
-    "auto": ["backward.strategy=jagg", "backward.jagg_frac=auto"],
-    "endpoints": ["backward.strategy=endpoints"],
-    "uniform": ["backward.strategy=uniform"],
-}
-# Fixed before any run (committed with this driver): JAGG / auto count as equivalent to exact on a metric when
-# the 90% interval of their paired difference lies within +- this fraction of exact's mean gain over the base
-# model on that metric (TOST at alpha = 0.05).
-EQUIVALENCE_FRACTION = 0.5
-ALPHA = 0.05
-METRICS = ("eval_pref_mean", "eval_clip_mean", "eval_attr_mean", "eval_attr_judge_mean", "eval_jpeg_mean")
+from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
+from jagg.engine.strategies import STRATEGIES as ENGINE_STRATEGIES
+from jagg.stats import (
+    area_under_curve,
+    holm,
+    minimum_detectable_difference,
+    one_sided_below,
+    paired_interval,
+    sign_flip_test,
+    tost,
+)
+
+PROTOCOL = Path(__file__).with_name("curves_protocol.yaml")
+ATTRIBUTE_JUDGES = ("eval_attr_mean", "eval_attr_judge_mean", "eval_attr_geom_mean")
 QUICK = [
     "train.iterations=4",
     "log.eval_every=2",
@@ -69,29 +64,91 @@ QUICK = [
 ]
 
 
+# --------------------------------------------------------------------------- protocol
+def load_protocol(path: Path = PROTOCOL, long: bool = False) -> dict:
+    """The protocol as a dict; ``long`` merges its ``long`` section (more seeds, more recipes). Arms whose
+    strategy the engine does not register (``jagg_index`` before it exists) are dropped."""
+    proto = yaml.safe_load(Path(path).read_text())
+    if long:
+        proto["seeds"] = proto["long"]["seeds"]
+        proto["recipes"] = {**proto["recipes"], **proto["long"]["recipes"]}
+    proto["arms"] = {
+        name: overrides
+        for name, overrides in proto["arms"].items()
+        if all(
+            o.split("=", 1)[1] in ENGINE_STRATEGIES for o in overrides if o.startswith("backward.strategy=")
+        )
+    }
+    return proto
+
+
+def protocol_sha(path: Path = PROTOCOL) -> str:
+    """Git SHA of the last commit that changed the protocol file, suffixed "-modified" if it differs now."""
+    root = path.resolve().parent
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    sha = git("log", "-1", "--format=%H", "--", path.name) or "uncommitted"
+    return sha + ("-modified" if git("status", "--porcelain", "--", path.name) else "")
+
+
+def metric_specs(recipe: dict) -> list[dict]:
+    """The recipe's primary metric first (role "primary"), then its secondary ones (role "secondary")."""
+    return [{**recipe["primary"], "role": "primary"}] + [
+        {**m, "role": "secondary"} for m in recipe["secondary"]
+    ]
+
+
 # --------------------------------------------------------------------------- running
-def run_one(config: str, strategy: str, seed: int, run_dir: Path, extra: list[str]) -> Path:
-    """Train one (strategy, seed); reuse a finished run, resume an interrupted one."""
+def run_one(
+    config: str, overrides: list[str], seed: int, run_dir: Path, extra: list[str]
+) -> tuple[Path, bool]:
+    """Train one (arm, seed); reuse a finished run, resume an interrupted one. Returns (dir, newly run)."""
     cmd = [
         sys.executable,
         "-m",
         "jagg.train",
         "--config",
         config,
-        *STRATEGIES[strategy],
+        *overrides,
         f"train.seed={seed}",
         f"log.run_dir={run_dir}",
         *extra,
     ]
     if (run_dir / "done").is_file():
-        return run_dir
+        return run_dir, False
     cmd.append("--resume" if (run_dir / "checkpoint").is_dir() else "--overwrite")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
     (run_dir / "done").write_text("ok\n")
-    return run_dir
+    return run_dir, True
+
+
+def run_all(jobs: list[tuple], n_parallel: int) -> dict:
+    """Run every job ``(key, config, overrides, seed, run_dir, extra)``; print a line per finished run with
+    its time and the ETA (wall-clock per newly run job so far, parallel runs included, x jobs left)."""
+    t0, done, fresh, dirs = time.time(), 0, 0, {}
+    with ThreadPoolExecutor(n_parallel) as pool:
+        futures = {pool.submit(run_one, *job[1:]): (job[0], time.time()) for job in jobs}
+        for fut in as_completed(futures):
+            key, started = futures[fut]
+            dirs[key], new = fut.result()
+            done, fresh = done + 1, fresh + new
+            elapsed = time.time() - t0
+            eta = (
+                elapsed / fresh * (len(jobs) - done) if fresh else 0.0
+            )  # wall time per run, runs in parallel
+            print(
+                f"[{done}/{len(jobs)}] {' '.join(map(str, key))}: "
+                f"{'%.0f s' % (time.time() - started) if new else 'reused'}; elapsed {elapsed / 60:.1f} min, "
+                f"ETA {eta / 60:.1f} min",
+                flush=True,
+            )
+    return dirs
 
 
 def collect(run_dir: Path, strategy: str, seed: int) -> list[dict]:
@@ -120,97 +177,156 @@ def load(recipe_dir: Path):
     return pd.concat([pd.read_csv(p) for p in sorted(recipe_dir.glob("*_seed*.csv"))], ignore_index=True)
 
 
-def per_run(df) -> dict:
-    """{(strategy, seed): {metric: (last value, area under the curve)}} over the evaluation rows, and the
-    base model's value per seed (iteration 0: the same model for every strategy; the evaluation noise is the
-    seed's, so a gain over the base is paired by seed too)."""
-    metrics = [m for m in METRICS if m in df]
+def per_run(df, metrics: list[str] | None = None) -> dict:
+    """{(arm, seed): {metric: (last value, area under the curve)}} over the evaluation rows, and the base
+    model's value per seed (iteration 0: the same model for every arm; the evaluation noise is the seed's, so a
+    gain over the base is paired by seed too)."""
+    metrics = [m for m in metrics or [] if m in df] or [c for c in df.columns if c.startswith("eval_")]
     out: dict = {}
-    for (strategy, seed), e in df.groupby(["strategy", "seed"]):
+    for (arm, seed), e in df.groupby(["strategy", "seed"]):
         ev = e.dropna(subset=[metrics[0]]).sort_values("iteration")
-        out[(strategy, int(seed))] = {
+        out[(arm, int(seed))] = {
             m: (float(ev[m].iloc[-1]), area_under_curve(ev.iteration, ev[m])) for m in metrics
         }
     base = df[df.iteration == 0].dropna(subset=[metrics[0]]).groupby("seed")[metrics].mean()
     return {"runs": out, "base": {int(k): row.to_dict() for k, row in base.iterrows()}, "metrics": metrics}
 
 
-def gains(stats: dict, strategy: str, metric: str, k: int = 0) -> list[float]:
-    """Per seed: the strategy's value (k = 0: end, 1: AUC) minus the base model's on that seed."""
+def gains(stats: dict, arm: str, metric: str, k: int = 0) -> list[float]:
+    """Per seed: the arm's value (k = 0: end, 1: AUC) minus the base model's on that seed."""
     runs, base = stats["runs"], stats["base"]
-    return [v[metric][k] - base[s][metric] for (st, s), v in sorted(runs.items()) if st == strategy]
+    return [v[metric][k] - base[s][metric] for (a, s), v in sorted(runs.items()) if a == arm]
 
 
-def _diffs(runs: dict, strategy: str, metric: str, k: int) -> list[float]:
-    seeds = sorted(s for st, s in runs if st == strategy and ("exact", s) in runs)
-    return [runs[(strategy, s)][metric][k] - runs[("exact", s)][metric][k] for s in seeds]
+def paired_diffs(runs: dict, arm: str, metric: str, k: int) -> list[float]:
+    """arm - exact per seed, over the seeds both have (sorted)."""
+    seeds = sorted(s for a, s in runs if a == arm and ("exact", s) in runs)
+    return [runs[(arm, s)][metric][k] - runs[("exact", s)][metric][k] for s in seeds]
 
 
-def comparison_table(stats: dict, strategies: list[str]) -> list[str]:
-    """Markdown: per metric and summary (end, AUC), each strategy's paired difference to exact with the
-    95% interval, the TOST verdict (jagg, auto) or the one-sided p (endpoints)."""
-    runs = stats["runs"]
+def battery(d: list[float], margin: float, alpha: float, power: float) -> dict:
+    """The protocol's tests of one paired difference d = arm - exact (higher is better for every metric)."""
+    import numpy as np
+
+    sd = float(np.std(d, ddof=1))
+    return {
+        "ci": paired_interval(d, 1 - alpha),
+        "tost": tost(d, margin, alpha).p,
+        "worse_t": one_sided_below(d),
+        "worse_flip": sign_flip_test(d, "less"),
+        "flip_two_sided": sign_flip_test(d, "two-sided"),
+        "mdd": minimum_detectable_difference(sd, len(d), alpha, power),
+    }
+
+
+def analyse(stats: dict, arms: list[str], specs: list[dict], alpha: float, power: float) -> list[dict]:
+    """One row per (metric spec, arm != exact): the battery, Holm-adjusted over the arm's secondary specs."""
+    rows = []
+    for arm in (a for a in arms if a != "exact"):
+        mine = []
+        for spec in specs:
+            if spec["metric"] not in stats["metrics"]:
+                continue
+            d = paired_diffs(stats["runs"], arm, spec["metric"], 0 if spec["summary"] == "end" else 1)
+            if len(d) >= 2:
+                mine.append({"arm": arm, **spec, "n": len(d), **battery(d, spec["margin"], alpha, power)})
+        secondary = [r for r in mine if r["role"] == "secondary"]
+        for test in ("tost", "worse_t", "worse_flip"):
+            for r, adj in zip(secondary, holm([r[test] for r in secondary]), strict=True):
+                r[test + "_adj"] = adj
+        for r in mine:
+            if r["role"] == "primary":
+                r.update(tost_adj=r["tost"], worse_t_adj=r["worse_t"], worse_flip_adj=r["worse_flip"])
+        rows += mine
+    return rows
+
+
+def control_detected(rows: list[dict], control_arms: list[str], alpha: float) -> dict[str, bool]:
+    """Per positive-control arm: worse than exact on the primary metric by the t-test AND the sign-flip test."""
+    return {
+        r["arm"]: r["worse_t"] < alpha and r["worse_flip"] < alpha
+        for r in rows
+        if r["role"] == "primary" and r["arm"] in control_arms
+    }
+
+
+def verdict(r: dict, alpha: float, controls: dict[str, bool], control_arms: list[str]) -> str:
+    """The row's reading under the protocol (worse / equivalent / no claim), Holm-adjusted p for secondary."""
+    worse = r["worse_t_adj"] < alpha and r["worse_flip_adj"] < alpha
+    if r["arm"] in control_arms:
+        return "positive control " + ("detected (worse than exact)" if worse else "NOT detected")
+    if worse:
+        return "worse than exact"
+    if r["tost_adj"] < alpha:
+        if controls and all(controls.values()):
+            return "equivalent within the margin"
+        if not controls:
+            return "TOST passed, NO claim: no positive control ran"
+        return "TOST passed, NO claim: the design does not detect the positive control"
+    if r["mdd"] > r["margin"]:
+        return "no difference shown; underpowered (MDD > margin)"
+    return "no difference shown, equivalence not shown"
+
+
+def battery_table(
+    rows: list[dict], alpha: float, controls: dict[str, bool], control_arms: list[str]
+) -> list[str]:
+    """Markdown: every row of ``analyse`` with its p-values (Holm-adjusted in brackets for secondary)."""
     lines = [
-        "| metric | summary | exact (mean) | gain over base | margin | strategy | paired diff to exact [95% CI] "
-        "| test |",
-        "|---|---|---|---|---|---|---|---|",
+        "| metric | summary | role | margin | MDD | arm | n | paired diff to exact [95% CI] | TOST p | "
+        "worse t p | worse sign-flip p | two-sided sign-flip p | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in stats["metrics"]:
-        for k, summary in enumerate(("end", "AUC")):
-            exact = [v[m][k] for (st, _), v in runs.items() if st == "exact"]
-            mean_exact = sum(exact) / len(exact)
-            exact_gains = gains(stats, "exact", m, k)
-            gain = sum(exact_gains) / len(exact_gains)
-            margin = EQUIVALENCE_FRACTION * gain
-            for strategy in (s for s in strategies if s != "exact"):
-                d = _diffs(runs, strategy, m, k)
-                if len(d) < 2:
-                    continue
-                ci = paired_interval(d)
-                if strategy in ("jagg", "auto"):
-                    if margin > 0:
-                        eq = tost(d, margin, ALPHA)
-                        test = (
-                            f"TOST p {eq.p:.3f}: {'equivalent' if eq.equivalent else 'not shown equivalent'}"
-                        )
-                    else:
-                        test = "no margin (exact did not improve)"
-                elif strategy == "endpoints":
-                    test = f"one-sided p(below exact) {one_sided_below(d):.3f}"
-                else:
-                    test = "-"
-                lines.append(
-                    f"| {m[5:-5]} | {summary} | {mean_exact:.3f} | {gain:+.3f} | {margin:.3f} | {strategy} | "
-                    f"{ci} | {test} |"
-                )
+
+    def p(r: dict, test: str) -> str:
+        return f"{r[test]:.3f}" + (f" ({r[test + '_adj']:.3f})" if r["role"] == "secondary" else "")
+
+    for r in rows:
+        lines.append(
+            f"| {r['metric'][5:-5]} | {r['summary']} | {r['role']} | {r['margin']:.3f} | {r['mdd']:.3f} | "
+            f"{r['arm']} | {r['n']} | {r['ci']} | {p(r, 'tost')} | {p(r, 'worse_t')} | {p(r, 'worse_flip')} | "
+            f"{r['flip_two_sided']:.3f} | {verdict(r, alpha, controls, control_arms)} |"
+        )
     return lines
 
 
-def judge_table(stats: dict, df, strategies: list[str]) -> list[str]:
-    """Markdown: each strategy's gain over the base model at the last evaluation, attr vs attr_judge (95% CI
-    over seeds), and how often the two judges agreed on the generated samples of the last evaluation."""
-    names = [m for m in ("eval_attr_mean", "eval_attr_judge_mean") if m in stats["metrics"]]
+def judge_table(stats: dict, df, arms: list[str]) -> list[str]:
+    """Markdown: each arm's attribute gain over the base model at the last evaluation by every judge present
+    (95% CI over seeds), how often attr and attr_judge agreed on the samples of the last evaluation, and the
+    verdict. With the geometric judge: a gain needs attr_geom AND a learned judge above 0 (judges of different
+    kinds agree); without it, attr confirmed by attr_judge."""
+    names = [m for m in ATTRIBUTE_JUDGES if m in stats["metrics"]]
     if len(names) < 2:
         return []
     last = df[df.iteration == df.iteration.max()]
+    head = " | ".join(f"{m[5:-5]} gain [95% CI]" for m in names)
     lines = [
-        "| strategy | attr gain [95% CI] | attr_judge gain [95% CI] | judges agree (last eval) | verdict |",
-        "|---|---|---|---|---|",
+        f"| arm | {head} | attr / attr_judge agree (last eval) | verdict |",
+        "|" + "---|" * (len(names) + 3),
     ]
-    for strategy in strategies:
-        a, j = (paired_interval(gains(stats, strategy, m)) for m in names)
-        agree = (
-            last[last.strategy == strategy].judges_agree.mean() if "judges_agree" in last else float("nan")
-        )
-        if a.lo > 0 and j.lo > 0:
-            verdict = "attribute gain, confirmed by the eval-only judge"
-        elif a.lo > 0:
-            verdict = "attr rose, NOT confirmed by the eval-only judge"
-        elif j.lo > 0:
-            verdict = "the eval-only judge saw a gain, the training classifier did not"
+    for arm in arms:
+        cis = {m: paired_interval(gains(stats, arm, m)) for m in names}
+        up = {m: ci.lo > 0 for m, ci in cis.items()}
+        agree = last[last.strategy == arm].judges_agree.mean() if "judges_agree" in last else float("nan")
+        learned = up["eval_attr_mean"] or up.get("eval_attr_judge_mean", False)
+        if "eval_attr_geom_mean" in up:
+            if up["eval_attr_geom_mean"] and learned:
+                verdict_ = "attribute gain: the geometric judge and a learned judge agree"
+            elif learned:
+                verdict_ = "a learned judge rose, NOT confirmed by the geometric judge"
+            elif up["eval_attr_geom_mean"]:
+                verdict_ = "only the geometric judge saw a gain"
+            else:
+                verdict_ = "no attribute gain shown"
+        elif up["eval_attr_mean"] and up["eval_attr_judge_mean"]:
+            verdict_ = "attribute gain, confirmed by the eval-only judge"
+        elif up["eval_attr_mean"]:
+            verdict_ = "attr rose, NOT confirmed by the eval-only judge"
+        elif up["eval_attr_judge_mean"]:
+            verdict_ = "the eval-only judge saw a gain, the training classifier did not"
         else:
-            verdict = "no attribute gain shown"
-        lines.append(f"| {strategy} | {a} | {j} | {agree:.3f} | {verdict} |")
+            verdict_ = "no attribute gain shown"
+        lines.append(f"| {arm} | {' | '.join(str(cis[m]) for m in names)} | {agree:.3f} | {verdict_} |")
     return lines
 
 
@@ -263,38 +379,68 @@ def routing_lines(df) -> list[str]:
     ]
 
 
-def recipe_section(name: str, recipe_dir: Path, df) -> str:
+def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
+    """One recipe of summary.md: the design, the positive-control check, the battery, judges, time."""
     meta = json.loads(next(iter(sorted(recipe_dir.glob("*.meta.json")))).read_text())
-    strategies = [s for s in STRATEGIES if s in set(df.strategy)]
-    stats = per_run(df)
+    alpha, power, controls_named = proto["alpha"], proto["power"], proto.get("control_arms", [])
+    arms = [a for a in proto["arms"] if a in set(df.strategy)]
+    specs = metric_specs(proto["recipes"][name]) if name in proto["recipes"] else []
+    named = list(dict.fromkeys([s["metric"] for s in specs] + [m for m in ATTRIBUTE_JUDGES if m in df]))
+    stats = per_run(df, named or None)
     seeds = sorted(int(s) for s in df.seed.unique())
     last_it = int(df.dropna(subset=[stats["metrics"][0]]).iteration.max())
     base = ", ".join(
         f"{m[5:-5]} {sum(b[m] for b in stats['base'].values()) / len(stats['base']):.3f}"
         for m in stats["metrics"]
     )
+    rows = analyse(stats, arms, specs, alpha, power)
+    controls = control_detected(rows, controls_named, alpha)
+    if not controls:
+        design = "No positive-control arm ran: the design's power is unknown and NO equivalence is claimed."
+    elif all(controls.values()):
+        design = (
+            f"The positive control ({', '.join(controls)}) is detected on the primary metric: equivalence "
+            "verdicts below count."
+        )
+    else:
+        design = (
+            f"The positive control ({', '.join(a for a, ok in controls.items() if not ok)}) is NOT detected on "
+            "the primary metric: this design cannot discriminate a gradient of that quality from exact, and NO "
+            "equivalence claim is made (a passed TOST below is reported as 'no claim')."
+        )
+    if seeds != sorted(proto["seeds"]):
+        design += (
+            f" NOTE: these runs' seeds {seeds} are not the protocol's {sorted(proto['seeds'])}; this is not an "
+            "analysis under the protocol."
+        )
     lines = [
         f"## {name}",
         "",
         f"Config `{meta['config']}` {' '.join(meta['overrides'])}; git {meta['git_sha']}; {meta['hardware']}; "
-        f"torch {meta['versions']['torch']}; seeds {seeds} (paired: the same seeds for every strategy); "
+        f"torch {meta['versions']['torch']}; seeds {seeds} (paired: the same seeds for every arm); "
         f"{last_it} iterations. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
         "",
-        "### Paired differences to exact",
+        f"**Design check.** {design}",
         "",
-        f"End = the last evaluation (iteration {last_it}); AUC = the mean level over all evaluations. Margin = "
-        f"{EQUIVALENCE_FRACTION} x exact's mean gain over the base model (fixed before running). A 95% interval "
-        "that contains 0 means no difference was detected, not that there is none.",
+        "### Every arm against exact (the protocol's battery)",
         "",
-        *comparison_table(stats, strategies),
+        f"End = the last evaluation (iteration {last_it}); auc = the mean level over all evaluations. Margins are "
+        f"the protocol's (absolute). MDD = the smallest true difference a paired t-test detects with power "
+        f"{power} at alpha {alpha} given this arm's paired SD and n. Secondary rows: Holm-adjusted p in "
+        "brackets (family = the arm's secondary metrics); verdicts use them. 'Worse' needs the t-test and the "
+        "sign-flip test. A 95% interval containing 0 means no difference was detected, not that there is none.",
+        "",
+        *battery_table(rows, alpha, controls, controls_named),
         "",
     ]
-    judge = judge_table(stats, df, strategies)
+    judge = judge_table(stats, df, arms)
     if judge:
         lines += [
-            "### Attribute gain: training classifier (`attr`) vs eval-only judge (`attr_judge`)",
+            "### Attribute gain by judges of different kinds",
             "",
-            "Gain over the base model at the last evaluation, 95% interval over seeds.",
+            "Gain over the base model at the last evaluation, 95% interval over seeds. `attr` trains the "
+            "policy (DanceGRPO), `attr_judge` is a learned eval-only judge, `attr_geom` reads the renderer's "
+            "geometry (no weights). A gain is reported only where `attr_geom` and a learned judge agree.",
             "",
             *judge,
             "",
@@ -302,25 +448,25 @@ def recipe_section(name: str, recipe_dir: Path, df) -> str:
     lines += [
         "### Time (wall-clock includes two runs sharing 2 cores)",
         "",
-        *timing_table(df, strategies),
+        *timing_table(df, arms),
         "",
         *routing_lines(df),
     ]
     return "\n".join(lines)
 
 
-def plot(name: str, df, png: Path) -> None:
+def plot(name: str, df, png: Path, arms: list[str]) -> None:
     """Mean over seeds +- one standard error, vs iteration and vs wall-clock seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [m for m in ("reward_mean", *METRICS) if m in df]
+    metrics = [m for m in ("reward_mean", "eval_pref_mean", "eval_clip_mean", *ATTRIBUTE_JUDGES) if m in df]
     fig, axes = plt.subplots(2, len(metrics), figsize=(3.4 * len(metrics), 6.2), squeeze=False)
     for col, m in enumerate(metrics):
         d = df.dropna(subset=[m])
-        for strategy in (s for s in STRATEGIES if s in set(d.strategy)):
+        for strategy in (a for a in arms if a in set(d.strategy)):
             g = d[d.strategy == strategy].groupby("iteration")
             mean, se = g[m].mean(), g[m].sem().fillna(0)
             clock = g.wall_clock_s.mean()
@@ -340,70 +486,127 @@ def plot(name: str, df, png: Path) -> None:
     plt.close(fig)
 
 
-def render(csv_dir: Path, figures: Path) -> None:
-    """summary.md and one figure per recipe (``reward_curves_<recipe>.png``) from the CSVs alone."""
+def render(csv_dir: Path, figures: Path, proto_path: Path = PROTOCOL, long: bool = False) -> None:
+    """summary.md and one figure per recipe (``reward_curves_<recipe>.png``) from the CSVs and the protocol."""
+    proto = load_protocol(proto_path, long)
     recipes = sorted(p for p in csv_dir.iterdir() if p.is_dir() and any(p.glob("*_seed*.csv")))
     md = (
         "# Reward curves\n\n"
-        "Generated by `make curves` (experiments/curves.py) from `results/curves/<recipe>/*.csv` alone. Every "
-        "strategy is trained with the same seeds, so each run is paired with exact's run of the same seed (same "
-        "prompts, initial noise, first rollout and evaluation noise); intervals and tests are Student-t over "
-        "seeds. `jagg` = the paper's routing (W = 3, jagg_frac 0.6), `auto` = measured routing "
-        "(`backward.jagg_frac: auto`, min_cosine 0.9), both in the default mode (batched endpoints + stored "
-        "outputs); `endpoints` and `uniform` are the two ablations. `attr_judge` is the eval-only attribute "
-        "judge, which no run trains on.\n\n"
+        f"Generated by `make curves` (experiments/curves.py) from `results/curves/<recipe>/*.csv` under the "
+        f"protocol `{proto_path.name}` (experiments/, protocol_version {proto['protocol_version']}, git "
+        f"{protocol_sha(proto_path)}), which fixes the arms, seeds, metrics, margins and tests. Every arm is "
+        "trained with the same seeds, so each run is paired with exact's run of the same seed. `jagg` = the "
+        "paper's routing (W = 3, jagg_frac 0.6), `auto` = measured routing (`backward.jagg_frac: auto`), "
+        "`endpoints` and `uniform` the two ablations, `jagg_index` the authors' index rule where registered; "
+        "`control_<c>` is the positive control: the exact gradient mixed with one random direction fixed per "
+        "run, at cosine c to the exact one (`train.control_cosine`).\n\n"
     )
     frames = {r: load(r) for r in recipes}
-    md += "\n".join(recipe_section(r.name, r, df) for r, df in frames.items())
+    md += "\n".join(recipe_section(r.name, r, df, proto) for r, df in frames.items())
     atomic_write_text(csv_dir / "summary.md", md)
     for r, df in frames.items():
-        plot(r.name, df, figures / f"reward_curves_{r.name}.png")
+        plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(proto["arms"]))
+
+
+def pilot_report(
+    run_root: Path, metric: str, alpha: float, power: float, control: str = "control_0.5"
+) -> str:
+    """The pilot's numbers (runs under ``run_root``/<arm>_seed<k>/): per seed exact's gain over the base model
+    and the control's paired difference at the last evaluation, their mean and SD, and the MDD per n."""
+    import numpy as np
+
+    def last(arm: str, seed: int) -> tuple[float, float]:
+        rows = [
+            json.loads(x) for x in (run_root / f"{arm}_seed{seed}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        ev = [r for r in rows if metric in r]
+        return ev[0][metric], ev[-1][metric]
+
+    seeds = sorted(
+        int(p.name.split("seed")[1]) for p in run_root.glob(f"{control}_seed*") if (p / "done").is_file()
+    )
+    seeds = [k for k in seeds if (run_root / f"exact_seed{k}" / "done").is_file()]
+    gain = [last("exact", k)[1] - last("exact", k)[0] for k in seeds]
+    diff = [last(control, k)[1] - last("exact", k)[1] for k in seeds]
+    sd = float(np.std(diff, ddof=1))
+    mdd = {n: minimum_detectable_difference(sd, n, alpha, power, "less") for n in (3, 6, 8, 10, 12, 16)}
+    return (
+        f"seeds {seeds}; exact gain {np.mean(gain):+.3f} (per seed {', '.join(f'{g:+.3f}' for g in gain)}); "
+        f"{control} - exact {np.mean(diff):+.3f} (per seed {', '.join(f'{d:+.3f}' for d in diff)}), paired SD "
+        f"{sd:.3f}; one-sided MDD (alpha {alpha}, power {power}) by n: "
+        + ", ".join(f"{n}: {m:.3f}" for n, m in mdd.items())
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    ap.add_argument("--config", default=None, help="one custom recipe (named by the file's stem) instead")
-    ap.add_argument("--seeds", type=int, default=6)
-    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    ap.add_argument("--protocol", default=str(PROTOCOL))
+    ap.add_argument("--long", action="store_true", help="the protocol's long design (make curves-long)")
+    ap.add_argument("--recipes", nargs="+", default=None, help="default: every recipe of the protocol")
+    ap.add_argument("--seeds", type=int, default=None, help="the first N of the protocol's seeds")
+    ap.add_argument("--arms", "--strategies", nargs="+", default=None, help="default: every arm")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
     ap.add_argument("--runs", default="runs/curves")
     ap.add_argument("--out", default=None, help="default results/curves (results/curves_quick with --quick)")
     ap.add_argument("--figures", default="paper_figures")
     ap.add_argument("--quick", action="store_true", help="a few iterations, two seeds (QUICK=1: a smoke run)")
+    ap.add_argument(
+        "--pilot-report", default=None, help="print the pilot's numbers from these run dirs, exit"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     set_threads(1)  # this process only orchestrates; each run uses one thread
+    proto_path = Path(args.protocol)
+    proto = load_protocol(proto_path, args.long)
+    if args.pilot_report:
+        print(pilot_report(Path(args.pilot_report), "eval_pref_mean", proto["alpha"], proto["power"]))
+        return
+    unknown = sorted(set(args.arms or []) - set(proto["arms"])) + sorted(
+        set(args.recipes or []) - set(proto["recipes"])
+    )
+    if unknown:
+        raise SystemExit(
+            f"not in the protocol {proto_path.name}: {unknown}; arms {list(proto['arms'])}, "
+            f"recipes {list(proto['recipes'])} (--long adds the long recipes)"
+        )
     extra = (QUICK if args.quick else []) + args.overrides
     suffix = "_quick" if args.quick else ""
-    seeds = min(args.seeds, 2) if args.quick else args.seeds
-    if seeds < 2:
+    seeds = proto["seeds"][: min(args.seeds or len(proto["seeds"]), 2 if args.quick else 99)]
+    if len(seeds) < 2:
         raise SystemExit("--seeds must be >= 2: the comparisons are paired over seeds")
-    recipes = {Path(args.config).stem: args.config} if args.config else {r: RECIPES[r] for r in args.recipes}
+    recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
+    arms = args.arms or list(proto["arms"])
     runs, out = Path(args.runs + suffix), Path(args.out or f"results/curves{suffix}")
-    jobs = [(r, s, k) for r in recipes for k in range(seeds) for s in args.strategies]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(
-            pool.map(
-                lambda j: run_one(recipes[j[0]], j[1], j[2], runs / j[0] / f"{j[1]}_seed{j[2]}", extra), jobs
-            )
+    jobs = [
+        (
+            (r, a, k),
+            spec["config"],
+            proto["arms"][a],
+            k,
+            runs / r / f"{a}_seed{k}",
+            spec.get("overrides", []) + extra,
         )
+        for r, spec in recipes.items()
+        for k in seeds
+        for a in arms
+    ]
+    dirs = run_all(jobs, args.jobs)
     tmp = out.with_name(out.name + ".partial")  # written whole, then swapped in: no half-written results
     shutil.rmtree(tmp, ignore_errors=True)
-    for r, config in recipes.items():
-        first = next(d for (rr, _, _), d in zip(jobs, dirs, strict=True) if rr == r)
+    for r, spec in recipes.items():
         meta = run_metadata(
             command=command_line("experiments/curves.py", argv),
-            config=config,
-            overrides=extra,
-            seed=list(range(seeds)),
-            run_json=json.loads((first / "run.json").read_text())["config"],
+            config=spec["config"],
+            overrides=spec.get("overrides", []) + extra,
+            seed=seeds,
+            protocol=f"{proto_path.name} @ {protocol_sha(proto_path)}",
+            run_json=json.loads((dirs[(r, arms[0], seeds[0])] / "run.json").read_text())["config"],
         )
-        for (rr, strategy, seed), run_dir in zip(jobs, dirs, strict=True):
-            if rr == r:
-                write_table(collect(run_dir, strategy, seed), tmp / r / f"{strategy}_seed{seed}.csv", meta)
+        for a in arms:
+            for k in seeds:
+                write_table(collect(dirs[(r, a, k)], a, k), tmp / r / f"{a}_seed{k}.csv", meta)
     figures = Path(args.figures) / ("quick" if args.quick else "")
-    render(tmp, figures)
+    render(tmp, figures, proto_path, args.long)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     print((out / "summary.md").read_text())

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from jagg.stats import area_under_curve, one_sided_below, paired_interval, tost
+from jagg.stats import (
+    area_under_curve,
+    holm,
+    minimum_detectable_difference,
+    one_sided_below,
+    paired_interval,
+    paired_t_power,
+    sign_flip_test,
+    tost,
+)
 
 D = [0.31, -0.12, 0.05, 0.22, -0.03, 0.14]
 
@@ -45,3 +54,95 @@ def test_area_under_curve_is_the_curves_mean_level():
     assert area_under_curve([0, 10, 30], [0.0, 1.0, 3.0]) == pytest.approx(1.5)  # linear in x: the midpoint
     with pytest.raises(ValueError):
         area_under_curve([0], [1.0])
+
+
+def _brute_sign_flip(d, alternative):
+    """Every sign pattern by itertools, counted one by one (independent of the vectorised bit trick)."""
+    import itertools
+
+    obs, hits, total = np.mean(d), 0, 0
+    for signs in itertools.product((1, -1), repeat=len(d)):
+        m = np.mean([s * x for s, x in zip(signs, d, strict=True)])
+        total += 1
+        hits += {
+            "less": m <= obs + 1e-12,
+            "greater": m >= obs - 1e-12,
+            "two-sided": abs(m) >= abs(obs) - 1e-12,
+        }[alternative]
+    return hits / total
+
+
+@pytest.mark.parametrize("alternative", ["two-sided", "less", "greater"])
+def test_sign_flip_test_matches_brute_force_and_scipy(alternative):
+    d = [0.31, -0.12, 0.05, 0.22, -0.03, 0.14, 0.4, -0.07]
+    p = sign_flip_test(d, alternative)
+    assert p == pytest.approx(_brute_sign_flip(d, alternative), abs=1e-15)
+    ref = sps.permutation_test(
+        (np.asarray(d),),
+        np.mean,
+        permutation_type="samples",
+        n_resamples=np.inf,
+        alternative=alternative,
+    ).pvalue
+    assert p == pytest.approx(ref, abs=1e-12)
+
+
+def test_sign_flip_textbook_cases():
+    # all six differences negative: only the observed pattern is as extreme, p = 1/64 one-sided, 2/64 two-sided
+    d = [-0.3, -0.1, -0.2, -0.4, -0.05, -0.15]
+    assert sign_flip_test(d, "less") == pytest.approx(1 / 64)
+    assert sign_flip_test(d, "two-sided") == pytest.approx(2 / 64)
+    assert sign_flip_test(d, "greater") == pytest.approx(1.0)
+    # five of six differences exactly 0 (the committed DanceGRPO case): the test cannot go below 1/2
+    assert sign_flip_test([0, 0, 0, 0, 0, -0.2], "less") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="2\\^n"):
+        sign_flip_test(np.ones(17))
+    with pytest.raises(ValueError, match="alternative"):
+        sign_flip_test(d, "below")
+
+
+def test_holm_matches_the_step_down_definition():
+    # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> running max 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert holm([0.02]) == pytest.approx([0.02])  # a family of one: unchanged
+    # brute force: Holm rejects H_(i) at alpha iff p_(j) <= alpha / (m - j + 1) for every j <= i
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        p = rng.uniform(0, 0.1, size=6)
+        adj = holm(p)
+        order = np.argsort(p)
+        for alpha in (0.01, 0.05):
+            keep = True
+            for rank, i in enumerate(order):
+                keep = keep and p[i] <= alpha / (6 - rank)
+                assert (adj[i] <= alpha) == keep
+
+
+def test_power_and_minimum_detectable_difference():
+    # the noncentral-t power agrees with a Monte Carlo of the paired t-test (400k simulated designs)
+    rng = np.random.default_rng(1)
+    n, sd, delta = 10, 1.0, 0.9
+    x = rng.normal(delta, sd, size=(400_000, n))
+    t = x.mean(1) / (x.std(1, ddof=1) / np.sqrt(n))
+    crit = sps.t.ppf(0.975, n - 1)
+    assert paired_t_power(delta, sd, n) == pytest.approx(np.mean(np.abs(t) > crit), abs=3e-3)
+    assert paired_t_power(-delta, sd, n, alternative="less") == pytest.approx(
+        np.mean(t > sps.t.ppf(0.95, n - 1)),
+        abs=3e-3,  # data -x: mean -delta, T = -t < -crit
+    )
+    # the MDD is where the power is 0.8; it lies just below the textbook (t + t) sd / sqrt(n) approximation
+    for n in (3, 6, 12):
+        mdd = minimum_detectable_difference(0.24, n)
+        assert paired_t_power(mdd, 0.24, n) == pytest.approx(0.8, abs=1e-9)
+        approx = (sps.t.ppf(0.975, n - 1) + sps.t.ppf(0.8, n - 1)) * 0.24 / np.sqrt(n)
+        assert 0.9 * approx < mdd < 1.1 * approx
+    # large n: the normal-theory (z + z) sd / sqrt(n)
+    z = (sps.norm.ppf(0.975) + sps.norm.ppf(0.8)) / np.sqrt(2000)
+    assert minimum_detectable_difference(1.0, 2000) == pytest.approx(z, rel=2e-3)
+    # one-sided "worse than exact": smaller than the two-sided one; scales with sd; sd 0 detects anything
+    assert minimum_detectable_difference(1.0, 6, alternative="less") < minimum_detectable_difference(1.0, 6)
+    assert minimum_detectable_difference(2.0, 6) == pytest.approx(2 * minimum_detectable_difference(1.0, 6))
+    assert minimum_detectable_difference(0.0, 6) == 0.0
+    with pytest.raises(ValueError, match="n >= 2"):
+        minimum_detectable_difference(1.0, 1)

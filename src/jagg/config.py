@@ -178,6 +178,8 @@ class TrainConfig:
     # seconds any collective (barriers included) may wait under torchrun: rank 0 alone loads the weights,
     # precomputes embeddings, exports or writes a slow checkpoint while the others wait (NCCL default: 10 min)
     dist_timeout_s: int = 3600
+    # positive control (jagg.engine.control): the gradient mixed with one fixed random direction at this cosine
+    control_cosine: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -560,6 +562,10 @@ def _validate_optim(optim: OptimConfig) -> None:
 
 
 def _validate_train(train: TrainConfig) -> None:
+    _require(
+        train.control_cosine is None or 0 < train.control_cosine <= 1,
+        f"train.control_cosine must be null or in (0, 1], got {train.control_cosine}",
+    )
     for key in (
         "iterations",
         "prompts_per_iter",

@@ -8,7 +8,14 @@ Student's t with n - 1 degrees of freedom:
     tost              equivalence within +-margin: two one-sided tests (Schuirmann 1987); equivalent at level
                       alpha exactly when the (1 - 2 alpha) interval lies inside (-margin, margin)
     one_sided_below   H1: mean d < 0 (e.g. "the endpoints-only ablation ends below exact")
+    sign_flip_test    the exact paired permutation test: all 2^n sign flips of d (no normality assumed)
+    holm              Holm's step-down adjustment of a family of p-values (Holm 1979)
+    minimum_detectable_difference
+                      the smallest true mean difference a paired t-test detects with the given power
+                      (noncentral t), from the paired standard deviation and n
     area_under_curve  trapezoidal mean of a metric over its evaluation iterations (one number per run)
+
+The t quantiles, p-values and the noncentral t come from ``scipy.stats`` (tested against it).
 
 Layer: plumbing beside ``jagg.common`` (numpy and scipy only).
 """
@@ -23,9 +30,16 @@ import numpy as np
 
 
 def _t():
-    from scipy import stats  # scipy comes with scikit-learn; imported lazily (only the reports need it)
+    from scipy import stats  # imported lazily: only the reports need it
 
     return stats.t
+
+
+def _ttest(d: np.ndarray, popmean: float, alternative: str) -> float:
+    """p-value of scipy's one-sample t-test of ``d`` against ``popmean`` (d has a nonzero spread)."""
+    from scipy import stats
+
+    return float(stats.ttest_1samp(d, popmean, alternative=alternative).pvalue)
 
 
 @dataclass(frozen=True)
@@ -73,12 +87,12 @@ def tost(diffs: Sequence[float], margin: float, alpha: float = 0.05) -> Equivale
     if not margin > 0:
         raise ValueError(f"equivalence margin must be > 0, got {margin}")
     ci = paired_interval(diffs, 1 - 2 * alpha)
-    t = _t()
     if ci.se == 0:
         p = 0.0 if abs(ci.mean) < margin else 1.0
     else:
-        p_low = float(t.sf((ci.mean + margin) / ci.se, ci.n - 1))  # H0: mean <= -margin
-        p_high = float(t.cdf((ci.mean - margin) / ci.se, ci.n - 1))  # H0: mean >= +margin
+        d = np.asarray(diffs, dtype=float)
+        p_low = _ttest(d, -margin, "greater")  # H0: mean <= -margin
+        p_high = _ttest(d, margin, "less")  # H0: mean >= +margin
         p = max(p_low, p_high)
     return Equivalence(margin, p, ci, alpha)
 
@@ -88,7 +102,106 @@ def one_sided_below(diffs: Sequence[float]) -> float:
     ci = paired_interval(diffs)
     if ci.se == 0:
         return 0.0 if ci.mean < 0 else 1.0
-    return float(_t().cdf(ci.mean / ci.se, ci.n - 1))
+    return _ttest(np.asarray(diffs, dtype=float), 0.0, "less")
+
+
+ALTERNATIVES = ("two-sided", "less", "greater")
+
+
+def sign_flip_test(diffs: Sequence[float], alternative: str = "two-sided", max_exact: int = 16) -> float:
+    """Exact p-value of the paired sign-flip permutation test of mean d = 0 (Fisher 1935; Good 2005, 3.1).
+
+    Under H0 each d_k is as likely to have either sign, so the observed mean is compared with the means of
+    all 2^n sign patterns (the observed one included): ``less`` counts patterns with a mean <= the observed,
+    ``greater`` >=, ``two-sided`` |mean| >= |observed| (equal to twice the smaller one-sided p, the flip
+    distribution being symmetric). Exact for n <= ``max_exact``; larger n raises. Ties within 1e-12 count.
+    """
+    if alternative not in ALTERNATIVES:
+        raise ValueError(f"alternative must be one of {ALTERNATIVES}, got {alternative!r}")
+    d = np.asarray(diffs, dtype=float)
+    n = d.size
+    if not 1 <= n <= max_exact:
+        raise ValueError(f"sign_flip_test enumerates 2^n flips: needs 1 <= n <= {max_exact}, got {n}")
+    bits = (np.arange(2**n)[:, None] >> np.arange(n)[None, :]) & 1  # (2^n, n), row 0 = the observed signs
+    means = ((1 - 2 * bits) * d[None, :]).mean(axis=1)
+    obs, tol = d.mean(), 1e-12 * max(1.0, float(np.abs(d).max()))
+    if alternative == "less":
+        hits = means <= obs + tol
+    elif alternative == "greater":
+        hits = means >= obs - tol
+    else:
+        hits = np.abs(means) >= abs(obs) - tol
+    return float(hits.mean())
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order (Holm 1979).
+
+    Sorted ascending p_(1) <= ... <= p_(m): adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) p_(j)). Rejecting
+    where the adjusted p < alpha controls the family-wise error rate at alpha under any dependence.
+    """
+    p = np.asarray(pvalues, dtype=float)
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    adjusted = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+    out = np.empty(m)
+    out[order] = adjusted
+    return [float(x) for x in out]
+
+
+def paired_t_power(
+    delta: float, sd: float, n: int, alpha: float = 0.05, alternative: str = "two-sided"
+) -> float:
+    """Power of the paired t-test at level ``alpha`` when the true mean difference is ``delta``.
+
+    T = mean / (s / sqrt(n)) follows a noncentral t with n - 1 degrees of freedom and noncentrality
+    delta sqrt(n) / sd; ``less`` tests H1: mean < 0 (power against delta < 0), ``greater`` the mirror image.
+    """
+    from scipy import stats
+
+    if alternative not in ALTERNATIVES:
+        raise ValueError(f"alternative must be one of {ALTERNATIVES}, got {alternative!r}")
+    df, nc = n - 1, delta * math.sqrt(n) / sd
+
+    def sf(x: float, nc: float) -> float:  # P(T > x); scipy's nct returns nan far in a tail: 0 or 1 there
+        v = float(stats.nct.sf(x, df, nc))
+        return v if math.isfinite(v) else float(nc > x)
+
+    if alternative == "two-sided":
+        crit = stats.t.ppf(1 - alpha / 2, df)
+        return sf(crit, nc) + sf(crit, -nc)  # P(T < -crit | nc) = P(T > crit | -nc)
+    crit = stats.t.ppf(1 - alpha, df)
+    return sf(crit, nc if alternative == "greater" else -nc)
+
+
+def minimum_detectable_difference(
+    sd: float, n: int, alpha: float = 0.05, power: float = 0.8, alternative: str = "two-sided"
+) -> float:
+    """The smallest |true mean difference| a paired t-test on n pairs with paired SD ``sd`` detects with
+    probability ``power`` at level ``alpha`` (solved on the noncentral t, ``paired_t_power``).
+
+    Close to (t_{1-alpha/2, n-1} + t_{power, n-1}) sd / sqrt(n) (Cohen 1988, ch. 2) and, for large n, to
+    (z_{1-alpha/2} + z_{power}) sd / sqrt(n). ``sd`` = 0 gives 0; needs n >= 2.
+    """
+    from scipy import optimize
+
+    if n < 2:
+        raise ValueError(f"a paired design needs n >= 2, got {n}")
+    if not 0 < power < 1 or not 0 < alpha < 1:
+        raise ValueError(f"power and alpha must be in (0, 1), got power {power}, alpha {alpha}")
+    if sd == 0:
+        return 0.0
+    signed = -1.0 if alternative == "less" else 1.0
+
+    def gap(delta: float) -> float:
+        return paired_t_power(signed * delta, sd, n, alpha, alternative) - power
+
+    sides = 2 if alternative == "two-sided" else 1
+    df = n - 1
+    hi = 2 * (_t().ppf(1 - alpha / sides, df) + _t().ppf(power, df)) * sd / math.sqrt(n)  # 2 x Cohen's
+    while gap(hi) < 0:
+        hi *= 2
+    return float(optimize.brentq(gap, 0.0, hi, xtol=1e-12 * sd))
 
 
 def area_under_curve(x: Sequence[float], y: Sequence[float]) -> float:

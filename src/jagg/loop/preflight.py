@@ -28,6 +28,7 @@ from jagg.errors import ConfigError
 # The rewards ``jagg.loop.rewards`` registers (jpeg, world, real models); tests/test_cli.py checks they agree.
 REWARD_NAMES = (
     "attr",
+    "attr_geom",
     "attr_judge",
     "attr_soft",
     "clip",

@@ -37,6 +37,7 @@ from jagg.common import SeedStream, atomic_write_text, generator
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
+from jagg.engine.control import degrade_gradients, fixed_direction
 from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages
 from jagg.engine.routing import BackwardSetting, Routing, calibrate_routing, trajectory_backward
 from jagg.engine.sde import shifted_linear_sigmas
@@ -102,6 +103,13 @@ class Trainer:
             self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
         )
         self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
+        # train.control_cosine (positive control): one direction per run, a function of the seed (resume-safe)
+        control = cfg.train.control_cosine
+        self.control = (
+            None
+            if control is None
+            else fixed_direction(self.params, generator(cfg.train.seed, SeedStream.CONTROL))
+        )
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
         sampling = cfg.sampling
         self.sigmas = (
@@ -306,6 +314,8 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
+        if self.control is not None:
+            degrade_gradients(self.params, self.control, self.cfg.train.control_cosine)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
         norm = float(full_tensor(norm))  # global norm (a DTensor under FSDP2): same on every rank
         if not math.isfinite(norm):

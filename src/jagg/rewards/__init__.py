@@ -32,7 +32,7 @@ class Reward(Protocol):
 REWARDS: dict[str, Callable[..., Reward]] = {}
 # Held-out judges: allowed in ``reward.eval``, refused in ``reward.weights`` (a metric the policy trains on is
 # no longer independent evidence of quality).
-EVAL_ONLY = frozenset({"attr_judge"})
+EVAL_ONLY = frozenset({"attr_judge", "attr_geom"})
 
 
 def register_reward(name: str):

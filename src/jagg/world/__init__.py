@@ -3,7 +3,9 @@
     World / WorldConfig     colours x shapes x positions, prompts, deterministic PIL renders, pixel latents
     WorldTextEncoder        frozen prompt encoder: encode_prompts(list[str]) -> jagg.models.TextCond
     load_pretrained(name)   (backbone, text_encoder) for "flux" | "qwenimage" from cache/world/
-    jagg.world.rewards      the "clip", "pref", "attr", "attr_soft" rewards (registered in jagg.rewards)
+    jagg.world.rewards      the "clip", "pref", "attr", "attr_soft" rewards and the eval-only "attr_judge" and
+                            "attr_geom" (registered in jagg.rewards)
+    jagg.world.geometry     the non-learned attribute reading behind "attr_geom" (palette, centroid, harmonics)
     ArtefactError           raised when the cache is missing ("run `make pretrain`") or stale (jagg.errors)
 
 Everything is trained by ``make pretrain`` (``experiments/pretrain.py`` -> ``jagg.world.build``) in pixel

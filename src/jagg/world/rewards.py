@@ -8,6 +8,9 @@
     attr_judge  eval only: exact attribute match read by an independent judge (``AttrJudge``: another
           architecture, seed and augmentation, trained on renders degraded by the generators); the
           held-out check on ``attr``, refused as a training reward (``jagg.rewards.EVAL_ONLY``)   ({0, 1})
+    attr_geom  eval only: exact attribute match read from the renderer's geometry (``jagg.world.geometry``:
+          nearest palette colour, coverage centroid, angular harmonics); no weights, a judge of another
+          kind than the two learned ones                                                          ({0, 1})
     attr_soft  the same classifier's probability of the prompt's colour x shape x position: a dense training
           signal (every image of a group is ranked, not only right / wrong); ``attr`` stays the metric ([0, 1])
 
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from jagg.rewards import register_reward
+from jagg.world.geometry import attribute_match
 from jagg.world.models import AttrClassifier, AttrJudge, PreferenceModel, TinyCLIP
 from jagg.world.pretrained import load_module
 from jagg.world.scene import World
@@ -128,3 +132,24 @@ def attr_soft_reward(cache_dir: str | Path | None = None, device: Device = None)
 def attr_judge_reward(cache_dir: str | Path | None = None, device: Device = None) -> AttrReward:
     """Eval-only exact attribute match by the independent ``AttrJudge`` (needs ``make pretrain``); CPU."""
     return AttrReward(*_load("attr_judge", cache_dir))
+
+
+class GeometryReward:
+    """Exact attribute match (0/1) by the non-learned geometric reading (``jagg.world.geometry``)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
+        if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
+            raise ValueError(
+                f"images must be (B, 3, H, W) with B = {len(prompts)}, got {tuple(images.shape)}"
+            )
+        return attribute_match(images, prompts, self.world)
+
+
+@register_reward("attr_geom")
+def attr_geom_reward() -> GeometryReward:
+    """Eval-only exact attribute match read from the render's geometry (no weights, no ``make pretrain``)."""
+    return GeometryReward(World())
