@@ -14,16 +14,18 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   ``joint`` endpoint mode holds, the KL reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
-                  ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``), cached prompt
-                  embeddings held in memory. Parameter counts come from the published architectures built on
+                  ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
                   the meta device (``AUX_MODELS``; the published counts if a library cannot)
     activations   the update's: ``graphs alive`` (``trajectory_cost``) x batch x tokens x hidden x layers, block
-                  inputs only with gradient checkpointing (+ one block recomputed), ~34 bytes per token and
+                  inputs only with gradient checkpointing (+ one block recomputed: 2B rows in the batched
+                  endpoint mode), ~34 bytes per token and
                   hidden unit per layer without (Korthikanti et al. 2022, SDPA attention); true CFG doubles
                   them. The no-grad forwards of rollout / evaluation are transient and not simultaneous
     reserve       3 GiB for the CUDA context, NCCL and allocator fragmentation (assumed)
     host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
-                  largest other model on the host while loading; checkpoints move shards only; export gathers
+                  largest other model on the host while loading (the text encoders too when embeddings are
+                  precomputed: loaded, used, freed); the in-memory prompt embeddings (the encoders return CPU
+                  tensors); checkpoints move shards only; export gathers
                   the exported weights on rank 0 once
 """
 
@@ -409,11 +411,14 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
             if name in AUX_MODELS:
                 aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}))
     gpu.update({f"{AUX_MODELS[k][0]}": v for k, v in aux.items()})
-    if pretrained and not d.embedding_cache:  # CachedTextEncoder keeps rows on the GPU without a cache dir
+    # CachedTextEncoder's rows are host memory on every rank (the encoders return CPU tensors; the trainer moves
+    # one micro-batch's conditioning to the GPU): the LRU without a cache dir, every prompt when precomputed
+    host_prompts = 0.0
+    if pretrained and not d.embedding_cache:
         prompts = PROMPT_LRU
         if d.precompute_embeddings:  # every train + eval prompt stays in memory
             prompts = (d.train_limit or HPDV2_TRAIN_PROMPTS) + (d.eval_limit or HPDV2_TRAIN_PROMPTS)
-        gpu["prompt embeddings (in memory)"] = prompts * embedding_bytes(cfg, model)
+        host_prompts = prompts * embedding_bytes(cfg, model)
     # activations of the update: per graph, B samples x tokens x hidden x layers
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
     txt = (
@@ -422,9 +427,13 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     tokens = (s.latent_size // 2) ** 2 + txt
     cfg_mult = 2 if m.backbone == "qwenimage" and m.true_cfg_scale > 1 else 1
     per_layer = t.train_batch_size * cfg_mult * tokens * hidden  # elements
+    # the batched endpoint mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
+    b = cfg.backward
+    recompute_rows = 2 if b.strategy != "exact" and b.endpoints == "batched" else 1
     activations = {
         # checkpointing: block inputs of every layer per graph + one block recomputed at a time
-        True: graphs * per_layer * len(blocks) * compute + per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
+        True: graphs * per_layer * len(blocks) * compute
+        + recompute_rows * per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
         False: graphs * per_layer * len(blocks) * ACT_BYTES_PER_TOKEN_HIDDEN,
     }
     # no-grad forwards (rollout at train_batch_size, evaluation in chunks of up to 32 per rank): one block's
@@ -435,10 +444,18 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     # host: rank 0 holds the loaded transformer once (memory-mapped safetensors, load dtype), every rank the
     # largest other model while it loads it (weights are read to the host, then moved to the GPU).
     load_bytes = n_all * (2 if t.precision == "bf16" else 4) if pretrained else 0
+    staged = dict(aux)
+    if (
+        pretrained
+    ):  # precomputed embeddings: every rank still loads (stages) its text encoders once, then frees
+        staged.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[m.backbone]})
     staging = max(
-        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in aux.items()], default=0
+        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in staged.items()], default=0
     )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
-    host = {"rank 0": HOST_BASELINE + load_bytes + staging, "other ranks": HOST_BASELINE + staging}
+    host = {
+        "rank 0": HOST_BASELINE + load_bytes + staging + host_prompts,
+        "other ranks": HOST_BASELINE + staging + host_prompts,
+    }
     return MemoryPlan(
         gpu=gpu, activations=activations, no_grad=no_grad, host=host, checkpointing=m.gradient_checkpointing
     )
@@ -465,9 +482,9 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
         if d.embedding_cache:
             where = f"on disk in data.embedding_cache={d.embedding_cache} (~{gib(per_prompt * 1e5)} per 1e5)"
         elif d.precompute_embeddings:
-            where = "ALL prompts in GPU memory on every rank: set data.embedding_cache"
+            where = "ALL prompts in host memory on every rank: set data.embedding_cache"
         else:
-            where = f"an in-memory LRU of {PROMPT_LRU} prompts per rank (GPU)"
+            where = f"an in-memory LRU of {PROMPT_LRU} prompts per rank (host)"
         p.add("prompt embeddings: where", f"{per_prompt / 2**20:.2f} MiB per prompt; {where}")
     else:
         p.add("text encoder, decoder, rewards", "the embedded world's (under 0.1 GiB)")
@@ -495,6 +512,23 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
     )
     export = n_all * 2 if m.lora_rank == 0 and t.precision == "bf16" else n_train * 4
     p.add("export (rank 0 host, once)", gib(export))
+    disk = disk_plan(cfg, model)
+    p.section("disk (GiB; the run directory and data.embedding_cache)")
+    p.add(
+        "checkpoint",
+        f"{gib(disk['checkpoint'])} (trained weights, AdamW moments, EMA; frozen base not saved)",
+    )
+    p.add(
+        "while a checkpoint is written",
+        f"{gib(2 * disk['checkpoint'])} (checkpoint.tmp beside the previous checkpoint until the swap)",
+    )
+    if m.source == "pretrained":
+        p.add(
+            "embedding cache",
+            f"{gib(disk['embedding cache'])} in {d.embedding_cache}"
+            if d.embedding_cache
+            else "none (data.embedding_cache unset)",
+        )
 
 
 def embedding_bytes(cfg: Config, model) -> int:
@@ -505,3 +539,16 @@ def embedding_bytes(cfg: Config, model) -> int:
         return m.max_sequence_length * (width * 2 + 8) + 768 * 2
     rows = 64 * (2 if m.true_cfg_scale > 1 else 1)  # a typical prompt (+ the negative prompt with true CFG)
     return rows * (width * 2 + 8)
+
+
+def disk_plan(cfg: Config, model) -> dict[str, float]:
+    """Bytes on disk: one checkpoint (``jagg.loop.checkpoint``: trained parameters in their master dtype, two
+    fp32 AdamW moments, the EMA copy; ``ignore_frozen_params``) and the embedding cache (one file per train and
+    eval prompt, ``embedding_bytes`` each) when ``data.embedding_cache`` is set."""
+    d, t = cfg.data, cfg.train
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    master = 8 if t.precision == "fp64" else 4
+    ema = n_train * master if cfg.optim.ema_decay > 0 else 0
+    prompts = (d.train_limit or HPDV2_TRAIN_PROMPTS) + (d.eval_limit or HPDV2_TRAIN_PROMPTS)
+    cache = prompts * embedding_bytes(cfg, model) if d.embedding_cache else 0
+    return {"checkpoint": float(n_train * (master + 8) + ema), "embedding cache": float(cache)}
