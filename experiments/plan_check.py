@@ -255,12 +255,9 @@ def simulate(cfg: Config, depth: int) -> dict:
         cond, loss, outputs = update_inputs(cfg, backbone, device)
         tracker = FSDPMemTracker(backbone.transformer, optimizer)
         tracker.track_inputs((cond.embeds, loss.x, loss.x_next, outputs))
-        # the root runs several forwards per update (two per velocity with true CFG), which the tracker's
-        # per-module stats refuse: reset them before each (the global peak it keeps is what is read here)
-        hook = backbone.transformer.register_forward_pre_hook(
-            lambda *_: tracker.reset_mod_stats(), prepend=True
-        )
-        velocity = velocity_fn(backbone, cond, device)
+        # the root runs several forwards per update, which the tracker's per-module stats refuse: reset them
+        # before each (the global peak it keeps is what is read here)
+        velocity = velocity_fn(backbone, cond, device, before=tracker.reset_mod_stats)
         with tracker:
             stats = trajectory_backward(
                 velocity,
@@ -276,7 +273,6 @@ def simulate(cfg: Config, depth: int) -> dict:
             torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        hook.remove()
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_kind = {str(k).rsplit(".", 1)[-1]: float(v) for k, v in peak.items()}
     return dict(
