@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import glob
 import time
 from collections.abc import Iterator
@@ -55,11 +56,9 @@ from jagg.models import BACKBONES, TextCond
 from jagg.scale.distributed import DistInfo
 
 WORLD_SIZE = 8
-# The for-loop AdamW step: under fake tensors FSDPMemTracker counts the foreach step's DTensor propagation at
-# full size (~27 x the state), an artefact; the foreach temporaries stay the plan's own term.
-FOREACH = False
+PROPAGATING: list[bool] = []  # non-empty while DTensor's sharding propagation runs (``simulation_shims``)
 SIM_RANK = 1  # a rank without the loaded weights (rank 0's GPU holds the same)
-DEPTHS = (2, 3)  # reduced depths (units: Flux 1 double + 2 single blocks; Qwen-Image 1 block)
+DEPTHS = (3, 4)  # reduced depths (units: Flux 1 double + 2 single blocks; Qwen-Image 1 block)
 FULL_DEPTH = {"flux": 19, "qwenimage": 60}
 OUT = "results/plan_check.csv"
 # FSDPMemTracker categories -> the plan's groups (jagg.loop.plan.memory_plan)
@@ -106,14 +105,28 @@ def simulation_shims(reads: ScalarReads) -> Iterator[None]:
 
     * the device mesh is built from real rank tensors (``init_device_mesh`` runs outside the fake mode);
     * rank 0's weight broadcast (``set_model_state_dict(broadcast_from_rank0)``) is skipped: no data to send;
+    * DTensor's sharding propagation runs each op once more on fake tensors of the GLOBAL shape to learn the
+      output's metadata; on a GPU it does so in a fake mode of its own (no memory), here it finds ours, so the
+      tracker would count those global-size tensors (8 x every gradient at once in ``clip_grad_norm_``'s
+      foreach ops, ~27 x the state in a foreach AdamW step): marked in ``PROPAGATING``, skipped by
+      ``NodeMemTracker``;
+    * the tracker's module hooks (``ModTracker``) register a ``mode="all"`` multi-grad hook on every module's
+      inputs, which buffers the gradients of a block's inputs until ALL of them arrive: the timestep embedding
+      every block reads gets its gradient only after the last block, so the tracker itself kept one
+      full-sequence gradient per block alive through the backward (an observer effect, found on a real CPU run:
+      ``attribution_check``); ``mode="any"`` (the hook fires at the first input gradient, holding none);
     * small real tensors (sigmas, aggregation weights: up to 64 elements) stay constants with real values, so
       the strategies' checks and weight rows are decided as on a GPU; other scalar reads are ``ScalarReads``.
     """
     import torch._subclasses.fake_impls as fake_impls
     import torch._subclasses.fake_tensor as fake_tensor
+    import torch.distributed._tools.mod_tracker as mod_tracker
     import torch.distributed.checkpoint.state_dict as state_dict
     import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    multi_grad_hook = mod_tracker.register_multi_grad_hook
     make_mesh, load_state = device_mesh.init_device_mesh, state_dict.set_model_state_dict
     limit = fake_tensor.CONSTANT_NUMEL_LIMIT
     ops = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
@@ -123,8 +136,17 @@ def simulation_shims(reads: ScalarReads) -> Iterator[None]:
         with fake_tensor.unset_fake_temporarily():
             return make_mesh(*args, **kwargs)
 
+    def untracked_propagation(self, op_schema):
+        PROPAGATING.append(True)
+        try:
+            return propagate(self, op_schema)
+        finally:
+            PROPAGATING.pop()
+
     device_mesh.init_device_mesh = real_mesh
     state_dict.set_model_state_dict = lambda *args, **kwargs: None
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked_propagation
+    mod_tracker.register_multi_grad_hook = functools.partial(multi_grad_hook, mode="any")
     fake_tensor.CONSTANT_NUMEL_LIMIT = 64
     for op in ops:
         fake_impls.op_implementations_dict[op] = reads
@@ -132,28 +154,30 @@ def simulation_shims(reads: ScalarReads) -> Iterator[None]:
         yield
     finally:
         device_mesh.init_device_mesh, state_dict.set_model_state_dict = make_mesh, load_state
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        mod_tracker.register_multi_grad_hook = multi_grad_hook
         fake_tensor.CONSTANT_NUMEL_LIMIT = limit
         for op, impl in scalar_impls.items():
             fake_impls.op_implementations_dict[op] = impl
 
 
-def reduced_config(backbone: str, depth: int) -> dict:
-    """The published transformer config with ``depth`` units of blocks (``DEPTHS``)."""
-    config = dict(KNOWN_CONFIGS[backbone])
+def reduced_config(backbone: str, depth: int, arch: dict | None = None) -> dict:
+    """The published transformer config with ``depth`` units of blocks (``DEPTHS``), ``arch`` overriding."""
+    config = dict(KNOWN_CONFIGS[backbone], **(arch or {}))
     config["num_layers"] = depth
     if "num_single_layers" in config:
         config["num_single_layers"] = 2 * depth  # 19 : 38 in FLUX.1-dev
     return config
 
 
-def meta_backbone(cfg: Config, depth: int):
+def meta_backbone(cfg: Config, depth: int, arch: dict | None = None):
     """The backbone on the meta device with LoRA applied (``apply_run_lora``, the trainer's call) and the
     config that places it without applying LoRA a second time. LoRA goes on before the fake mode: peft moves
     new adapters with ``Module.to``, which cannot swap fake parameters."""
     m = cfg.model
     cls = BACKBONES[m.backbone]
     with torch.device("meta"):
-        transformer = cls.transformer_cls.from_config(reduced_config(m.backbone, depth))
+        transformer = cls.transformer_cls.from_config(reduced_config(m.backbone, depth, arch))
     adapter = (
         {"guidance_scale": m.guidance_scale} if m.backbone == "flux" else {"true_cfg_scale": m.true_cfg_scale}
     )
@@ -178,6 +202,37 @@ def materialise_plain_tensors(module: torch.nn.Module, device: torch.device) -> 
     return names
 
 
+def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """``FSDPMemTracker`` as this simulation needs it (the class is built lazily: the import is slow):
+
+    * ops inside DTensor's sharding propagation (``PROPAGATING``) are not tracked (``simulation_shims``);
+    * the per-module statistics are cleared before every forward of the root outside the backward: an update
+      runs several root forwards (one per endpoint, two per velocity with Qwen-Image's true CFG), which the
+      tracker otherwise refuses as "multiple iterative calls". The global peak snapshot read here is kept.
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class NodeMemTracker(FSDPMemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if PROPAGATING:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+            if fsdp_mod is not self._root_mod:
+                return inner
+
+            def root_pre_forward(*args, **kwargs):
+                if not self._mod_tracker.is_bw:
+                    self.reset_mod_stats()
+                return inner(*args, **kwargs)
+
+            return root_pre_forward
+
+    return NodeMemTracker(root, optimizer)
+
+
 # --------------------------------------------------------------------------- one update
 def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss, Tensor | None]:
     """One micro-batch's conditioning, GRPO step loss and stored outputs, shaped as the trainer's."""
@@ -188,14 +243,17 @@ def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss
     sig = shifted_linear_sigmas(s.num_steps, s.shift).float()
     sigma, sigma_next = sig[steps.T].to(device), sig[steps.T + 1].to(device)  # small: real constants
     b, n_steps = steps.shape
-    width = KNOWN_CONFIGS[m.backbone]["joint_attention_dim"]
+    config = backbone.transformer.config
+    width = config.joint_attention_dim
     txt = m.max_sequence_length if m.backbone == "flux" else 64  # the plan's text lengths
     embeds = torch.randn(b, txt, width, dtype=torch.bfloat16, device=device)
     mask = torch.ones(b, txt, dtype=torch.long, device=device)
     cond = TextCond(
         embeds=embeds,
         mask=mask,
-        pooled=torch.randn(b, 768, dtype=torch.bfloat16, device=device) if m.backbone == "flux" else None,
+        pooled=torch.randn(b, config.pooled_projection_dim, dtype=torch.bfloat16, device=device)
+        if m.backbone == "flux"
+        else None,
     )
     if m.backbone == "qwenimage" and m.true_cfg_scale > 1:
         cond.neg_embeds, cond.neg_mask = embeds.clone(), mask.clone()
@@ -218,12 +276,10 @@ def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss
     return cond, loss, outputs
 
 
-def velocity_fn(backbone, cond: TextCond, device: torch.device, before=None):
+def velocity_fn(backbone, cond: TextCond, device: torch.device):
     """The trainer's ``velocity``: bf16 autocast on ``device``, output in the latents' dtype."""
 
     def v(z: Tensor, t: Tensor) -> Tensor:
-        if before is not None:
-            before()
         with torch.autocast(device.type, torch.bfloat16):
             out = backbone.velocity(z, t, cond)
         return out.to(z.dtype)
@@ -231,33 +287,37 @@ def velocity_fn(backbone, cond: TextCond, device: torch.device, before=None):
     return v
 
 
-def simulate(cfg: Config, depth: int) -> dict:
-    """Per-rank peak bytes by FSDPMemTracker category of one micro-batch update + optimizer step at ``depth``."""
+def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = None) -> dict:
+    """Per-rank peak bytes by FSDPMemTracker category of one micro-batch update + optimizer step at ``depth``.
+
+    ``fake=False`` runs the same update on real CPU tensors (uninitialised weights: memory, not values), to
+    compare the tracker's attribution under fake tensors with a real run; ``arch`` overrides the transformer
+    config (a narrow model, so that a real run is cheap)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     fake_process_group()
     device = torch.device("cpu")
     reads = ScalarReads()
-    backbone, place_cfg = meta_backbone(cfg, depth)
+    backbone, place_cfg = meta_backbone(cfg, depth, arch)
     b = cfg.backward
     t0 = time.perf_counter()
-    with simulation_shims(reads), FakeTensorMode(allow_non_fake_inputs=True):
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with simulation_shims(reads), mode:
         backbone, _ = place_backbone(place_cfg, backbone, device=device, dist=DistInfo(SIM_RANK, WORLD_SIZE))
         patched = materialise_plain_tensors(backbone, device)
         params = [p for p in backbone.parameters() if p.requires_grad]
         o = cfg.optim
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=FOREACH)
+        optimizer = torch.optim.AdamW(  # the trainer's; foreach as torch's default on CUDA
+            params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+        )
         for p in params:  # steady state: the AdamW moments exist before the update (iteration >= 2)
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         cond, loss, outputs = update_inputs(cfg, backbone, device)
-        tracker = FSDPMemTracker(backbone.transformer, optimizer)
+        tracker = node_mem_tracker(backbone.transformer, optimizer)
         tracker.track_inputs((cond.embeds, loss.x, loss.x_next, outputs))
-        # the root runs several forwards per update, which the tracker's per-module stats refuse: reset them
-        # before each (the global peak it keeps is what is read here)
-        velocity = velocity_fn(backbone, cond, device, before=tracker.reset_mod_stats)
+        velocity = velocity_fn(backbone, cond, device)
         with tracker:
             stats = trajectory_backward(
                 velocity,
