@@ -9,7 +9,7 @@ plan under FSDP2 full sharding (``memory_plan``) that says per GPU size (80 GB, 
 
 Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as sold):
     transformer   sharded weights (trained fp32 master, frozen LoRA base in the compute dtype), gradients,
-                  AdamW moments + the multi-tensor step's temporaries (~1 copy), EMA, two unsharded blocks in
+                  AdamW moments, EMA, two unsharded blocks in
                   flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the gradients the
                   ``joint`` endpoint mode holds, the KL reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
@@ -21,6 +21,8 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   endpoint mode), ~34 bytes per token and
                   hidden unit per layer without (Korthikanti et al. 2022, SDPA attention); true CFG doubles
                   them. The no-grad forwards of rollout / evaluation are transient and not simultaneous
+    transients    not at the same time, so the largest counts: the update's activations, a no-grad forward,
+                  the multi-tensor AdamW step's temporaries (~1 copy of the trained shards)
     reserve       3 GiB for the CUDA context, NCCL and allocator fragmentation (assumed)
     host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
                   largest other model on the host while loading (the text encoders too when embeddings are
@@ -355,10 +357,13 @@ class MemoryPlan:
     no_grad: float  # transient peak of a rollout / evaluation forward (not at the same time as the update)
     host: dict[str, float]  # "rank 0" / "other ranks" peak host bytes
     checkpointing: bool
+    step: float = (
+        0.0  # the AdamW step's temporaries: after the backward, not at the same time as its activations
+    )
 
     def total(self, checkpointing: bool | None = None) -> float:
         ckpt = self.checkpointing if checkpointing is None else checkpointing
-        return sum(self.gpu.values()) + max(self.activations[ckpt], self.no_grad) + CUDA_RESERVE
+        return sum(self.gpu.values()) + max(self.activations[ckpt], self.no_grad, self.step) + CUDA_RESERVE
 
     def fits(self, gpu_gb: int, checkpointing: bool | None = None) -> bool:
         return self.total(checkpointing) <= gpu_gb * 1e9
@@ -388,7 +393,9 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     }
     if cfg.optim.ema_decay > 0:
         gpu["EMA (sharded)"] = n_train * master / r
-    gpu["AdamW step temporaries (foreach)"] = n_train * 4 / r  # torch's multi-tensor AdamW: ~1 copy
+    step = (
+        n_train * 4 / r
+    )  # torch's multi-tensor AdamW: ~1 copy, transient (simulated: results/plan_check.md)
     gpu["unsharded blocks in flight"] = 2 * n_block * compute  # current + prefetched block
     n_block_train = max(
         (sum(x.numel() for x in blk.parameters() if x.requires_grad) for blk in blocks), default=0
@@ -457,7 +464,12 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         "other ranks": HOST_BASELINE + staging + host_prompts,
     }
     return MemoryPlan(
-        gpu=gpu, activations=activations, no_grad=no_grad, host=host, checkpointing=m.gradient_checkpointing
+        gpu=gpu,
+        activations=activations,
+        no_grad=no_grad,
+        host=host,
+        checkpointing=m.gradient_checkpointing,
+        step=step,
     )
 
 
@@ -496,6 +508,7 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
         f"{'with' if ckpt else 'without'})",
     )
     p.add("no-grad forwards (rollout / eval)", f"{gib(mp.no_grad)} transient (not during the update)")
+    p.add("AdamW step temporaries (foreach)", f"{gib(mp.step)} transient (after the backward)")
     p.add("CUDA context + allocator slack", f"{gib(CUDA_RESERVE)} (assumed)")
     p.add(
         "total per GPU",
