@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test test-dist lint format bench gpu-check hpsv2-ref pretrain clean theorem table1 cosine routing curves curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv test test-dist lint format bench gpu-check plan-check hpsv2-ref pretrain clean theorem table1 cosine routing curves curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -49,6 +49,9 @@ bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image back
 
 gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights: real Flux / Qwen-Image architectures, one DanceGRPO trajectory's update, exact vs every JAGG mode, LoRA and full -> results/gpu/ (without CUDA: tiny configs -> runs/gpu_check/)
 	$(PY) experiments/gpu_check.py
+
+plan-check: $(STAMP) ## Simulated 8-GPU node on the CPU (fake tensors + fake process group + FSDPMemTracker): one real-size update per paper config next to the dry-run plan -> results/plan_check.md
+	$(PY) experiments/plan_check.py
 
 hpsv2-ref: $(STAMP) ## Optional: the hpsv2 reference (hpsv2x 1.2.0, no deps, into cache/hpsv2x; pins untouched), then test our HPSv2.1 scorer against it
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target cache/hpsv2x hpsv2x==1.2.0 2>&1 | { grep -v "^WARNING: Location" || true; }

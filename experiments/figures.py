@@ -142,9 +142,9 @@ def plot_speedup(results: Path, png: Path) -> None:
 
 def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> list[dict]:
     """Per paper config x backward mode: the dry run's per-GPU GiB (``jagg.loop.plan.memory_plan``, the
-    transformer on the meta device, no weights), resident vs activation peak."""
+    transformer on the meta device, no weights), resident vs the transient peak (activations, a no-grad forward or the AdamW step)."""
     from jagg.config import load_config
-    from jagg.engine.routing import Routing, trajectory_cost
+    from jagg.engine.routing import trajectory_cost
     from jagg.loop.plan import CUDA_RESERVE, GIB, memory_plan, meta_transformer, trained_steps_per_sample
 
     rows = []
@@ -152,11 +152,7 @@ def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> l
         for label, overrides in MEMORY_MODES:
             cfg = load_config(configs / f"{name}.yaml", overrides)
             backward = cfg.backward
-            routing = Routing(  # auto: the largest candidate W, every group routed (as the dry run plans it)
-                strategy=backward.strategy,
-                group_size=backward.candidate_group_sizes[-1],
-                jagg_frac=1.0 if backward.jagg_frac is None else backward.jagg_frac,
-            )
+            routing = backward.planned_setting().routing  # auto: as the dry run plans it
             cost = trajectory_cost(
                 routing.plans(trained_steps_per_sample(cfg)),
                 endpoints=backward.endpoints,
@@ -165,14 +161,14 @@ def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> l
             held = backward.strategy != "exact" and backward.endpoints == "joint"
             model, _ = meta_transformer(cfg)
             mp = memory_plan(cfg, world_size, cost.graphs_alive, held, model)
-            peak = max(mp.activations[mp.checkpointing], mp.no_grad)
+            peak = mp.transient()  # update activations, a no-grad forward or the AdamW step
             rows.append(
                 dict(
                     config=name,
                     mode=label,
                     world_size=world_size,
                     resident_gib=sum(mp.gpu.values()) / GIB,
-                    activations_gib=peak / GIB,
+                    transient_gib=peak / GIB,
                     reserve_gib=CUDA_RESERVE / GIB,
                     total_gib=mp.total() / GIB,
                     graphs_alive=cost.graphs_alive,
@@ -211,13 +207,13 @@ def plot_memory(results: Path, png: Path) -> None:
         ax.bar(
             x, d.resident_gib, width, color=f"C{k}", label=f"{mode}: resident (weights, grads, AdamW, models)"
         )
-        ax.bar(x, d.activations_gib + d.reserve_gib, width, bottom=d.resident_gib, color=f"C{k}", alpha=0.45)
+        ax.bar(x, d.transient_gib + d.reserve_gib, width, bottom=d.resident_gib, color=f"C{k}", alpha=0.45)
     for gb, style in ((80, "--"), (141, ":")):
         ax.axhline(
             gb * 1e9 / 2**30, color="k", ls=style, lw=1, label=f"{gb} GB GPU ({gb * 1e9 / 2**30:.1f} GiB)"
         )
     ax.set_xticks(range(len(PAPER_CONFIGS)), [c.replace("_", "\n", 1) for c in PAPER_CONFIGS], fontsize=8)
-    ax.set_ylabel("GiB per GPU (light: activations / no-grad peak + 3 GiB reserve)", fontsize=8)
+    ax.set_ylabel("GiB per GPU (light: activations / no-grad / AdamW-step peak + 3 GiB reserve)", fontsize=8)
     ax.set_title("(a) dry-run plan, paper configs, FSDP2 over 8 GPUs (computed, not measured)", fontsize=9)
     ax.legend(fontsize=6, loc="upper left")
     ax.grid(alpha=0.3, axis="y")

@@ -172,7 +172,7 @@ def test_figures_regenerate_from_results_alone(quick):
         "jagg sequential",
     }
     assert (mem.fits_80gb == (mem.total_gib <= 80e9 / 2**30)).all()
-    np.testing.assert_allclose(mem.total_gib, mem.resident_gib + mem.activations_gib + mem.reserve_gib)
+    np.testing.assert_allclose(mem.total_gib, mem.resident_gib + mem.transient_gib + mem.reserve_gib)
     _meta_ok(res / "memory_plan.csv")
 
 

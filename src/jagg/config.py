@@ -149,6 +149,16 @@ class BackwardConfig:
         )
         return self.setting(routing)
 
+    def planned_setting(self) -> BackwardSetting:
+        """The backward a plan without measurements assumes (``--dry-run``, the memory figures, plan-check):
+        the fixed setting, or under ``auto`` the largest candidate W with every group routed to the strategy."""
+        routing = Routing(
+            strategy=self.strategy,
+            group_size=max(self.candidate_group_sizes),
+            jagg_frac=1.0 if self.jagg_frac is None else self.jagg_frac,
+        )
+        return self.setting(routing)
+
     def setting(self, routing: Routing) -> BackwardSetting:
         """``routing`` with this config's endpoint mode and stored-output rule."""
         return BackwardSetting(routing=routing, endpoints=self.endpoints, reuse_outputs=self.reuse_rollout)

@@ -9,21 +9,25 @@ plan under FSDP2 full sharding (``memory_plan``) that says per GPU size (80 GB, 
 
 Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as sold):
     transformer   sharded weights (trained fp32 master, frozen LoRA base in the compute dtype), gradients,
-                  AdamW moments + the multi-tensor step's temporaries (~1 copy), EMA, two unsharded blocks in
+                  AdamW moments, EMA, two unsharded blocks in
                   flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the gradients the
                   ``joint`` endpoint mode holds, the KL reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
-                  ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``), cached prompt
-                  embeddings held in memory. Parameter counts come from the published architectures built on
+                  ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
                   the meta device (``AUX_MODELS``; the published counts if a library cannot)
     activations   the update's: ``graphs alive`` (``trajectory_cost``) x batch x tokens x hidden x layers, block
-                  inputs only with gradient checkpointing (+ one block recomputed), ~34 bytes per token and
+                  inputs only with gradient checkpointing (+ one block recomputed: 2B rows in the batched
+                  endpoint mode), ~34 bytes per token and
                   hidden unit per layer without (Korthikanti et al. 2022, SDPA attention); true CFG doubles
                   them. The no-grad forwards of rollout / evaluation are transient and not simultaneous
+    transients    not at the same time, so the largest counts: the update's activations, a no-grad forward,
+                  the multi-tensor AdamW step's temporaries (~1 copy of the trained shards)
     reserve       3 GiB for the CUDA context, NCCL and allocator fragmentation (assumed)
     host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
-                  largest other model on the host while loading; checkpoints move shards only; export gathers
+                  largest other model on the host while loading (the text encoders too when embeddings are
+                  precomputed: loaded, used, freed); the in-memory prompt embeddings (the encoders return CPU
+                  tensors); checkpoints move shards only; export gathers
                   the exported weights on rank 0 once
 """
 
@@ -178,8 +182,8 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     auto = (
         backward.jagg_frac is None
     )  # routed at run time by measured cosines: planned as if every group qualifies
-    W = max(backward.candidate_group_sizes)  # group_size=auto: planned with the largest candidate
-    routing = Routing(strategy=backward.strategy, group_size=W, jagg_frac=1.0 if auto else backward.jagg_frac)
+    routing = backward.planned_setting().routing  # group_size=auto: planned with the largest candidate
+    W = routing.group_size
     groups = routing.plans(T)
     p.section(
         f"update (backward.strategy={backward.strategy}, W={W}"
@@ -372,10 +376,16 @@ class MemoryPlan:
     no_grad: float  # transient peak of a rollout / evaluation forward (not at the same time as the update)
     host: dict[str, float]  # "rank 0" / "other ranks" peak host bytes
     checkpointing: bool
+    # the AdamW step's temporaries: after the backward, not at the same time as its activations
+    step: float = 0.0
+
+    def transient(self, checkpointing: bool | None = None) -> float:
+        """The largest of the phases that never overlap: update activations, a no-grad forward, the step."""
+        ckpt = self.checkpointing if checkpointing is None else checkpointing
+        return max(self.activations[ckpt], self.no_grad, self.step)
 
     def total(self, checkpointing: bool | None = None) -> float:
-        ckpt = self.checkpointing if checkpointing is None else checkpointing
-        return sum(self.gpu.values()) + max(self.activations[ckpt], self.no_grad) + CUDA_RESERVE
+        return sum(self.gpu.values()) + self.transient(checkpointing) + CUDA_RESERVE
 
     def fits(self, gpu_gb: int, checkpointing: bool | None = None) -> bool:
         return self.total(checkpointing) <= gpu_gb * 1e9
@@ -405,7 +415,9 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     }
     if cfg.optim.ema_decay > 0:
         gpu["EMA (sharded)"] = n_train * master / r
-    gpu["AdamW step temporaries (foreach)"] = n_train * 4 / r  # torch's multi-tensor AdamW: ~1 copy
+    step = (
+        n_train * 4 / r
+    )  # torch's multi-tensor AdamW: ~1 copy, transient (simulated: results/plan_check.md)
     gpu["unsharded blocks in flight"] = 2 * n_block * compute  # current + prefetched block
     n_block_train = max(
         (sum(x.numel() for x in blk.parameters() if x.requires_grad) for blk in blocks), default=0
@@ -428,11 +440,14 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
             if name in AUX_MODELS:
                 aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}))
     gpu.update({f"{AUX_MODELS[k][0]}": v for k, v in aux.items()})
-    if pretrained and not data.embedding_cache:  # CachedTextEncoder keeps rows on the GPU without a cache dir
+    # CachedTextEncoder's rows are host memory on every rank (the encoders return CPU tensors; the trainer moves
+    # one micro-batch's conditioning to the GPU): the LRU without a cache dir, every prompt when precomputed
+    host_prompts = 0.0
+    if pretrained and not data.embedding_cache:
         prompts = PROMPT_LRU
         if data.precompute_embeddings:  # every train + eval prompt stays in memory
             prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
-        gpu["prompt embeddings (in memory)"] = prompts * embedding_bytes(cfg, model)
+        host_prompts = prompts * embedding_bytes(cfg, model)
     # activations of the update: per graph, B samples x tokens x hidden x layers
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
     txt = (
@@ -441,9 +456,13 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     tokens = (sampling.latent_size // 2) ** 2 + txt
     cfg_mult = 2 if model_cfg.backbone == "qwenimage" and model_cfg.true_cfg_scale > 1 else 1
     per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
+    # the batched endpoint mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
+    backward = cfg.backward
+    recompute_rows = 2 if backward.strategy != "exact" and backward.endpoints == "batched" else 1
     activations = {
         # checkpointing: block inputs of every layer per graph + one block recomputed at a time
-        True: graphs * per_layer * len(blocks) * compute + per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
+        True: graphs * per_layer * len(blocks) * compute
+        + recompute_rows * per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
         False: graphs * per_layer * len(blocks) * ACT_BYTES_PER_TOKEN_HIDDEN,
     }
     # no-grad forwards (rollout at train_batch_size, evaluation in chunks of up to 32 per rank): one block's
@@ -454,16 +473,25 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     # host: rank 0 holds the loaded transformer once (memory-mapped safetensors, load dtype), every rank the
     # largest other model while it loads it (weights are read to the host, then moved to the GPU).
     load_bytes = n_all * (2 if train.precision == "bf16" else 4) if pretrained else 0
+    staged = dict(aux)
+    if (
+        pretrained
+    ):  # precomputed embeddings: every rank still loads (stages) its text encoders once, then frees
+        staged.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
     staging = max(
-        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in aux.items()], default=0
+        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in staged.items()], default=0
     )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
-    host = {"rank 0": HOST_BASELINE + load_bytes + staging, "other ranks": HOST_BASELINE + staging}
+    host = {
+        "rank 0": HOST_BASELINE + load_bytes + staging + host_prompts,
+        "other ranks": HOST_BASELINE + staging + host_prompts,
+    }
     return MemoryPlan(
         gpu=gpu,
         activations=activations,
         no_grad=no_grad,
         host=host,
         checkpointing=model_cfg.gradient_checkpointing,
+        step=step,
     )
 
 
@@ -490,9 +518,9 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
                 f"on disk in data.embedding_cache={data.embedding_cache} (~{gib(per_prompt * 1e5)} per 1e5)"
             )
         elif data.precompute_embeddings:
-            where = "ALL prompts in GPU memory on every rank: set data.embedding_cache"
+            where = "ALL prompts in host memory on every rank: set data.embedding_cache"
         else:
-            where = f"an in-memory LRU of {PROMPT_LRU} prompts per rank (GPU)"
+            where = f"an in-memory LRU of {PROMPT_LRU} prompts per rank (host)"
         p.add("prompt embeddings: where", f"{per_prompt / 2**20:.2f} MiB per prompt; {where}")
     else:
         p.add("text encoder, decoder, rewards", "the embedded world's (under 0.1 GiB)")
@@ -504,6 +532,7 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
         f"{'with' if ckpt else 'without'})",
     )
     p.add("no-grad forwards (rollout / eval)", f"{gib(mp.no_grad)} transient (not during the update)")
+    p.add("AdamW step temporaries (foreach)", f"{gib(mp.step)} transient (after the backward)")
     p.add("CUDA context + allocator slack", f"{gib(CUDA_RESERVE)} (assumed)")
     p.add(
         "total per GPU",
@@ -520,6 +549,23 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
     )
     export = n_all * 2 if model_cfg.lora_rank == 0 and train.precision == "bf16" else n_train * 4
     p.add("export (rank 0 host, once)", gib(export))
+    disk = disk_plan(cfg, model)
+    p.section("disk (GiB; the run directory and data.embedding_cache)")
+    p.add(
+        "checkpoint",
+        f"{gib(disk['checkpoint'])} (trained weights, AdamW moments, EMA; frozen base not saved)",
+    )
+    p.add(
+        "while a checkpoint is written",
+        f"{gib(2 * disk['checkpoint'])} (checkpoint.tmp beside the previous checkpoint until the swap)",
+    )
+    if model_cfg.source == "pretrained":
+        p.add(
+            "embedding cache",
+            f"{gib(disk['embedding cache'])} in {data.embedding_cache}"
+            if data.embedding_cache
+            else "none (data.embedding_cache unset)",
+        )
 
 
 def embedding_bytes(cfg: Config, model) -> int:
@@ -530,5 +576,18 @@ def embedding_bytes(cfg: Config, model) -> int:
         return model_cfg.max_sequence_length * (width * 2 + 8) + 768 * 2
     rows = 64 * (
         2 if model_cfg.true_cfg_scale > 1 else 1
-    )  # a typical prompt (+ the negative prompt with true CFG)
+    )  # a typical prompt (+ the negative one with true CFG)
     return rows * (width * 2 + 8)
+
+
+def disk_plan(cfg: Config, model) -> dict[str, float]:
+    """Bytes on disk: one checkpoint (``jagg.loop.checkpoint``: trained parameters in their master dtype, two
+    fp32 AdamW moments, the EMA copy; ``ignore_frozen_params``) and the embedding cache (one file per train and
+    eval prompt, ``embedding_bytes`` each) when ``data.embedding_cache`` is set."""
+    data = cfg.data
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    master = 8 if cfg.train.precision == "fp64" else 4
+    ema = n_train * master if cfg.optim.ema_decay > 0 else 0
+    prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
+    cache = prompts * embedding_bytes(cfg, model) if data.embedding_cache else 0
+    return {"checkpoint": float(n_train * (master + 8) + ema), "embedding cache": float(cache)}

@@ -1,0 +1,90 @@
+"""The dry-run plan's corrected terms (issue 19, item 7): prompt cache on the host, the batched mode's 2B
+recompute, the text encoder staged on the host when embeddings are precomputed, and the disk figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from jagg.config import load_config
+from jagg.engine.routing import trajectory_cost
+from jagg.loop.plan import (
+    ACT_BYTES_PER_TOKEN_HIDDEN,
+    GIB,
+    HOST_BASELINE,
+    PROMPT_LRU,
+    aux_params,
+    build_plan,
+    disk_plan,
+    embedding_bytes,
+    memory_plan,
+    meta_transformer,
+    trained_steps_per_sample,
+)
+
+QWEN_DANCE = "configs/paper/qwenimage_dancegrpo.yaml"
+FLUX_DANCE = "configs/paper/flux_dancegrpo.yaml"
+
+
+def _plan(path: str, *overrides: str):
+    cfg = load_config(path, list(overrides))
+    backward = cfg.backward
+    setting = backward.planned_setting()
+    cost = trajectory_cost(setting.routing.plans(trained_steps_per_sample(cfg)), endpoints=setting.endpoints)
+    held = backward.strategy != "exact" and backward.endpoints == "joint"
+    return cfg, memory_plan(cfg, 8, cost.graphs_alive, held)
+
+
+def test_prompt_cache_is_host_memory_not_gpu():
+    """Without a cache directory the in-memory embeddings count on every rank's host, never on its GPU."""
+    cfg, mp = _plan(FLUX_DANCE, "data.embedding_cache=null")
+    _, cached = _plan(FLUX_DANCE, "data.embedding_cache=cache/embeddings")
+    model = meta_transformer(cfg)[0]
+    lru = PROMPT_LRU * embedding_bytes(cfg, model)
+    assert not any("prompt" in k for k in mp.gpu)
+    assert mp.gpu == cached.gpu
+    assert mp.host["other ranks"] - cached.host["other ranks"] == pytest.approx(lru)
+    assert mp.host["rank 0"] - cached.host["rank 0"] == pytest.approx(lru)
+
+
+def test_recompute_term_has_2b_rows_in_the_batched_mode():
+    """The one recomputed block of the batched endpoint forward holds 2B rows; sequential holds B."""
+    _, batched = _plan(FLUX_DANCE)
+    cfg, seq = _plan(FLUX_DANCE, "backward.endpoints=sequential")
+    s, m = cfg.sampling, cfg.model
+    per_layer = cfg.train.train_batch_size * ((s.latent_size // 2) ** 2 + m.max_sequence_length) * 3072
+    blocks = 19 + 38
+    # batched: 2 graphs alive (one 2B graph); sequential: 1 graph alive
+    assert batched.activations[True] == pytest.approx(
+        2 * per_layer * blocks * 2 + 2 * per_layer * ACT_BYTES_PER_TOKEN_HIDDEN
+    )
+    assert seq.activations[True] == pytest.approx(
+        per_layer * blocks * 2 + per_layer * ACT_BYTES_PER_TOKEN_HIDDEN
+    )
+
+
+def test_precomputed_embeddings_stage_the_text_encoder_on_the_host():
+    """Qwen-Image DanceGRPO precomputes: every rank still loads Qwen2.5-VL-7B (bf16) once; rank 0 also holds
+    the 20.4B transformer in bf16. ~57 GiB rank 0 / ~19 GiB other ranks (was 49 / 11: HPSv2.1's staging)."""
+    cfg, mp = _plan(QWEN_DANCE)
+    qwen_vl = aux_params("qwen25_vl_7b") * 2
+    n_all = sum(p.numel() for p in meta_transformer(cfg)[0].parameters())
+    assert mp.host["other ranks"] == pytest.approx(HOST_BASELINE + qwen_vl)
+    assert mp.host["rank 0"] == pytest.approx(HOST_BASELINE + qwen_vl + n_all * 2)
+    assert 56 < mp.host["rank 0"] / GIB < 59 and 18 < mp.host["other ranks"] / GIB < 21
+
+
+def test_dry_run_states_disk():
+    """Checkpoint = trained fp32 weights + two fp32 moments; written beside the previous one; cache size."""
+    cfg = load_config(QWEN_DANCE)
+    model = meta_transformer(cfg)[0]
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    disk = disk_plan(cfg, model)
+    assert disk["checkpoint"] == n * 12
+    assert 220 < disk["checkpoint"] / GIB < 235  # ~228 GiB for Qwen-Image full fine-tuning
+    assert disk["embedding cache"] == (100_000 + 400) * embedding_bytes(cfg, model)
+    text = str(build_plan(cfg, 8))
+    assert "checkpoint.tmp beside the previous checkpoint" in text and "embedding cache" in text
+    lora = load_config("configs/paper/flux_flowgrpo_fast.yaml")
+    lora_model = meta_transformer(lora)[0]
+    trained = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
+    assert disk_plan(lora, lora_model) == {"checkpoint": trained * 12, "embedding cache": 0.0}
