@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv test test-dist lint format bench gpu-check plan-check hpsv2-ref pretrain clean theorem table1 cosine routing curves curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check hpsv2-ref pretrain clean theorem table1 cosine routing curves curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -29,6 +29,13 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $(STAMP)
 
 venv: $(STAMP) ## Create .venv with the pinned dependencies (done automatically by every target)
+
+smoke: $(STAMP) ## ~1 min: 2 GRPO iterations with JAGG on a random-init tiny Flux (no pretraining) -> runs/smoke/
+	$(PY) -m jagg.train --config configs/world/flux_dancegrpo.yaml --overwrite model.source=tiny \
+		'reward.weights={jpeg: 1.0}' 'reward.eval=[jpeg]' train.iterations=2 train.prompts_per_iter=2 \
+		train.images_per_prompt=4 train.train_batch_size=4 train.grad_accum=2 log.eval_every=2 log.eval_prompts=4 \
+		log.run_dir=runs/smoke
+	@echo "smoke run: runs/smoke/metrics.jsonl, runs/smoke/samples/, runs/smoke/checkpoint/"
 
 test: $(STAMP) ## Run the test suite (creates .venv if missing)
 	$(PY) -m pytest -q
