@@ -150,6 +150,7 @@ class GeometryReward:
 
 
 @register_reward("attr_geom")
-def attr_geom_reward() -> GeometryReward:
-    """Eval-only exact attribute match read from the render's geometry (no weights, no ``make pretrain``)."""
+def attr_geom_reward(device: torch.device | None = None) -> GeometryReward:
+    """Eval-only exact attribute match read from the render's geometry (no weights, no ``make pretrain``);
+    it runs on the CPU whatever ``device`` is, like the world's other judges."""
     return GeometryReward(World())
