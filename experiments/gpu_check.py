@@ -47,6 +47,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,40 +353,53 @@ def run_stages(
     *,
     selected: set[str] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_record: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Run ``stages`` in order within ``budget_s`` seconds of ``clock``; one record per stage.
 
     A stage starts only when the time left is at least its budget (else ``skipped``, with the time left); an
     exception ends that stage only (``failed``, with its error line), and memory is released before the next.
+    ``on_record(records so far)`` after each stage (``main`` rewrites the JSON, so a killed run keeps them).
+    Stage deadlines are on ``time.perf_counter``; ``clock`` (a fake one in the tests) decides what starts.
     """
     start = clock()
-    records = []
+    records: list[dict] = []
     for stage in stages:
         rec = dict(name=stage.name, about=stage.about, budget_s=stage.budget_s)
         left = budget_s - (clock() - start)
         if selected is not None and stage.name not in selected:
-            records.append({**rec, "status": "skipped", "reason": "not selected (--stages)"})
-            continue
-        if left < stage.budget_s:
+            rec.update(status="skipped", reason="not selected (--stages)")
+        elif left < stage.budget_s:
             reason = (
                 f"over budget: {left:.0f} s left of {budget_s:.0f} s, the stage needs {stage.budget_s:.0f} s"
             )
-            records.append({**rec, "status": "skipped", "reason": reason})
+            rec.update(status="skipped", reason=reason)
             ctx.log(f"[{stage.name}] skipped: {reason}")
-            continue
-        ctx.log(f"[{stage.name}] {stage.about} (budget {stage.budget_s:.0f} s)")
-        t0 = clock()
-        try:
-            result = stage.fn(ctx, time.perf_counter() + stage.budget_s)
-            rec.update(status="ok", result=result)
-        except Exception as exc:  # a failing stage must not stop the others
-            rec.update(status="failed", error=error_line(exc))
-            ctx.log(f"[{stage.name}] failed: {rec['error']}")
-        rec["seconds"] = clock() - t0
-        rec["over_budget"] = rec["seconds"] > stage.budget_s
+        else:
+            rec.update(_run_stage(stage, ctx, clock))
         records.append(rec)
-        _free(None, ctx.device)
+        if on_record is not None:
+            on_record(records)
     return records
+
+
+def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
+    """status / result or error / seconds / over_budget (/ peak_gib on CUDA) of one stage; frees memory."""
+    ctx.log(f"[{stage.name}] {stage.about} (budget {stage.budget_s:.0f} s)")
+    t0 = clock()
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    try:
+        rec = dict(status="ok", result=stage.fn(ctx, time.perf_counter() + stage.budget_s))
+    except Exception as exc:  # a failing stage must not stop the others
+        rec = dict(status="failed", error=error_line(exc))
+        ctx.log(f"[{stage.name}] failed: {rec['error']}")
+    rec["seconds"] = clock() - t0
+    rec["over_budget"] = rec["seconds"] > stage.budget_s
+    if ctx.cuda:
+        rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+    _free(None, ctx.device)
+    return rec
 
 
 def _timed(fn: Callable[..., object], device: torch.device, *args) -> tuple[object, float]:
@@ -409,6 +423,12 @@ def _gib(n: int | None) -> float | None:
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
+def _nccl_version() -> str:
+    """NCCL's version as "major.minor.patch" (torch returns a tuple; older releases an int)."""
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def stage_environment(ctx: Context, deadline: float) -> dict:
     """Versions, the GPU, the SDPA flags, and one small SDPA call per kernel compared with the math kernel."""
     import torch.nn.functional as F
@@ -418,7 +438,7 @@ def stage_environment(ctx: Context, deadline: float) -> dict:
         torch=torch.__version__,
         cuda=torch.version.cuda,
         cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        nccl=".".join(map(str, torch.cuda.nccl.version())) if ctx.cuda else None,
+        nccl=_nccl_version() if ctx.cuda else None,
         device=str(ctx.device),
     )
     if ctx.cuda:
@@ -512,6 +532,8 @@ def stage_qwen_meta_load(ctx: Context, deadline: float) -> dict:
     latent = 4 if ctx.tiny else 64
     want = _qwen_forward(base, small, latent, ctx.seed, ctx.device)
     scratch = tempfile.mkdtemp(prefix="gpu_check_pg_", dir=ctx.scratch)
+    if ctx.cuda:
+        torch.cuda.set_device(ctx.device.index or 0)  # NCCL and the device mesh use the current device
     created = _one_rank_group(ctx, scratch)
     try:
         _, seconds = _timed(
@@ -764,7 +786,8 @@ def _reward_models(ctx: Context) -> dict[str, Callable[[], object]]:
                 text_cfg=dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=1),
             )
         else:
-            model = open_clip.create_model("ViT-H-14", pretrained=None, device=ctx.device)
+            with torch.device(ctx.device):  # random init on the GPU, not 1B parameters on the CPU first
+                model = open_clip.create_model("ViT-H-14", pretrained=None, device=ctx.device)
         return HPSv2Reward.from_model(model, open_clip.get_tokenizer("ViT-H-14"), **kw)
 
     return {
@@ -861,10 +884,12 @@ def stage_adamw_dcp(ctx: Context, deadline: float) -> dict:
     root = tempfile.mkdtemp(prefix="gpu_check_dcp_", dir=ctx.scratch)
     try:
         path = os.path.join(root, "checkpoint")
-        _, save_s = _timed(lambda: dcp.save(state, checkpoint_id=path), ctx.device)
-        written = _dir_bytes(path)
-        target = {"model": {"shard": torch.empty_like(param.detach())}}
-        _, load_s = _timed(lambda: dcp.load(target, checkpoint_id=path), ctx.device)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            _, save_s = _timed(lambda: dcp.save(state, checkpoint_id=path), ctx.device)
+            written = _dir_bytes(path)
+            target = {"model": {"shard": torch.empty_like(param.detach())}}
+            _, load_s = _timed(lambda: dcp.load(target, checkpoint_id=path), ctx.device)
         if not torch.equal(target["model"]["shard"], param.detach()):
             raise AssertionError("the DCP load differs from what was saved")
     finally:
@@ -995,7 +1020,6 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device: every stage runs its tiny version on the CPU (seconds);")
         print(f"gpu_check: these are not GPU numbers, and they go to {out}, not {GPU_OUT}.")
     start = time.perf_counter()
-    stages = run_stages(STAGES, ctx, args.budget_s, selected=set(args.stages) if args.stages else None)
     meta = run_metadata(
         command=command_line("experiments/gpu_check.py", argv),
         seed=args.seed,
@@ -1013,8 +1037,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         architectures="tiny" if ctx.tiny else KNOWN_CONFIGS,
     )
-    report = dict(meta=meta, budget_s=args.budget_s, wall_s=time.perf_counter() - start, stages=stages)
-    atomic_write_text(out, json.dumps(report, indent=1, default=str) + "\n")
+
+    def write(stages: list[dict]) -> dict:
+        report = dict(meta=meta, budget_s=args.budget_s, wall_s=time.perf_counter() - start, stages=stages)
+        atomic_write_text(out, json.dumps(report, indent=1, default=str) + "\n")
+        return report
+
+    selected = set(args.stages) if args.stages else None
+    report = write(run_stages(STAGES, ctx, args.budget_s, selected=selected, on_record=write))
     md = to_markdown(report)
     atomic_write_text(out.with_suffix(".md"), md)
     print(md)

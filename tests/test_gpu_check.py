@@ -166,8 +166,12 @@ def test_budget_skips_a_stage_that_would_start_with_too_little_time():
         gpu_check.Stage("d", 40, taking(1), "needs 40 s, 40 left: starts"),
         gpu_check.Stage("e", 40, taking(1), "needs 40 s, 39 left"),
     ]
-    recs = {r["name"]: r for r in gpu_check.run_stages(stages, _ctx(), 100, clock=clock)}
-    assert ran == [50, 10, 1]
+    written: list[int] = []
+    records = gpu_check.run_stages(
+        stages, _ctx(), 100, clock=clock, on_record=lambda r: written.append(len(r))
+    )
+    recs = {r["name"]: r for r in records}
+    assert ran == [50, 10, 1] and written == [1, 2, 3, 4, 5]  # the JSON is rewritten after every stage
     assert [recs[n]["status"] for n in "abcde"] == ["ok", "skipped", "ok", "ok", "skipped"]
     assert recs["a"]["seconds"] == 50 and recs["a"]["over_budget"] is True
     assert recs["c"]["over_budget"] is False and recs["c"]["result"] == {"took": 10}
