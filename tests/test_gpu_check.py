@@ -182,3 +182,15 @@ def test_budget_skips_a_stage_that_would_start_with_too_little_time():
 def test_error_line_is_one_line():
     assert gpu_check.error_line(ValueError("a\nb")) == "ValueError: a b"
     assert len(gpu_check.error_line(RuntimeError("x" * 2000))) == 500
+
+
+def test_real_reward_architectures_build_offline_on_meta():
+    """The CUDA path's reward models (hub architectures, no weights) build and match the published sizes."""
+    from jagg.loop.plan import AUX_MODELS
+
+    ctx = gpu_check.Context(device=torch.device("meta"), tiny=False, log=lambda _: None)
+    for name, build in gpu_check._reward_models(ctx).items():
+        reward = build()
+        n = sum(p.numel() for p in reward.model.parameters())
+        assert n == pytest.approx(AUX_MODELS[name][1], rel=1e-3), name
+        assert reward.image_size == 224
