@@ -370,9 +370,7 @@ def run_stages(
         if selected is not None and stage.name not in selected:
             rec.update(status="skipped", reason="not selected (--stages)")
         elif left < stage.budget_s:
-            reason = (
-                f"over budget: {left:.0f} s left of {budget_s:.0f} s, the stage needs {stage.budget_s:.0f} s"
-            )
+            reason = f"over budget: {math.floor(left)} s left of {budget_s:.0f} s, the stage needs {stage.budget_s:.0f} s"
             rec.update(status="skipped", reason=reason)
             ctx.log(f"[{stage.name}] skipped: {reason}")
         else:
@@ -1007,8 +1005,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.budget_s <= 0 or args.batch < 1:
-        ap.error(f"--budget-s must be > 0 (got {args.budget_s}) and --batch >= 1 (got {args.batch})")
+    if args.budget_s <= 0:
+        ap.error(f"--budget-s must be > 0 seconds, got {args.budget_s}")
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
     set_threads(1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
