@@ -64,7 +64,7 @@ from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import ENDPOINT_MODES, group_backward
 from jagg.loop.plan import KNOWN_CONFIGS, VAE_SCALE
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
-from jagg.scale.distributed import materialize_tensor_attributes
+from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
 GPU_OUT = "results/gpu/gpu_check.json"
@@ -603,7 +603,13 @@ def _with_grad_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _block_profile(block: nn.Module, args: tuple, kwargs: dict, device) -> dict:
-    """Forward / backward time and saved memory of one block, plain and under ``torch.utils.checkpoint``."""
+    """Forward / backward time and memory of one block, plain and under ``torch.utils.checkpoint``.
+
+    ``*_saved_gib``: memory allocated by the forward and held until the backward (saved activations and the
+    outputs; CUDA only); ``*_peak_over_start_gib``: the peak over the start during forward + backward.
+    ``recompute_s``: checkpointed minus plain backward time (the forward the checkpoint reruns). The second
+    of two runs is kept (the first warms kernels and the allocator).
+    """
     from torch.utils.checkpoint import checkpoint
 
     row = {}
@@ -650,11 +656,7 @@ def _checkpointing_grad_error(velocity, transformer: nn.Module, velocity_args) -
         velocity_args[0].device
     )
     grads, calls = {}, {}
-    blocks = [
-        b
-        for kind in ("transformer_blocks", "single_transformer_blocks")
-        for b in getattr(transformer, kind, None) or []
-    ]
+    blocks = transformer_blocks(transformer)
     counter = [0]
     handles = [b.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1)) for b in blocks]
     for on in (False, True):
