@@ -54,7 +54,7 @@ format: $(STAMP) ## Auto-format with ruff
 bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image backbones -> results/bench_group_backward.csv
 	$(PY) experiments/bench_group_backward.py --repeats 15 --out results/bench_group_backward.csv
 
-gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights: real Flux / Qwen-Image architectures, one DanceGRPO trajectory's update, exact vs every JAGG mode, LoRA and full -> results/gpu/ (without CUDA: tiny configs -> runs/gpu_check/)
+gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights, stages with time budgets (a failing one does not stop the rest): environment + SDPA kernels, Qwen meta load, Flux / Qwen-Image blocks at real width, full-depth Flux LoRA 512 px, VAE + rewards 720 px, AdamW + DCP save, every JAGG mode's update -> results/gpu/gpu_check.json (without CUDA: tiny versions -> runs/gpu_check/)
 	$(PY) experiments/gpu_check.py
 
 plan-check: $(STAMP) ## Simulated 8-GPU node on the CPU (fake tensors + fake process group + FSDPMemTracker): one real-size update per paper config next to the dry-run plan -> results/plan_check.md

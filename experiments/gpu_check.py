@@ -1,39 +1,61 @@
-"""One-shot GPU check (``make gpu-check``): the update of one DanceGRPO trajectory on the real architectures.
+"""``make gpu-check``: what one lent GPU can tell in one run, in stages with time budgets, into one JSON.
 
-For the day a GPU is lent (one GPU, at most ~8 minutes, no weights or downloads): random-init transformers with
-the published FLUX.1-dev and Qwen-Image configs (``jagg.loop.plan.KNOWN_CONFIGS``), bf16 autocast, diffusers'
-per-block gradient checkpointing, at the paper resolutions (Flux DanceGRPO 720 px = 90x90 latent; Qwen-Image
-720 px and Flow-GRPO's 512 px = 64x64). For each, the backward of one DanceGRPO-structured trajectory
-(16 steps, 9 random of the first 15 trained, W = 3, jagg_frac 0.6: 2 JAGG groups + 1 exact group) is timed with
-``jagg.engine.routing.trajectory_backward`` for the exact strategy and JAGG in every ``ENDPOINT_MODES`` mode,
-with and without the rollout's stored outputs (``outputs=``), with LoRA (r64 / alpha 128 on
-``jagg.scale.lora.DEFAULT_TARGETS``) and with full-parameter gradients, and the peak GPU memory of each run is
-recorded (``torch.cuda.max_memory_allocated``).
+For the day a GPU is lent (one GPU, ~10 minutes, no weights or downloads). Every stage builds random-init models
+of the real classes and configs (``jagg.loop.plan.KNOWN_CONFIGS``, the hub configs of the VAE and reward
+models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage still
+runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts only
+if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
+(a stage that runs past its budget is flagged ``over_budget``). Stages, in order:
 
-What "update" means here: the gradient computation of one micro-batch (forwards with autograd, signals,
-transformer backward), which is the part JAGG changes; no optimizer step. Full-parameter runs keep weights and
-gradients in bf16: fp32 master weights plus fp32 gradients of Qwen-Image (2 x 81.7 GB) do not fit one GPU
-(FSDP2 shards them over 8 in training). LoRA runs keep the frozen base in bf16 and the adapters in fp32.
-Random weights are drawn N(0, 1/fan_in) (norm scales 1, biases 0) directly on the device.
+1. ``environment``: torch / CUDA / cuDNN / NCCL versions, the GPU, the SDPA flags and one tiny SDPA call per
+   kernel (flash / mem-efficient / cuDNN / math) checked against the math kernel.
+2. ``qwen_meta_load``: Qwen-Image built on the meta device and materialised as the trainer does
+   (``materialize_tensor_attributes``: the rotary tables must be real and equal a CPU build), then
+   ``shard_from_rank0`` in a one-rank process group (NCCL on CUDA), whose forward must equal the unsharded one.
+3. ``blocks``: Flux and Qwen-Image at real width, 2 blocks of each kind: per-block forward / backward /
+   checkpointed backward (recompute + backward) time and activation memory, and the gradients of the whole
+   reduced model with and without gradient checkpointing equal (max relative error under a tolerance).
+4. ``flux_lora_512``: the full-depth Flux LoRA update of one DanceGRPO trajectory at 512 px, every variant.
+5. ``vae_rewards``: the FLUX.1-dev VAE decoding a 720 px image and HPSv2.1 / PickScore / CLIPScore scoring it.
+6. ``adamw_dcp``: an AdamW step on a multi-GB shard and its ``torch.distributed.checkpoint`` save (write
+   bandwidth) and load (bit-equal).
+7. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
+   W = 3, jagg_frac 0.6) with ``jagg.engine.routing.trajectory_backward`` for exact and JAGG in every
+   ``ENDPOINT_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
+   backbones at the paper resolutions (Flux 720 px; Qwen-Image 720 and 512 px), with peak memory.
 
-Without CUDA the same code runs on the tiny configs (``jagg.models.TINY_CONFIGS``, small latents) in seconds,
-says so, and writes under ``runs/`` by default, so nothing under ``results/gpu/`` ever comes from a CPU.
+"Update" is the gradient computation of one micro-batch (no optimizer step, which stage 6 times). Full-parameter
+runs keep bf16 weights and gradients (fp32 master weights of Qwen-Image do not fit one GPU; FSDP2 shards them
+over 8 in training). Random weights are N(0, 1/fan_in), norm scales 1, biases 0, drawn on the device.
 
-    python experiments/gpu_check.py [--out results/gpu/gpu_check.csv] [--tiny] [--batch 1] [--budget-s 420]
+Without CUDA every stage runs its tiny version (``jagg.models.TINY_CONFIGS``, small VAE / CLIPs, a few-MB shard)
+in seconds, says so, and writes ``runs/gpu_check/gpu_check.json``, so nothing under ``results/gpu/`` ever comes
+from a CPU. A Markdown summary is written beside the JSON.
+
+    python experiments/gpu_check.py [--out results/gpu/gpu_check.json] [--tiny] [--budget-s 480]
+                                    [--stages environment blocks ...] [--scratch DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
+import os
+import shutil
+import tempfile
 import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
+from jagg.common import atomic_write_text, command_line, run_metadata, set_threads
 from jagg.config import AlgorithmConfig
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import GRPOStepLoss
@@ -42,11 +64,11 @@ from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import ENDPOINT_MODES, group_backward
 from jagg.loop.plan import KNOWN_CONFIGS, VAE_SCALE
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
-from jagg.scale.distributed import materialize_tensor_attributes
+from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
-GPU_OUT = "results/gpu/gpu_check.csv"
-CPU_OUT = "runs/gpu_check/gpu_check.csv"  # runs/ is git-ignored
+GPU_OUT = "results/gpu/gpu_check.json"
+CPU_OUT = "runs/gpu_check/gpu_check.json"  # runs/ is git-ignored
 # DanceGRPO's trajectory (configs/paper/flux_dancegrpo.yaml): 16 steps, eta 0.3, shift 3, 60% of the first 15.
 NUM_STEPS, ETA, SHIFT, TIMESTEP_FRACTION, CLIP = 16, 0.3, 3.0, 0.6, 1e-4
 GROUP_SIZE, JAGG_FRAC = 3, 0.6
@@ -232,22 +254,30 @@ def run_variants(model, velocity, x, sigma, outputs, loss, device, deadline: flo
     return rows
 
 
-# --------------------------------------------------------------------------- driver
-def check_backbone(name: str, tiny: bool, device, batch: int, seed: int, deadline: float, log) -> list[dict]:
-    config = TINY_CONFIGS[name]() if tiny else dict(KNOWN_CONFIGS[name])
+def check_backbone(
+    name: str,
+    ctx: Context,
+    deadline: float,
+    *,
+    config: dict | None = None,
+    gradients: tuple[str, ...] = ("full", "lora"),
+    resolutions: tuple[int, ...] | None = None,
+) -> list[dict]:
+    """Rows of ``run_variants`` for one backbone: every gradient kind x resolution (``RESOLUTIONS`` default)."""
+    tiny, device, batch = ctx.tiny, ctx.device, ctx.batch
+    config = config or (TINY_CONFIGS[name]() if tiny else dict(KNOWN_CONFIGS[name]))
     t0 = time.perf_counter()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    transformer = build_transformer(name, config, device, dtype, seed)
+    transformer = build_transformer(name, config, device, ctx.dtype, ctx.seed)
     backbone = BACKBONES[name](transformer)
     n_params = sum(p.numel() for p in transformer.parameters())
-    log(f"{name}: {n_params / 1e9:.2f}B parameters built on {device} in {time.perf_counter() - t0:.1f} s")
+    ctx.log(f"{name}: {n_params / 1e9:.2f}B parameters built on {device} in {time.perf_counter() - t0:.1f} s")
     rows = []
-    for params in ("full", "lora"):
+    for params in gradients:
         if params == "lora":
             _free(transformer, device)
             apply_lora(transformer, LORA_RANK, LORA_ALPHA, DEFAULT_TARGETS[name])
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-        for px in RESOLUTIONS[name]:
+        for px in resolutions or RESOLUTIONS[name]:
             latent = TINY_LATENT[px] if tiny else px // VAE_SCALE
             tokens = TINY_TEXT_TOKENS if tiny else TEXT_TOKENS[name]
             head = dict(
@@ -267,41 +297,651 @@ def check_backbone(name: str, tiny: bool, device, batch: int, seed: int, deadlin
                     {**head, "variant": variant_name(*v), "status": "skipped (time budget)"} for v in VARIANTS
                 ]
                 continue
-            traj = make_trajectory(backbone, config, name, latent, tokens, batch, device, seed)
+            traj = make_trajectory(backbone, config, name, latent, tokens, batch, device, ctx.seed)
             for r in run_variants(transformer, *traj, device, deadline):
                 rows.append({**head, **r})
                 shown = f"{r['seconds']:.2f} s" if "seconds" in r else r["status"]
                 mem = f", peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else ""
-                log(f"  {name} {px}px {params:<4} {r['variant']:<22} {shown}{mem}")
+                ctx.log(f"  {name} {px}px {params:<4} {r['variant']:<22} {shown}{mem}")
             del traj
     del backbone, transformer
     _free(None, device)
     return rows
 
 
-def to_markdown(rows: list[dict], meta: dict, tiny: bool) -> str:
-    lines = [
-        "# GPU check: update of one DanceGRPO trajectory, exact vs JAGG endpoint modes",
-        "",
-        f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}.",
-        f"Command: `{meta['command']}`",
-        "",
-    ]
-    if tiny:
-        lines += [
-            "**Tiny configs, not the real architectures** (no CUDA or `--tiny`): the numbers only show that the",
-            "script runs; they say nothing about GPU time or memory.",
-            "",
+# --------------------------------------------------------------------------- stage machinery
+@dataclass
+class Context:
+    """What every stage gets: the device, whether it runs the tiny versions, the seed and a log function."""
+
+    device: torch.device
+    tiny: bool
+    seed: int = 0
+    batch: int = 1
+    scratch: str | None = None
+    log: Callable[[str], None] = print
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cuda else torch.float32
+
+
+@dataclass
+class Stage:
+    """A named check with its time budget in seconds; ``fn(ctx, deadline)`` returns its measurements."""
+
+    name: str
+    budget_s: float
+    fn: Callable[[Context, float], dict]
+    about: str
+
+
+def error_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (the last line of the traceback), message cut at 500 characters."""
+    line = traceback.format_exception_only(type(exc), exc)[-1].strip().replace("\n", " ")
+    return line[:500]
+
+
+def run_stages(
+    stages: list[Stage],
+    ctx: Context,
+    budget_s: float,
+    *,
+    selected: set[str] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    on_record: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Run ``stages`` in order within ``budget_s`` seconds of ``clock``; one record per stage.
+
+    A stage starts only when the time left is at least its budget (else ``skipped``, with the time left); an
+    exception ends that stage only (``failed``, with its error line), and memory is released before the next.
+    ``on_record(records so far)`` after each stage (``main`` rewrites the JSON, so a killed run keeps them).
+    Stage deadlines are on ``time.perf_counter``; ``clock`` (a fake one in the tests) decides what starts.
+    """
+    start = clock()
+    records: list[dict] = []
+    for stage in stages:
+        rec = dict(name=stage.name, about=stage.about, budget_s=stage.budget_s)
+        left = budget_s - (clock() - start)
+        if selected is not None and stage.name not in selected:
+            rec.update(status="skipped", reason="not selected (--stages)")
+        elif left < stage.budget_s:
+            reason = f"over budget: {math.floor(left)} s left of {budget_s:.0f} s, the stage needs {stage.budget_s:.0f} s"
+            rec.update(status="skipped", reason=reason)
+            ctx.log(f"[{stage.name}] skipped: {reason}")
+        else:
+            rec.update(_run_stage(stage, ctx, clock))
+        records.append(rec)
+        if on_record is not None:
+            on_record(records)
+    return records
+
+
+def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
+    """status / result or error / seconds / over_budget (/ peak_gib on CUDA) of one stage; frees memory."""
+    ctx.log(f"[{stage.name}] {stage.about} (budget {stage.budget_s:.0f} s)")
+    t0 = clock()
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    try:
+        rec = dict(status="ok", result=stage.fn(ctx, time.perf_counter() + stage.budget_s))
+    except Exception as exc:  # a failing stage must not stop the others
+        rec = dict(status="failed", error=error_line(exc))
+        ctx.log(f"[{stage.name}] failed: {rec['error']}")
+    rec["seconds"] = clock() - t0
+    rec["over_budget"] = rec["seconds"] > stage.budget_s
+    if ctx.cuda:
+        rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+    _free(None, ctx.device)
+    return rec
+
+
+def _timed(fn: Callable[..., object], device: torch.device, *args) -> tuple[object, float]:
+    """(fn(*args), wall seconds), synchronising CUDA before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _mem(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _gib(n: int | None) -> float | None:
+    return None if n is None else n / 2**30
+
+
+# --------------------------------------------------------------------------- 1. environment
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+def _nccl_version() -> str:
+    """NCCL's version as "major.minor.patch" (torch returns a tuple; older releases an int)."""
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def stage_environment(ctx: Context, deadline: float) -> dict:
+    """Versions, the GPU, the SDPA flags, and one small SDPA call per kernel compared with the math kernel."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out: dict = dict(
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        nccl=_nccl_version() if ctx.cuda else None,
+        device=str(ctx.device),
+    )
+    if ctx.cuda:
+        prop = torch.cuda.get_device_properties(ctx.device)
+        out.update(
+            gpu=prop.name, gpu_memory_gib=prop.total_memory / 2**30, capability=f"{prop.major}.{prop.minor}"
+        )
+        out["sdpa_flags"] = {
+            k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
+            for k in ("flash", "mem_efficient", "cudnn", "math")
+        }
+    shape = (1, 24, 1024, 128) if ctx.cuda else (1, 2, 16, 8)
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
+    q, k, v = (torch.randn(shape, generator=g, device=ctx.device, dtype=ctx.dtype) for _ in range(3))
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(q, k, v).float()
+    kernels = {}
+    for name in SDPA_BACKENDS:
+        try:
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                o, seconds = _timed(lambda: F.scaled_dot_product_attention(q, k, v), ctx.device)
+            kernels[name.lower()] = dict(
+                status="ok", seconds=seconds, max_abs_err_vs_math=float((o.float() - ref).abs().max())
+            )
+        except Exception as exc:  # an unavailable kernel is a finding, not a stage failure
+            kernels[name.lower()] = dict(status="unavailable", error=error_line(exc))
+    out["sdpa_kernels"] = kernels
+    if kernels["math"]["status"] != "ok":
+        raise RuntimeError("SDPA's math kernel failed: " + kernels["math"]["error"])
+    return out
+
+
+# --------------------------------------------------------------------------- 2. Qwen-Image meta-device load
+def _qwen_forward(backbone, config: dict, latent: int, seed: int, device) -> torch.Tensor:
+    """One no-grad velocity of ``backbone`` on a fixed random latent and prompt (both seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    cond = TextCond(
+        embeds=torch.randn(1, 8, config["joint_attention_dim"], generator=g),
+        mask=torch.ones(1, 8, dtype=torch.long),
+    ).to(device=device, dtype=next(backbone.parameters()).dtype)
+    z = torch.randn(1, backbone.latent_channels, latent, latent, generator=g).to(device)
+    with torch.no_grad(), _autocast(device):
+        return backbone.velocity(z, torch.full((1,), 0.5, device=device), cond).float()
+
+
+def _one_rank_group(ctx: Context, directory: str) -> bool:
+    """A one-process group (NCCL on CUDA, gloo on CPU) unless one exists; True when this call created it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    store = dist.FileStore(os.path.join(directory, "store"), 1)
+    dist.init_process_group("nccl" if ctx.cuda else "gloo", store=store, rank=0, world_size=1)
+    return True
+
+
+def stage_qwen_meta_load(ctx: Context, deadline: float) -> dict:
+    """Qwen-Image on the meta device, materialised as the trainer does; then ``shard_from_rank0`` on one rank.
+
+    The full-depth build (real config on CUDA) checks that ``materialize_tensor_attributes`` gives the rotary
+    tables real data equal to a CPU build's; the reduced-depth model then goes through the trainer's
+    ``shard_from_rank0`` + ``shard_backbone`` (FSDP2) in a one-rank group, whose velocity must equal the
+    unsharded model's.
+    """
+    import torch.distributed as dist
+
+    from jagg.scale.distributed import shard_backbone, shard_from_rank0
+
+    name, cls = "qwenimage", BACKBONES["qwenimage"].transformer_cls
+    config = TINY_CONFIGS[name]() if ctx.tiny else dict(KNOWN_CONFIGS[name])
+    (model, seconds) = _timed(
+        lambda: build_transformer(name, config, ctx.device, ctx.dtype, ctx.seed), ctx.device
+    )
+    ref = cls.from_config({**config, "num_layers": 0}).pos_embed
+    tables = {}
+    for attr in ("pos_freqs", "neg_freqs"):
+        got = getattr(model.pos_embed, attr)
+        if got.is_meta or not torch.equal(got.cpu(), getattr(ref, attr)):
+            raise AssertionError(f"pos_embed.{attr} after materialisation is not the CPU build's table")
+        tables[attr] = list(got.shape)
+    out = dict(
+        params_b=sum(p.numel() for p in model.parameters()) / 1e9,
+        build_materialize_s=seconds,
+        resident_gib=_gib(_mem(ctx.device)),
+        rotary_tables=tables,
+    )
+    del model
+    _free(None, ctx.device)
+    small = {**config, "num_layers": 2}
+    base = BACKBONES[name](build_transformer(name, small, ctx.device, ctx.dtype, ctx.seed))
+    latent = 4 if ctx.tiny else 64
+    want = _qwen_forward(base, small, latent, ctx.seed, ctx.device)
+    scratch = tempfile.mkdtemp(prefix="gpu_check_pg_", dir=ctx.scratch)
+    if ctx.cuda:
+        torch.cuda.set_device(ctx.device.index or 0)  # NCCL and the device mesh use the current device
+    created = _one_rank_group(ctx, scratch)
+    try:
+        _, seconds = _timed(
+            lambda: shard_from_rank0(
+                base, shard_backbone, device=ctx.device, trainable=ctx.dtype, frozen=ctx.dtype
+            ),
+            ctx.device,
+        )
+        got = _qwen_forward(base, small, latent, ctx.seed, ctx.device)
+    finally:
+        if created:
+            dist.destroy_process_group()
+        shutil.rmtree(scratch, ignore_errors=True)
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    if not (torch.isfinite(got).all() and err <= (2e-2 if ctx.cuda else 1e-5)):
+        raise AssertionError(f"sharded velocity differs from the unsharded one (max rel err {err:.2e})")
+    out.update(
+        shard_from_rank0_s=seconds,
+        sharded_vs_unsharded_max_rel_err=err,
+        backend=dist.Backend.NCCL if ctx.cuda else "gloo",
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- 3. blocks at real width
+BLOCK_DEPTH = 2  # blocks of each kind in the reduced-depth models
+GRAD_TOL = {"cuda": 3e-2, "cpu": 1e-5}  # max relative gradient error, checkpointing on vs off (bf16 / fp32)
+
+
+def _reduced_config(name: str, tiny: bool) -> dict:
+    """The real (or tiny) config with ``BLOCK_DEPTH`` blocks of every kind."""
+    config = TINY_CONFIGS[name]() if tiny else dict(KNOWN_CONFIGS[name])
+    config.update({k: BLOCK_DEPTH for k in ("num_layers", "num_single_layers") if k in config})
+    return config
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    """The tensors in a block's output (a tensor or a tuple of them)."""
+    return [x] if isinstance(x, torch.Tensor) else [t for t in x if isinstance(t, torch.Tensor)]
+
+
+def _captured_block_inputs(velocity, velocity_args, blocks) -> list[tuple[tuple, dict]]:
+    """Each block's (args, kwargs) from one no-grad forward (forward pre-hooks), detached."""
+    seen: list[tuple[tuple, dict]] = [None] * len(blocks)
+
+    def hook(i):
+        def fn(_module, args, kwargs):
+            detach = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            seen[i] = (tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()})
+
+        return fn
+
+    handles = [b.register_forward_pre_hook(hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad(), _autocast(velocity_args[0].device):
+            velocity(*velocity_args)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _with_grad_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Fresh leaf copies of the hidden-state inputs (floating tensors) that require grad."""
+    fresh = lambda v: (
+        v.clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    )  # noqa: E731
+    return tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kwargs.items()}
+
+
+def _block_profile(block: nn.Module, args: tuple, kwargs: dict, device) -> dict:
+    """Forward / backward time and memory of one block, plain and under ``torch.utils.checkpoint``.
+
+    ``*_saved_gib``: memory allocated by the forward and held until the backward (saved activations and the
+    outputs; CUDA only); ``*_peak_over_start_gib``: the peak over the start during forward + backward.
+    ``recompute_s``: checkpointed minus plain backward time (the forward the checkpoint reruns). The second
+    of two runs is kept (the first warms kernels and the allocator).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    row = {}
+    for mode in ("plain", "checkpointed"):
+        call = (
+            (lambda a, k: block(*a, **k))
+            if mode == "plain"
+            else (lambda a, k: checkpoint(block, *a, use_reentrant=False, **k))
+        )
+        for _attempt in ("warmup", "timed"):
+            a, k = _with_grad_inputs(args, kwargs)
+            block.zero_grad(set_to_none=True)
+            _free(None, device)
+            m0 = _mem(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            with _autocast(device):
+                raw, fwd = _timed(call, device, a, k)
+            outs = _tensors(raw)
+            m1 = _mem(device)
+            ones = [torch.ones_like(o) for o in outs]
+            _, bwd = _timed(torch.autograd.backward, device, outs, ones)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            del outs, raw, ones, a, k
+        row[f"{mode}_forward_s"], row[f"{mode}_backward_s"] = fwd, bwd
+        row[f"{mode}_saved_gib"] = None if m0 is None else _gib(m1 - m0)
+        row[f"{mode}_peak_over_start_gib"] = None if m0 is None else _gib(peak - m0)
+    row["recompute_s"] = row["checkpointed_backward_s"] - row["plain_backward_s"]
+    return row
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _checkpointing_grad_error(velocity, transformer: nn.Module, velocity_args) -> tuple[float, int]:
+    """(max over parameters of max|g_ckpt - g_plain| / max|g_plain|, number of gradients compared).
+
+    Also checks that checkpointing is really on: every block runs once without it and twice with it (the
+    recompute in the backward), counted by forward pre-hooks (a forward hook would miss the recompute: torch
+    stops it early once the saved tensors are rebuilt).
+    """
+    weight = torch.randn(velocity_args[0].shape, generator=torch.Generator().manual_seed(1)).to(
+        velocity_args[0].device
+    )
+    grads, calls = {}, {}
+    blocks = transformer_blocks(transformer)
+    counter = [0]
+    handles = [b.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1)) for b in blocks]
+    for on in (False, True):
+        transformer.enable_gradient_checkpointing() if on else transformer.disable_gradient_checkpointing()
+        transformer.zero_grad(set_to_none=True)
+        counter[0] = 0
+        with _autocast(weight.device):
+            loss = (velocity(*velocity_args).float() * weight).sum()
+        loss.backward()
+        grads[on], calls[on] = _grads(transformer), counter[0]
+    for h in handles:
+        h.remove()
+    transformer.zero_grad(set_to_none=True)
+    if (calls[False], calls[True]) != (len(blocks), 2 * len(blocks)):
+        raise AssertionError(
+            f"block forwards without / with checkpointing: {calls}, want {len(blocks)} / twice that"
+        )
+    if set(grads[True]) != set(grads[False]) or not grads[True]:
+        raise AssertionError("checkpointing changed which parameters get a gradient")
+    err = max(
+        float((grads[True][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+        for n, g in grads[False].items()
+    )
+    return err, len(grads[False])
+
+
+def stage_blocks(ctx: Context, deadline: float) -> dict:
+    """Per-block profiles of Flux and Qwen-Image at real width (720 px) and the checkpointing gradient check."""
+    out = {}
+    for name in ("flux", "qwenimage"):
+        config = _reduced_config(name, ctx.tiny)
+        transformer = build_transformer(name, config, ctx.device, ctx.dtype, ctx.seed)
+        transformer.disable_gradient_checkpointing()
+        backbone = BACKBONES[name](transformer)
+        latent = TINY_LATENT[720] if ctx.tiny else 720 // VAE_SCALE
+        tokens = TINY_TEXT_TOKENS if ctx.tiny else TEXT_TOKENS[name]
+        velocity, x, sigma, _, _ = make_trajectory(
+            backbone, config, name, latent, tokens, 1, ctx.device, ctx.seed
+        )
+        args = (x[0], sigma[0])
+        blocks = [
+            (kind, b)
+            for kind in ("transformer_blocks", "single_transformer_blocks")
+            for b in getattr(transformer, kind, None) or []
         ]
-    lines += [
-        "Random-init transformers ("
-        + ("tiny configs" if tiny else "FLUX.1-dev / Qwen-Image configs")
-        + "), bf16",
-        "autocast, gradient checkpointing; 16 steps, 9 random of the first 15 trained, W = 3, jagg_frac 0.6;",
-        "gradient of one micro-batch (no optimizer step). `full`: every weight trained (bf16 weights and",
-        "gradients); `lora`: r64 / alpha 128 on the Flow-GRPO targets (fp32 adapters, bf16 frozen base).",
-        "`+stored`: intermediate outputs from the rollout. Peak = `torch.cuda.max_memory_allocated`.",
-        "",
+        inputs = _captured_block_inputs(velocity, args, [b for _, b in blocks])
+        rows = []
+        for i, ((kind, block), (a, k)) in enumerate(zip(blocks, inputs, strict=True)):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{name} block {i}: stage budget spent")
+            rows.append(dict(kind=kind, index=i, **_block_profile(block, a, k, ctx.device)))
+        err, n = _checkpointing_grad_error(velocity, transformer, args)
+        tol = GRAD_TOL[ctx.device.type]
+        if not err <= tol:
+            raise AssertionError(
+                f"{name}: gradients with and without checkpointing differ: max rel err {err:.2e} > {tol}"
+            )
+        out[name] = dict(
+            config="tiny" if ctx.tiny else "real width",
+            depth={k: config[k] for k in ("num_layers", "num_single_layers") if k in config},
+            image_tokens=(latent // 2) ** 2,
+            text_tokens=tokens,
+            blocks=rows,
+            checkpointing_grad_max_rel_err=err,
+            checkpointing_grad_tolerance=tol,
+            gradients_compared=n,
+        )
+        del backbone, transformer, velocity, x, sigma, inputs
+        _free(None, ctx.device)
+    return out
+
+
+# --------------------------------------------------------------------------- 4. full-depth Flux LoRA at 512 px
+def stage_flux_lora_512(ctx: Context, deadline: float) -> dict:
+    """The LoRA update of one DanceGRPO trajectory on full-depth Flux at 512 px (64x64 latent), every variant."""
+    rows = check_backbone("flux", ctx, deadline, gradients=("lora",), resolutions=(512,))
+    return dict(rows=rows)
+
+
+# --------------------------------------------------------------------------- 5. VAE decode and reward models
+_TINY_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 2,
+    up_block_types=["UpDecoderBlock2D"] * 2,
+    block_out_channels=[32, 32],
+    layers_per_block=1,
+    latent_channels=16,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+_TINY_HF_CLIP = dict(
+    text_config=dict(
+        vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    ),
+    vision_config=dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    ),
+    projection_dim=16,
+)
+
+
+def _reward_models(ctx: Context) -> dict[str, Callable[[], object]]:
+    """name -> builder of the jagg.scale.rewards class around a random-init model of the hub architecture."""
+    import open_clip
+    import transformers as tf
+
+    from jagg.loop import plan
+    from jagg.scale.rewards import CLIPScoreReward, HPSv2Reward, PickScoreReward, clip_bpe_tokenizer
+
+    kw = dict(device=ctx.device, dtype=ctx.dtype)
+
+    def hf_clip(text: dict, vision: dict, proj: int):
+        if ctx.tiny:
+            return tf.CLIPModel(tf.CLIPConfig(**_TINY_HF_CLIP))
+        with torch.device(ctx.device):
+            return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=proj))
+
+    def hps():
+        if ctx.tiny:
+            model = open_clip.CLIP(
+                embed_dim=16,
+                vision_cfg=dict(layers=1, width=32, head_width=16, patch_size=8, image_size=32),
+                text_cfg=dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=1),
+            )
+        else:
+            with torch.device(ctx.device):  # random init on the GPU, not 1B parameters on the CPU first
+                model = open_clip.create_model("ViT-H-14", pretrained=None, device=ctx.device)
+        return HPSv2Reward.from_model(model, open_clip.get_tokenizer("ViT-H-14"), **kw)
+
+    return {
+        "hpsv2": hps,
+        "pickscore": lambda: PickScoreReward.from_model(
+            hf_clip(plan._CLIP_H_TEXT, plan._CLIP_H_VISION, 1024), clip_bpe_tokenizer(), **kw
+        ),
+        "clipscore": lambda: CLIPScoreReward.from_model(
+            hf_clip(plan._CLIP_L_TEXT, plan._CLIP_L_VISION, 768), clip_bpe_tokenizer(), **kw
+        ),
+    }
+
+
+def stage_vae_rewards(ctx: Context, deadline: float) -> dict:
+    """The FLUX.1-dev VAE (random init) decoding a 90x90 latent to 720 px, then each reward model scoring it."""
+    from diffusers import AutoencoderKL
+
+    from jagg.loop import plan
+
+    with torch.device(ctx.device):
+        vae = AutoencoderKL(**(_TINY_VAE if ctx.tiny else plan._FLUX_VAE)).to(ctx.dtype).eval()
+    latent = 8 if ctx.tiny else 720 // VAE_SCALE
+    z = torch.randn(1, 16, latent, latent, generator=torch.Generator().manual_seed(ctx.seed)).to(
+        ctx.device, ctx.dtype
+    )
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    m0 = _mem(ctx.device)
+    with torch.no_grad():
+        decoded, seconds = _timed(vae.decode, ctx.device, z)
+        decoded = decoded.sample
+    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
+    images = (decoded.float().clamp(-1, 1) + 1) / 2
+    if not torch.isfinite(images).all():
+        raise AssertionError("the VAE decode is not finite")
+    out = dict(
+        vae=dict(
+            params_m=sum(p.numel() for p in vae.parameters()) / 1e6,
+            image=list(images.shape),
+            decode_s=seconds,
+            peak_over_start_gib=None if m0 is None else _gib(peak - m0),
+        )
+    )
+    del vae, decoded
+    _free(None, ctx.device)
+    prompts = ["a photo of a red bicycle leaning on a wall"]
+    rewards, failed = {}, []
+    for name, build in _reward_models(ctx).items():
+        try:
+            reward, build_s = _timed(build, ctx.device)
+            score, score_s = _timed(reward, ctx.device, images, prompts)
+            if not torch.isfinite(score).all():
+                raise AssertionError(f"{name} score is not finite")
+            rewards[name] = dict(
+                status="ok",
+                params_m=sum(p.numel() for p in reward.model.parameters()) / 1e6,
+                build_s=build_s,
+                score_s=score_s,
+                score=float(score[0]),
+            )
+            del reward
+        except Exception as exc:  # one model that cannot be built offline does not hide the others
+            rewards[name] = dict(status="failed", error=error_line(exc))
+            failed.append(name)
+        _free(None, ctx.device)
+    out["rewards"] = rewards
+    if failed:
+        raise RuntimeError(
+            f"reward models failed: {failed}: " + "; ".join(rewards[n]["error"] for n in failed)
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- 6. AdamW step and DCP save
+SHARD_NUMEL = {"cuda": 2**29, "cpu": 2**19}  # fp32 elements: 2 GiB on CUDA (8 GiB with grad and Adam state)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def stage_adamw_dcp(ctx: Context, deadline: float) -> dict:
+    """One AdamW step on a multi-GB fp32 shard, its DCP save (bytes, write bandwidth) and a bit-equal load."""
+    import torch.distributed.checkpoint as dcp
+
+    numel = SHARD_NUMEL[ctx.device.type]
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
+    param = nn.Parameter(torch.randn(numel, generator=g, device=ctx.device))
+    param.grad = torch.randn(numel, generator=g, device=ctx.device)
+    opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=1e-4, fused=ctx.cuda or None)
+    _, first_s = _timed(opt.step, ctx.device)  # allocates the state
+    _, step_s = _timed(opt.step, ctx.device)
+    state = {"model": {"shard": param.detach()}, "optim": opt.state_dict()}
+    root = tempfile.mkdtemp(prefix="gpu_check_dcp_", dir=ctx.scratch)
+    try:
+        path = os.path.join(root, "checkpoint")
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            _, save_s = _timed(lambda: dcp.save(state, checkpoint_id=path), ctx.device)
+            written = _dir_bytes(path)
+            target = {"model": {"shard": torch.empty_like(param.detach())}}
+            _, load_s = _timed(lambda: dcp.load(target, checkpoint_id=path), ctx.device)
+        if not torch.equal(target["model"]["shard"], param.detach()):
+            raise AssertionError("the DCP load differs from what was saved")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return dict(
+        shard_gib=numel * 4 / 2**30,
+        first_step_s=first_s,
+        step_s=step_s,
+        written_gib=written / 2**30,
+        save_s=save_s,
+        write_gib_per_s=written / 2**30 / save_s,
+        load_shard_s=load_s,
+        scratch=ctx.scratch or tempfile.gettempdir(),
+    )
+
+
+# --------------------------------------------------------------------------- 7. trajectory updates
+def stage_trajectory_updates(ctx: Context, deadline: float) -> dict:
+    """The original check: every variant, LoRA and full, both backbones, at the paper resolutions."""
+    rows = []
+    for name in ("flux", "qwenimage"):
+        rows += check_backbone(name, ctx, deadline)
+    return dict(rows=rows)
+
+
+STAGES = [
+    Stage("environment", 15, stage_environment, "versions, GPU, SDPA kernels"),
+    Stage(
+        "qwen_meta_load",
+        60,
+        stage_qwen_meta_load,
+        "Qwen-Image meta-device build, materialise, shard_from_rank0",
+    ),
+    Stage(
+        "blocks",
+        60,
+        stage_blocks,
+        "Flux / Qwen-Image blocks at real width: time, memory, checkpointing grads",
+    ),
+    Stage(
+        "flux_lora_512", 75, stage_flux_lora_512, "full-depth Flux LoRA update of one trajectory at 512 px"
+    ),
+    Stage("vae_rewards", 60, stage_vae_rewards, "Flux VAE decode at 720 px, HPSv2.1 / PickScore / CLIPScore"),
+    Stage("adamw_dcp", 45, stage_adamw_dcp, "AdamW step and DCP save / load of a multi-GB shard"),
+    Stage("trajectory_updates", 150, stage_trajectory_updates, "one trajectory's update, every JAGG mode"),
+]
+
+
+# --------------------------------------------------------------------------- report
+def _variant_table(rows: list[dict]) -> list[str]:
+    """The trajectory-update rows as a Markdown table."""
+    lines = [
         "| backbone | px | gradients | trainable | variant | fwd (grad) | bwd passes | bwd calls | s "
         "| speed-up | peak GiB | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -321,38 +961,73 @@ def to_markdown(rows: list[dict], meta: dict, tiny: bool) -> str:
         else:
             cells += [""] * 6
         lines.append("| " + " | ".join(str(c) for c in [*cells, r["status"]]) + " |")
+    return lines
+
+
+def to_markdown(report: dict) -> str:
+    """A human summary of the JSON: one line per stage, then the trajectory tables."""
+    meta, tiny = report["meta"], report["meta"]["tiny"]
+    lines = [
+        "# GPU check",
+        "",
+        f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}.",
+        f"Command: `{meta['command']}`. {report['wall_s']:.0f} s of a {report['budget_s']:.0f} s budget.",
+        "",
+    ]
+    if tiny:
+        lines += [
+            "**Tiny configs, not the real architectures** (no CUDA or `--tiny`): the numbers only show that the",
+            "machinery runs; they say nothing about GPU time or memory.",
+            "",
+        ]
+    lines += ["| stage | status | s | budget s | note |", "|---|---|---|---|---|"]
+    for s in report["stages"]:
+        note = s.get("error") or s.get("reason") or ("over its budget" if s.get("over_budget") else "")
+        secs = f"{s['seconds']:.1f}" if "seconds" in s else ""
+        lines.append(f"| {s['name']} | {s['status']} | {secs} | {s['budget_s']:.0f} | {note} |")
+    for s in report["stages"]:
+        if s["status"] == "ok" and "rows" in s["result"]:
+            lines += ["", f"## {s['name']}", "", *_variant_table(s["result"]["rows"])]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help=f"CSV path (default {GPU_OUT} with CUDA, {CPU_OUT} without)")
+    ap.add_argument("--out", default=None, help=f"JSON path (default {GPU_OUT} with CUDA, {CPU_OUT} without)")
     ap.add_argument("--tiny", action="store_true", help="tiny configs even with CUDA (a quick smoke run)")
-    ap.add_argument("--backbones", nargs="+", default=["flux", "qwenimage"], choices=sorted(BACKBONES))
+    ap.add_argument(
+        "--stages", nargs="+", default=None, choices=[s.name for s in STAGES], help="default: all"
+    )
     ap.add_argument("--batch", type=int, default=1, help="trajectories per micro-batch (DanceGRPO updates 1)")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining runs after this many s")
+    ap.add_argument(
+        "--budget-s", type=float, default=480.0, help="total time; a stage needing more is skipped"
+    )
+    ap.add_argument(
+        "--scratch", default=None, help="directory for the DCP write (default: the system temp dir)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.budget_s <= 0:
+        ap.error(f"--budget-s must be > 0 seconds, got {args.budget_s}")
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
     set_threads(1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    tiny = args.tiny or not cuda
     out = Path(args.out or default_out(cuda))
+    ctx = Context(
+        device=device, tiny=args.tiny or not cuda, seed=args.seed, batch=args.batch, scratch=args.scratch
+    )
     if not cuda:
-        print("gpu_check: no CUDA device: running the same code on the tiny configs on the CPU (seconds);")
+        print("gpu_check: no CUDA device: every stage runs its tiny version on the CPU (seconds);")
         print(f"gpu_check: these are not GPU numbers, and they go to {out}, not {GPU_OUT}.")
     start = time.perf_counter()
-    deadline = start + args.budget_s
-    rows = []
-    for name in args.backbones:
-        rows += check_backbone(name, tiny, device, args.batch, args.seed, deadline, print)
     meta = run_metadata(
         command=command_line("experiments/gpu_check.py", argv),
         seed=args.seed,
         config=vars(args),
-        tiny=tiny,
+        tiny=ctx.tiny,
         device=str(device),
-        wall_s=time.perf_counter() - start,
         trajectory=dict(
             num_steps=NUM_STEPS,
             eta=ETA,
@@ -362,13 +1037,20 @@ def main(argv: list[str] | None = None) -> int:
             jagg_frac=JAGG_FRAC,
             lora=(LORA_RANK, LORA_ALPHA),
         ),
-        architectures="tiny" if tiny else {k: KNOWN_CONFIGS[k] for k in args.backbones},
+        architectures="tiny" if ctx.tiny else KNOWN_CONFIGS,
     )
-    write_table(rows, out, meta)
-    md = to_markdown(rows, meta, tiny)
+
+    def write(stages: list[dict]) -> dict:
+        report = dict(meta=meta, budget_s=args.budget_s, wall_s=time.perf_counter() - start, stages=stages)
+        atomic_write_text(out, json.dumps(report, indent=1, default=str) + "\n")
+        return report
+
+    selected = set(args.stages) if args.stages else None
+    report = write(run_stages(STAGES, ctx, args.budget_s, selected=selected, on_record=write))
+    md = to_markdown(report)
     atomic_write_text(out.with_suffix(".md"), md)
     print(md)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.meta.json')} in {meta['wall_s']:.0f} s")
+    print(f"wrote {out} and {out.with_suffix('.md')} in {report['wall_s']:.0f} s")
     return 0
 
 
