@@ -518,7 +518,7 @@ def plan_terms(cfg: Config) -> dict[str, float]:
     g = mp.gpu
     opt = sum(v for k, v in g.items() if k.startswith(("AdamW", "EMA")))
     return {
-        "weights (sharded)": g["transformer weights (sharded)"],
+        "weights (sharded)": g["transformer weights (sharded)"] + g.get("frozen base (replicated)", 0.0),
         "gradients (sharded)": g["gradients (sharded)"],
         "AdamW moments (+ EMA)": opt,
         "unsharded blocks": g["unsharded blocks in flight"],
