@@ -50,10 +50,10 @@ from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.routing import trajectory_backward, trajectory_cost
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.loop.placement import apply_run_lora, place_backbone
+from jagg.loop.placement import apply_run_lora, parameter_dtypes, place_backbone
 from jagg.loop.plan import GIB, KNOWN_CONFIGS, memory_plan
 from jagg.models import BACKBONES, TextCond
-from jagg.scale.distributed import DistInfo
+from jagg.scale.distributed import DistInfo, cast_parameters
 
 WORLD_SIZE = 8
 PROPAGATING: list[bool] = []  # non-empty while DTensor's sharding propagation runs (``simulation_shims``)
@@ -185,6 +185,10 @@ def meta_backbone(cfg: Config, depth: int, arch: dict | None = None):
     if m.lora_rank > 0:
         apply_run_lora(cfg, backbone)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0))
+    # the load dtypes (a pretrained load gives the frozen base in the compute dtype): casting a frozen meta
+    # parameter inside the fake mode makes it a FakeTensor that a replicated base's ``to_empty`` cannot swap
+    trained, frozen = parameter_dtypes(cfg.train.precision)
+    cast_parameters(backbone, trainable=trained, frozen=frozen)
     return backbone, cfg
 
 
@@ -518,7 +522,7 @@ def plan_terms(cfg: Config) -> dict[str, float]:
     g = mp.gpu
     opt = sum(v for k, v in g.items() if k.startswith(("AdamW", "EMA")))
     return {
-        "weights (sharded)": g["transformer weights (sharded)"],
+        "weights (sharded)": g["transformer weights (sharded)"] + g.get("frozen base (replicated)", 0.0),
         "gradients (sharded)": g["gradients (sharded)"],
         "AdamW moments (+ EMA)": opt,
         "unsharded blocks": g["unsharded blocks in flight"],

@@ -169,10 +169,47 @@ def test_memory_plan_counts():
     assert mp.gpu["AdamW moments (sharded)"] == pytest.approx(2 * n * 4 / 8, rel=1e-3)
     assert mp.gpu["T5-XXL encoder (google/t5-v1_1-xxl)"] == pytest.approx(4.762e9 * 2, rel=1e-3)
     assert mp.activations[False] > 10 * mp.activations[True]  # checkpointing keeps block inputs only
-    lora = _plan("configs/paper/flux_flowgrpo_fast.yaml")  # the 11.9B frozen base in bf16, sharded
+    lora = _plan(
+        "configs/paper/flux_flowgrpo_fast.yaml", "model.shard_frozen_base=true"
+    )  # bf16 base, sharded
     assert lora.gpu["transformer weights (sharded)"] == pytest.approx((n * 2 + 179.3e6 * 4) / 8, rel=2e-3)
     bf16 = _plan("configs/paper/flux_dancegrpo.yaml", "reward.kwargs.hpsv2.dtype=bf16")
     assert bf16.gpu["HPSv2.1: open_clip ViT-H-14"] == mp.gpu["HPSv2.1: open_clip ViT-H-14"] / 2
+
+
+@pytest.mark.parametrize(
+    "config", ["configs/paper/flux_flowgrpo_fast.yaml", "configs/paper/qwenimage_flowgrpo_fast.yaml"]
+)
+def test_memory_plan_replicated_frozen_base(config):
+    """model.shard_frozen_base=false: the bf16 base in full on every rank instead of 1/8 of it, only the
+    adapters' blocks in flight, and no all-gather of a base weight (rollout and update, per iteration)."""
+    from jagg.engine.routing import trajectory_cost
+    from jagg.loop.plan import all_gather_bytes, meta_transformer, trained_steps_per_sample
+
+    sharded = _plan(config, "model.shard_frozen_base=true")
+    replicated = _plan(config, "model.shard_frozen_base=false")
+    cfg = load_config(config)
+    model = meta_transformer(cfg)[0]
+    n_all = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = (n_all - n_train) * 2  # bf16
+    assert replicated.gpu["frozen base (replicated)"] == base
+    assert replicated.gpu["transformer weights (sharded)"] == n_train * 4 / 8
+    assert sharded.gpu["transformer weights (sharded)"] == (n_train * 4 + base) / 8
+    assert "frozen base (replicated)" not in sharded.gpu
+    assert replicated.gpu["unsharded blocks in flight"] < sharded.gpu["unsharded blocks in flight"] / 20
+    grown = replicated.total() - sharded.total()  # the same activations and transients
+    blocks = sharded.gpu["unsharded blocks in flight"] - replicated.gpu["unsharded blocks in flight"]
+    assert grown == pytest.approx(base * 7 / 8 - blocks, rel=1e-9)
+    setting = cfg.backward.fixed_setting()
+    cost = trajectory_cost(setting.routing.plans(trained_steps_per_sample(cfg)), endpoints=setting.endpoints)
+    gathered = {
+        x: all_gather_bytes(load_config(config, [f"model.shard_frozen_base={x}"]), model, cost.all_gathers, 8)
+        for x in ("true", "false")
+    }
+    assert gathered["false"]["base"] == 0 and gathered["true"]["base"] > 0
+    assert gathered["true"]["total"] - gathered["false"]["total"] == gathered["true"]["base"]
+    assert gathered["false"]["total"] == n_train * 2 * gathered["false"]["rounds"]
 
 
 def test_resident_model_parameter_counts_match_the_published_ones():

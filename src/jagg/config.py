@@ -65,6 +65,10 @@ class ModelConfig:
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 0.0
     lora_targets: list[str] = field(default_factory=list)  # empty = backbone default
+    # Under FSDP2 (several processes): true = the frozen LoRA base is sharded per block like everything else
+    # (all-gathered at every forward); false (LoRA only) = it stays replicated on every rank in the compute
+    # dtype and only the adapters are sharded and reduced, as Flow-GRPO trains LoRA (docs/decisions.md)
+    shard_frozen_base: bool = True
     negative_prompt: str = (
         " "  # Qwen-Image true CFG (used when true_cfg_scale > 1), as the Qwen-Image pipeline
     )
@@ -467,6 +471,11 @@ def _validate_model(model: ModelConfig) -> None:
     _require(
         model.lora_rank == 0 or model.lora_alpha > 0,
         f"model.lora_alpha must be > 0 when model.lora_rank > 0, got {model.lora_alpha}",
+    )
+    _require(
+        model.shard_frozen_base or model.lora_rank > 0,
+        "model.shard_frozen_base=false needs a frozen base to replicate: set model.lora_rank > 0 "
+        f"(got lora_rank={model.lora_rank}) or model.shard_frozen_base=true",
     )
     _require(model.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {model.true_cfg_scale}")
     _require(

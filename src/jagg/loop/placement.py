@@ -9,6 +9,9 @@
                   (``shard_backbone``), allocates only its own shards and receives them from rank 0 one tensor
                   at a time (``jagg.scale.distributed.shard_from_rank0``). No rank but 0 ever holds the full
                   model, and rank 0 holds it once, in the dtype it was loaded in.
+                  ``model.shard_frozen_base: false`` (LoRA): the frozen base is left out of the shards (FSDP2
+                  ``ignored_params``) and every rank receives it in full, in the compute dtype; only the
+                  adapters are sharded, all-gathered and reduce-scattered.
 
 The trainer and the export step (``jagg.loop.export``) place the backbone the same way, so a checkpoint's
 keys and shapes match whichever of them loads it.
@@ -88,7 +91,7 @@ def place_backbone(
     policy = mixed_precision(cfg.train.precision)
     shard_from_rank0(
         backbone,
-        lambda b: shard_backbone(b, mp_policy=policy),
+        lambda b: shard_backbone(b, mp_policy=policy, shard_frozen=cfg.model.shard_frozen_base),
         device=device,
         trainable=trained,
         frozen=frozen,

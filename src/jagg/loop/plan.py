@@ -8,7 +8,8 @@ forward / backward passes per sample for the exact baseline and the configured s
 plan under FSDP2 full sharding (``memory_plan``) that says per GPU size (80 GB, 141 GB) whether the run fits.
 
 Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as sold):
-    transformer   sharded weights (trained fp32 master, frozen LoRA base in the compute dtype), gradients,
+    transformer   sharded weights (trained fp32 master, frozen LoRA base in the compute dtype; in full on every
+                  rank with ``model.shard_frozen_base: false``, when only the adapters are gathered), gradients,
                   AdamW moments, EMA, two unsharded blocks in
                   flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the gradients the
                   ``joint`` endpoint mode holds, the KL reference copy
@@ -256,6 +257,7 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
         world_size,
         graphs=ours.graphs_alive,
         held_grad=backward.strategy != "exact" and backward.endpoints == "joint",
+        all_gathers=ours.all_gathers,
     )
     return p
 
@@ -408,8 +410,10 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     )  # trained parameters (bf16 = autocast over fp32 master weights)
     compute = 2 if train.precision == "bf16" else master  # activations; frozen parameters stay in this dtype
     r = world_size
+    replicated = not model_cfg.shard_frozen_base  # the frozen LoRA base in full on every rank
     gpu = {
-        "transformer weights (sharded)": (n_train * master + (n_all - n_train) * compute) / r,
+        "transformer weights (sharded)": (n_train * master + (0 if replicated else n_all - n_train) * compute)
+        / r,
         "gradients (sharded)": n_train * master / r,
         "AdamW moments (sharded)": 2 * n_train * 4 / r,
     }
@@ -418,10 +422,13 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     step = (
         n_train * 4 / r
     )  # torch's multi-tensor AdamW: ~1 copy, transient (simulated: results/plan_check.md)
-    gpu["unsharded blocks in flight"] = 2 * n_block * compute  # current + prefetched block
     n_block_train = max(
         (sum(x.numel() for x in blk.parameters() if x.requires_grad) for blk in blocks), default=0
     )
+    if replicated:  # resident; only the adapters are all-gathered
+        gpu["frozen base (replicated)"] = (n_all - n_train) * compute
+    # current + prefetched block
+    gpu["unsharded blocks in flight"] = 2 * (n_block_train if replicated else n_block) * compute
     gpu["unsharded gradients of one block"] = n_block_train * (compute + 4)  # + fp32 reduce-scatter copy
     if held_grad:
         # joint endpoints under FSDP2: the later graph's gradient for a unit waits unsharded until the earlier
@@ -495,15 +502,39 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     )
 
 
-def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool) -> None:
+def all_gather_bytes(cfg: Config, model, all_gathers: int, world_size: int) -> dict[str, float]:
+    """Unsharded bytes FSDP2 all-gathers per rank and iteration (each rank receives (r-1)/r of them).
+
+    ``all_gathers``: all-gathers per sharded unit of one micro-batch's update (``trajectory_cost``); the
+    rollout of a micro-batch gathers every unit once per transformer call. ``base``: the frozen LoRA base's
+    share, which ``model.shard_frozen_base: false`` saves (the adapters alone are gathered then).
+    """
+    model_cfg, train, sampling = cfg.model, cfg.train, cfg.sampling
+    compute = 2 if train.precision == "bf16" else (8 if train.precision == "fp64" else 4)
+    n_all = sum(x.numel() for x in model.parameters())
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    cfg_mult = 2 if model_cfg.backbone == "qwenimage" and model_cfg.true_cfg_scale > 1 else 1
+    n_micro = max(1, train.prompts_per_iter * train.images_per_prompt // world_size // train.train_batch_size)
+    rounds = n_micro * (all_gathers + sampling.num_steps * cfg_mult)
+    base = (n_all - n_train) * compute * rounds
+    total = n_all * compute * rounds
+    if not model_cfg.shard_frozen_base:
+        total -= base
+    return {"total": total, "base": base if model_cfg.shard_frozen_base else 0.0, "rounds": rounds}
+
+
+def _memory(
+    p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool, all_gathers: int = 0
+) -> None:
     model, source = meta_transformer(cfg)
     mp = memory_plan(cfg, world_size, graphs, held_grad, model)
     model_cfg, train, data = cfg.model, cfg.train, cfg.data
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    layout = "full shard" if model_cfg.shard_frozen_base else "adapters sharded, frozen base replicated"
     p.section(
-        f"memory per rank (FSDP2 full shard over {world_size}; transformer from {source}, no weights read; "
+        f"memory per rank (FSDP2 {layout} over {world_size}; transformer from {source}, no weights read; "
         "GiB = 2^30 bytes)"
     )
     p.add("parameters", f"{n_all / 1e9:.2f}B total, {n_train / 1e6:.1f}M trainable")
@@ -547,6 +578,18 @@ def _memory(p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool)
         f"other ranks ~{gib(mp.host['other ranks'])}; node ~"
         f"{gib(mp.host['rank 0'] + (world_size - 1) * mp.host['other ranks'])}; checkpoints: shards only",
     )
+    if world_size > 1:
+        gathered = all_gather_bytes(cfg, model, all_gathers, world_size)
+        base = gathered["base"]
+        p.add(
+            "all-gathered per rank and iteration",
+            f"{gib(gathered['total'])} unsharded ({gathered['rounds']} gathers of every unit: rollout + update"
+            + (
+                f"; {gib(base)} of it the frozen base, saved by model.shard_frozen_base=false)"
+                if base
+                else ")"
+            ),
+        )
     export = n_all * 2 if model_cfg.lora_rank == 0 and train.precision == "bf16" else n_train * 4
     p.add("export (rank 0 host, once)", gib(export))
     disk = disk_plan(cfg, model)

@@ -57,12 +57,16 @@ def shard_backbone(
     *,
     reshard_after_forward: bool = True,
     mp_policy=None,
+    shard_frozen: bool = True,
 ) -> nn.Module:
     """``fully_shard`` each block of ``backbone.transformer`` and then the transformer (root), in place.
 
     ``mesh``: a 1-D device mesh (default: all ranks, ``init_device_mesh(device_type, (world_size,))``).
     ``mp_policy``: e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
-    Returns the backbone; its ``transformer`` and blocks are now ``FSDPModule``s.
+    ``shard_frozen=False`` (``model.shard_frozen_base: false``, LoRA): the frozen parameters are FSDP2's
+    ``ignored_params``, plain tensors replicated on every rank that no collective ever moves; only the trained
+    ones (the adapters) become DTensors, all-gathered and reduce-scattered per unit (ZeRO-2-like, as
+    Flow-GRPO trains its LoRA). Returns the backbone; its ``transformer`` and blocks are now ``FSDPModule``s.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -74,6 +78,8 @@ def shard_backbone(
         mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy()
     )
     transformer = backbone.transformer
+    if not shard_frozen:  # parameters a child unit manages are left out of the root's anyway
+        kw["ignored_params"] = {p for p in transformer.parameters() if not p.requires_grad}
     for block in transformer_blocks(transformer):
         fully_shard(block, **kw)
     fully_shard(transformer, **kw)
@@ -87,12 +93,22 @@ def fsdp_units(backbone: nn.Module) -> list[nn.Module]:
     return [m for m in backbone.transformer.modules() if isinstance(m, FSDPModule)]
 
 
+def _largest_tensor_bytes(args: tuple) -> int:
+    """Bytes of the largest tensor among a collective's arguments: the unsharded buffer (an all-gather's
+    output, a reduce-scatter's input, an all-reduce's tensor)."""
+    flat = [a for x in args for a in (x if isinstance(x, list | tuple) else [x])]
+    return max((t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor)), default=0)
+
+
 @contextmanager
-def CollectiveCounter(names: tuple[str, ...] = COLLECTIVES) -> Iterator[Counter]:
+def CollectiveCounter(
+    names: tuple[str, ...] = COLLECTIVES, sizes: Counter | None = None
+) -> Iterator[Counter]:
     """Count calls of ``torch.distributed`` collectives inside the block (outermost calls only).
 
     FSDP2 looks the functions up on the ``torch.distributed`` module at call time, so patching the module
     attributes sees every call it makes. Nested calls (one collective implemented with another) count once.
+    ``sizes``, when given, is filled with the bytes of each collective's unsharded buffer, summed per name.
     """
     counts: Counter = Counter()
     originals = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
@@ -102,6 +118,8 @@ def CollectiveCounter(names: tuple[str, ...] = COLLECTIVES) -> Iterator[Counter]
         def counted(*args, **kwargs):
             if depth[0] == 0:
                 counts[name] += 1
+                if sizes is not None:
+                    sizes[name] += _largest_tensor_bytes((*args, *kwargs.values()))
             depth[0] += 1
             try:
                 return fn(*args, **kwargs)
