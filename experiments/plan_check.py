@@ -286,7 +286,6 @@ def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss
         noise_level=a.noise_level,
         clip_range=a.clip_range,
         scale=1.0 / (t.grad_accum * n_steps),
-        log=[],
     )
     outputs = torch.randn(shape, device=device) if cfg.backward.reuse_rollout else None
     return cond, loss, outputs
