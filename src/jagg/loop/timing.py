@@ -58,14 +58,30 @@ WORLD_BATCH = [
     "optim.ema_decay=0.0",
 ]
 QUICK = [*TINY_RUN, "sampling.num_steps=6", "algorithm.sde_window_range=[0, 4]"]  # the drivers' --quick
+# The JAGG authors' recipe (configs/world/<backbone>_dancegrpo_authors.yaml: 21 steps, 5 blocks of W = 4, 3
+# trained per sample, checkpointing on) keeps its own step and group structure; only the batch is pinned as
+# above. --quick: 9 steps (2 blocks of 4, 1 trained per sample).
+AUTHORS_SETUPS = [("flux", "dancegrpo"), ("qwenimage", "dancegrpo")]
+AUTHORS_BATCH = [o for o in WORLD_BATCH if not o.startswith("backward.")]
+AUTHORS_QUICK = [*TINY_RUN, "sampling.num_steps=9", "sampling.eval_num_steps=9"]
 
 
 def timing_config(
-    setup: tuple[str, str], *, scale: str = "world", quick: bool = False, overrides: Sequence[str] = ()
+    setup: tuple[str, str],
+    *,
+    scale: str = "world",
+    quick: bool = False,
+    overrides: Sequence[str] = (),
+    authors: bool = False,
 ) -> Config:
     """``configs/<scale>/<backbone>_<algorithm>.yaml`` with the pinned world timing (not at paper scale, not
-    with ``quick``, which runs the tiny models instead) and ``overrides`` last."""
+    with ``quick``, which runs the tiny models instead) and ``overrides`` last. ``authors``: the
+    ``..._authors.yaml`` recipe instead, its step structure kept, the batch pinned (``AUTHORS_BATCH``)."""
     backbone, algorithm = setup
+    if authors:
+        pinned = AUTHORS_BATCH if scale == "world" and not quick else []
+        extra = (AUTHORS_QUICK if quick else []) + list(overrides)
+        return load_config(f"configs/{scale}/{backbone}_{algorithm}_authors.yaml", pinned + extra)
     pinned = WORLD_TIMING[setup] + WORLD_BATCH if scale == "world" and not quick else []
     extra = (QUICK if quick else []) + list(overrides)
     return load_config(f"configs/{scale}/{backbone}_{algorithm}.yaml", pinned + extra)
