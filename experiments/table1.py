@@ -13,8 +13,8 @@ A third section times the JAGG authors' own recipe (configs/world/<backbone>_dan
 on both world backbones: 21 steps, 5 blocks of W = 4, 3 random blocks trained per sample, gradient
 checkpointing on) on shared rollouts: its exact baseline, the authors' method (step-index weights, sequential
 endpoints, no stored outputs, W + 2 forwards per block), the same with t-weights and this repository's default
-(batched + stored outputs) with both weight rules; then the exact baseline and the authors' method again with
-checkpointing off, as the published script runs (docs/references.md#the-jagg-authors-code).
+(batched + stored outputs) with both weight rules; and, interleaved with them, the exact baseline and the
+authors' method with checkpointing off, as the published script runs (docs/references.md#the-jagg-authors-code).
 
     python experiments/table1.py [--scale world|paper] [--iterations N] [--quick] [--only paper|authors]
     -> results/table1.csv, results/table1.md, results/table1.tex, results/table1_sweep.csv,
@@ -220,40 +220,61 @@ def _pass_units(cost: GroupCost, rollout_fwd: int, micro_batches: int, ckpt: boo
     return update, update + rollout_fwd
 
 
-def _authors_rows(setup, trainer: Trainer, settings, iterations: int, eta, ckpt: bool) -> list[dict]:
-    """Time ``settings`` on shared rollouts with gradient checkpointing ``ckpt``; rows with the reading, the
+def _authors_rows(setup, trainer: Trainer, settings, iterations: int, eta) -> list[dict]:
+    """Time ``settings`` with gradient checkpointing on and the first two (exact, the authors' method) with
+    it off, all interleaved on the same rollouts; per checkpointing state, rows with the reading, the
     pass-counting reduction (``_pass_units``), the update speed-up over the authors' method, the paper."""
     transformer = trainer.backbone.transformer
-    transformer.enable_gradient_checkpointing() if ckpt else transformer.disable_gradient_checkpointing()
-    bsettings = [s for _, s in settings]
-    rows = summarise(
-        setup,
+    switch = {
+        True: transformer.enable_gradient_checkpointing,
+        False: transformer.disable_gradient_checkpointing,
+    }
+    runs = [(s, True) for _, s in settings] + [(s, False) for _, s in settings[:2]]
+    timed = time_settings(
         trainer,
-        time_settings(trainer, bsettings, iterations, eta),
-        bsettings,
-        paper_label=lambda s: AUTHORS_PAPER[setup[0]] if s == settings[1][1] else "",
+        [s for s, _ in runs],
+        iterations,
+        eta,
+        variants=[(f"ckpt={ckpt}|", switch[ckpt]) for _, ckpt in runs],
     )
+    out = []
+    for ckpt, chosen in ((True, settings), (False, settings[:2])):
+        switch[ckpt]()  # also for the activation peak ``summarise`` measures
+        bsettings = [s for _, s in chosen]
+        rows = summarise(
+            setup,
+            trainer,
+            {s.key: timed[f"ckpt={ckpt}|{s.key}"] for s in bsettings},
+            bsettings,
+            paper_label=lambda s: AUTHORS_PAPER[setup[0]] if s == settings[1][1] else "",
+        )
+        out += _authors_columns(trainer, chosen, rows, ckpt)
+    switch[trainer.cfg.model.gradient_checkpointing]()
+    return out
+
+
+def _authors_columns(trainer: Trainer, settings, rows: list[dict], ckpt: bool) -> list[dict]:
+    """``rows`` (one per setting, the exact baseline first, the authors' method second) with the reading,
+    checkpointing, endpoint-signal source, the pass-unit reductions and the speed-up over the authors'."""
     units = {}
     for (reading, s), row in zip(settings, rows, strict=True):
-        train = trainer.cfg.train
-        micro = -(-row["n"] // train.train_batch_size)
+        micro = -(-row["n"] // trainer.cfg.train.train_batch_size)
         cost = update_cost(
             s.routing.plans(int(row["T"])),
             endpoints=s.endpoints,
             reuse_outputs=s.reuse_outputs,
             micro_batches=micro,
-            grad_accum=train.grad_accum,
+            grad_accum=trainer.cfg.train.grad_accum,
             endpoint_signals=s.endpoint_signals,
         )
         units[reading] = _pass_units(cost, len(trainer.sigmas) - 1, micro, ckpt)
         row.update(reading=reading, checkpointing=ckpt, endpoint_signals=s.endpoint_signals)
     ex_update, ex_iter = units[settings[0][0]]
-    authors_update = rows[1]["update_s"]
     for (reading, _), row in zip(settings, rows, strict=True):
         upd, it = units[reading]
         row["units_reduction_update_pct"] = 100 * (1 - upd / ex_update)
         row["units_reduction_iter_pct"] = 100 * (1 - it / ex_iter)
-        row["update_speedup_vs_authors"] = authors_update / row["update_s"]
+        row["update_speedup_vs_authors"] = rows[1]["update_s"] / row["update_s"]
     return rows
 
 
@@ -335,8 +356,8 @@ def _paper_section(args, argv, eta) -> None:
 
 def _authors_section(args, argv, eta) -> None:
     """The authors' recipe per backbone with a config for it at this scale -> table1_authors.csv: the rows
-    of ``authors_settings`` with checkpointing on, then the exact baseline and the authors' method with it off
-    (the same iterations, hence the same rollouts: sampling does not depend on checkpointing)."""
+    of ``authors_settings`` with checkpointing on and the exact baseline and the authors' method with it off,
+    all interleaved on the same rollouts (``_authors_rows``)."""
     rows, cfg = [], None
     for setup in AUTHORS_SETUPS:
         if not Path(f"configs/{args.scale}/{setup[0]}_{setup[1]}_authors.yaml").is_file():
@@ -347,8 +368,7 @@ def _authors_section(args, argv, eta) -> None:
         cfg = timing_config(setup, scale=args.scale, quick=args.quick, overrides=keep, authors=True)
         trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
         settings = authors_settings(cfg)
-        rows += _authors_rows(setup, trainer, settings, args.iterations, eta, ckpt=True)
-        rows += _authors_rows(setup, trainer, settings[:2], args.iterations, eta, ckpt=False)
+        rows += _authors_rows(setup, trainer, settings, args.iterations, eta)
         print(authors_markdown(rows, _meta(args, argv, cfg)).split("\n", 8)[-1], flush=True)
     write_table(rows, Path(args.out).with_name("table1_authors.csv"), _meta(args, argv, cfg))
 
@@ -372,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.iterations, args.sweep_iterations = 2, 1
     paper_steps = len(SETUPS) * args.iterations + args.sweep_iterations
-    authors_steps = 2 * len(AUTHORS_SETUPS) * args.iterations
+    authors_steps = len(AUTHORS_SETUPS) * args.iterations
     steps = {"paper": paper_steps, "authors": authors_steps}.get(args.only, paper_steps + authors_steps)
     eta = ProgressETA(steps, "table1")
     if args.only != "authors":
@@ -460,9 +480,8 @@ def authors_markdown(rows: list[dict], meta: dict) -> str:
         "## The JAGG authors' recipe (configs/world/*_dancegrpo_authors.yaml), DanceGRPO on the world backbones",
         "",
         f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}, seed {meta['seed']}, "
-        f"{meta['iterations']} timed iterations per row, the rows of one backbone and checkpointing setting "
-        "interleaved on the same rollouts (checkpointing off: the same iterations, so the same rollouts, timed "
-        f"after). Command: `{meta['command']}`",
+        f"{meta['iterations']} timed iterations per row, all rows of one backbone (checkpointing on and off) "
+        f"interleaved on the same rollouts. Command: `{meta['command']}`",
         "",
         "21 steps, 20 usable cut into 5 blocks of W = 4, 3 random blocks trained per sample (12 steps); the exact "
         "baseline trains those 12 steps one by one (the cost of the recipe's 12 random single steps). `ideal`: "

@@ -11,7 +11,7 @@ pinned to the paper's (docs/references.md).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -131,18 +131,30 @@ def time_settings(
     settings: Sequence[BackwardSetting],
     iterations: int,
     progress: ProgressETA | None = None,
+    *,
+    variants: Sequence[tuple[str, Callable[[], None]]] | None = None,
 ) -> dict[str, list[dict]]:
     """Per setting (by ``BackwardSetting.key``), one row per iteration: the rollout's phases (shared), that
     setting's update metrics and seconds, the samples ``n`` and trained steps ``T`` per sample; a
-    ``progress`` line after each iteration."""
-    rows: dict[str, list[dict]] = {s.key: [] for s in settings}
-    update_with(trainer, trainer.rollout(0, SeedStream.WARMUP), settings[0])  # warm-up, not recorded
+    ``progress`` line after each iteration. ``variants`` (one (label, prepare) per setting): ``prepare()`` runs
+    before each of that setting's updates (e.g. switching gradient checkpointing) and rows are keyed
+    ``label + key``, so one setting can be timed in several variants, all interleaved."""
+    variants = variants or [("", lambda: None)] * len(settings)
+    entries = list(zip(settings, variants, strict=True))
+    rows: dict[str, list[dict]] = {label + s.key: [] for s, (label, _) in entries}
+    warm = {label: (setting, prepare) for setting, (label, prepare) in reversed(entries)}
+    for setting, prepare in warm.values():  # warm-up: the first setting of each variant, not recorded
+        prepare()
+        update_with(trainer, trainer.rollout(0, SeedStream.WARMUP), setting)
     for it in range(iterations):
         ro = trainer.rollout(it)
-        k = it % len(settings)
-        for setting in [*settings[k:], *settings[:k]]:
+        k = it % len(entries)
+        for setting, (label, prepare) in [*entries[k:], *entries[:k]]:
+            prepare()
             upd = update_with(trainer, ro, setting)
-            rows[setting.key].append({**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]})
+            rows[label + setting.key].append(
+                {**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]}
+            )
         if progress:
             cfg = trainer.cfg
             progress.step(f"{cfg.model.backbone} {cfg.algorithm.name} iteration {it + 1}/{iterations}")
