@@ -74,10 +74,10 @@ clean: ## Remove caches and run directories (keeps .venv and results/)
 theorem: $(STAMP) ## Theorem 1 numerically: JAGG error vs nonlinearity, curvature, W -> results/theorem1.csv, paper_figures/theorem1.png
 	$(PY) experiments/theorem1.py
 
-table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoints, 2 backbones x 2 algorithms -> results/table1.{csv,md,tex}
+table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoints, 2 backbones x 2 algorithms, and the JAGG authors' recipe side by side -> results/table1{,_authors}.csv, table1.{md,tex}
 	$(PY) experiments/table1.py --scale $(SCALE)
 
-cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact) -> results/cosine.{csv,md}, paper_figures/cosine_per_group.png
+cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact), and t- vs index weights on contiguous vs sorted-subset groups (the authors' recipe) -> results/cosine{,_authors}.csv, cosine.md, paper_figures/cosine_*.png
 	$(PY) experiments/cosine.py
 
 routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per world backbone x algorithm, timed vs jagg_frac 0.6 -> results/routing.{csv,md}

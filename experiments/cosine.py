@@ -9,8 +9,15 @@ backbone after a short RL fine-tune. (Larger images are not included: the world 
 trained at one image size, so a larger latent would be out of distribution for the reward models too.) A recommended jagg_frac per backbone is derived
 as the fraction of leading groups whose median JAGG cosine is at least a threshold.
 
-    python experiments/cosine.py [--quick] [--threshold 0.9]
-    -> results/cosine.csv, results/cosine.md, paper_figures/cosine_per_group.png
+A second section (``--only authors`` runs it alone) reads the JAGG authors' recipe
+(configs/world/<backbone>_dancegrpo_authors.yaml: 21 steps, 20 usable, W = 4, eta 0.3): per group the cosine
+to the exact gradient for the t-weights (jagg) vs the step-index weights (jagg_index), on the authors'
+contiguous groups (the 5 blocks of 4 consecutive steps, all measured) and on this repository's reading (a
+random 12 of the 20 steps per sample, sorted, cut into 3 groups of 4 that can span steps far apart).
+
+    python experiments/cosine.py [--quick] [--threshold 0.9] [--only main|authors]
+    -> results/cosine.csv, results/cosine.md, paper_figures/cosine_per_group.png,
+       results/cosine_authors.csv, paper_figures/cosine_authors.png
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from jagg.common import (
     write_table,
 )
 from jagg.config import TINY_RUN, load_config
+from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.diagnostics import group_gradient_cosines
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
@@ -143,6 +151,167 @@ def measure(
             if progress:
                 progress.step(f"{backbone} {setting} W={w} seed {seed}")
     return rows, cfg.to_dict()
+
+
+# --------------------------------------------------------------------------- the authors' recipe
+AUTHORS_COMPARED = ("jagg", "jagg_index")
+AUTHORS_BATCH = ["train.images_per_prompt=4", "train.prompts_per_iter=2", "train.train_batch_size=8"]
+
+
+def authors_rows(trainer: Trainer, index: int, meta: dict) -> list[dict]:
+    """One rollout of the authors' recipe; per group of W steps of each reading (``contiguous``: every block
+    of W consecutive usable steps; ``sorted_subset``: this repository's per-sample random subset of the same
+    size as the recipe trains, sorted, cut into groups of W), t-weights and index weights vs exact."""
+    cfg = trainer.cfg
+    w, n_usable = cfg.backward.group_size, len(trainer.sigmas) - 2
+    ro = trainer.rollout(index)
+    batch = len(ro.prompts)
+    subset = DanceGRPO(dataclasses.replace(cfg.algorithm, step_selection="sorted_subset"), cfg.backward)
+    readings = {
+        "contiguous": torch.arange(n_usable).expand(batch, n_usable),
+        "sorted_subset": subset.trained_steps(
+            ["sde"] * (n_usable + 1), batch, torch.Generator().manual_seed(10_000 + index)
+        ),
+    }
+    rows = []
+    for reading, steps in readings.items():
+        loss = trainer.grpo_loss(ro, steps)
+        cosines = group_gradient_cosines(
+            trainer.velocity(ro.cond),
+            loss.x,
+            loss.sigma,
+            loss,
+            trainer.params,
+            group_size=w,
+            strategies=AUTHORS_COMPARED,
+        )
+        for c in cosines:
+            first, last = steps[:, c.steps[0]].double(), steps[:, c.steps[-1]].double()
+            rows.append(
+                dict(
+                    **meta,
+                    reading=reading,
+                    W=w,
+                    group=c.group,
+                    n_groups=-(-steps.shape[1] // w),
+                    step_first_mean=float(first.mean()),
+                    step_span_mean=float((last - first).mean() + 1),
+                    sigma_start=float(trainer.sigmas[steps[:, c.steps[0]]].mean()),
+                    sigma_end=float(trainer.sigmas[steps[:, c.steps[-1]]].mean()),
+                    iteration=index,
+                    strategy=c.strategy,
+                    cosine=c.cosine,
+                    rel_norm_err=c.rel_norm_err,
+                )
+            )
+    return rows
+
+
+def measure_authors(backbone: str, args, extra: list[str], progress: ProgressETA | None) -> tuple[list, dict]:
+    """Rows of the authors' recipe on one backbone (``authors_rows`` per seed) and its resolved config."""
+    cfg = load_config(
+        f"configs/world/{backbone}_dancegrpo_authors.yaml",
+        [*AUTHORS_BATCH, *PINNED, "model.gradient_checkpointing=false", *extra],
+    )
+    comp = build_components(cfg)
+    comp = dataclasses.replace(comp, train_prompts=comp.eval_prompts)  # held-out prompts, as ``measure``
+    trainer = Trainer(cfg, comp, run_dir=Path("runs/cosine"))
+    rows = []
+    for seed in range(args.seeds):
+        meta = dict(
+            backbone=backbone, num_steps=cfg.sampling.num_steps, noise_level=cfg.algorithm.noise_level
+        )
+        rows += authors_rows(trainer, measurement_index(seed, 4), meta | {"seed": seed})
+        if progress:
+            progress.step(f"{backbone} authors' recipe seed {seed}")
+    return rows, cfg.to_dict()
+
+
+def authors_markdown(df, meta: dict) -> str:
+    """Median cosine per (backbone, reading, group, weight rule), with the groups' mean times and spans."""
+    table = (
+        df.groupby(["backbone", "reading", "group", "strategy"])
+        .agg(
+            sigma_start=("sigma_start", "mean"),
+            sigma_end=("sigma_end", "mean"),
+            span_steps=("step_span_mean", "mean"),
+            cosine_median=("cosine", "median"),
+            cosine_min=("cosine", "min"),
+        )
+        .reset_index()
+    )
+    wide = table.pivot_table(
+        index=["backbone", "reading", "group", "sigma_start", "sigma_end", "span_steps"],
+        columns="strategy",
+        values="cosine_median",
+    ).reset_index()
+    overall = (
+        df.groupby(["backbone", "reading", "strategy"]).cosine.median().unstack("strategy").reset_index()
+    )
+    return (
+        "\n".join(
+            [
+                "## The JAGG authors' recipe: weight rule x grouping (configs/world/*_dancegrpo_authors.yaml)",
+                "",
+                f"git {meta['git_sha']}, seeds {meta['seeds']}, eta {df.noise_level.iloc[0]}, "
+                f"{int(df.num_steps.iloc[0])} steps, W = {int(df.W.iloc[0])}. Command: `{meta['command']}`. "
+                "contiguous: the 5 blocks of 4 consecutive usable steps (the authors' groups; a sample trains 3 of "
+                "them). sorted_subset: this repository's reading, a random 12 of the 20 usable steps per sample, "
+                "sorted, in 3 groups of 4 (span_steps: first to last step of a group, in steps). Median cosine "
+                "to the exact group gradient; jagg = t-weights, jagg_index = alpha_j = j / (W - 1).",
+                "",
+                "### Per group (0 = highest noise)",
+                "",
+                markdown_table(wide),
+                "",
+                "### Median over all groups",
+                "",
+                markdown_table(overall),
+            ]
+        )
+        + "\n"
+    )
+
+
+def plot_authors(csv: Path, png: Path) -> None:
+    """Per backbone, cosine per group along the trajectory (x: the group's mean start time, high noise on the
+    left) for each reading x weight rule; median over seeds, min-max shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    backbones = sorted(df.backbone.unique())
+    fig, axes = plt.subplots(1, len(backbones), figsize=(6 * len(backbones), 4.2), squeeze=False)
+    colors = {"contiguous": "C0", "sorted_subset": "C1"}
+    styles = {"jagg": "-", "jagg_index": "--"}
+    for ax, backbone in zip(axes[0], backbones, strict=True):
+        for (reading, strategy), e in df[df.backbone == backbone].groupby(["reading", "strategy"]):
+            m = e.groupby("group").agg(
+                t=("sigma_start", "mean"),
+                cos=("cosine", "median"),
+                lo=("cosine", "min"),
+                hi=("cosine", "max"),
+            )
+            label = f"{reading} groups, {'t-weights' if strategy == 'jagg' else 'index weights'}"
+            ax.plot(m.t, m.cos, styles[strategy], color=colors[reading], marker="o", ms=3, label=label)
+            ax.fill_between(m.t, m.lo, m.hi, color=colors[reading], alpha=0.1)
+        ax.invert_xaxis()
+        ax.set(
+            title=f"{backbone}: authors' recipe (21 steps, W = 4, eta 0.3)",
+            xlabel="group start time t (high noise -> low noise)",
+            ylabel="cosine to the exact group gradient",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    figure_footer(fig, meta, world_scale(csv.parent) + ", float64 cosines of float32 gradients")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
 
 
 def recommend(df, threshold: float, w: int = 3) -> dict[str, float]:
@@ -273,7 +442,13 @@ def render(csv: Path, png: Path) -> None:
     meta = json.loads(csv.with_suffix(".meta.json").read_text())
     df = pd.read_csv(csv)
     threshold = meta["config"]["threshold"]
-    atomic_write_text(csv.with_suffix(".md"), to_markdown(df, recommend(df, threshold), threshold, meta))
+    md = to_markdown(df, recommend(df, threshold), threshold, meta)
+    authors_csv = csv.with_name("cosine_authors.csv")
+    if authors_csv.is_file():
+        authors_meta = json.loads(authors_csv.with_suffix(".meta.json").read_text())
+        md += "\n" + authors_markdown(pd.read_csv(authors_csv), authors_meta)
+        plot_authors(authors_csv, png.with_name("cosine_authors.png"))
+    atomic_write_text(csv.with_suffix(".md"), md)
     plot(csv, png)
 
 
@@ -286,30 +461,54 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rl-iterations", type=int, default=15)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
     ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
+    ap.add_argument("--only", choices=["main", "authors"], help="run one section (the other's CSV is kept)")
     args = ap.parse_args(argv)
     set_threads(1)
     extra = list(TINY_RUN) if args.quick else []
     if args.quick:
         args.seeds, args.rl_iterations = 1, 1
-    rows, configs = [], {}
     units = len(BACKBONES) * args.seeds * sum(len(SETTINGS[setting][1]) for setting in args.settings)
-    eta = ProgressETA(units, "cosine")
+    eta = ProgressETA(
+        {"main": units, "authors": len(BACKBONES) * args.seeds}.get(
+            args.only, units + len(BACKBONES) * args.seeds
+        ),
+        "cosine",
+    )
+    if args.only != "authors":
+        _main_section(args, argv, extra, eta)
+    if args.only != "main":
+        _authors_section(args, argv, extra, eta)
+    render(Path(args.out), Path(args.figure))
+    print(Path(args.out).with_suffix(".md").read_text())
+    print(f"wrote {args.out}, {Path(args.out).with_suffix('.md')}, {args.figure}")
+
+
+def _main_section(args, argv, extra: list[str], eta: ProgressETA) -> None:
+    rows, configs = [], {}
     for backbone in BACKBONES:
         for setting in args.settings:
             new_rows, configs[f"{backbone}/{setting}"] = measure(backbone, setting, args, extra, eta)
             rows += new_rows
             print(f"{backbone} {setting}: {len(rows)} rows", flush=True)
-    meta = run_metadata(
+    write_table(rows, args.out, _meta(args, argv, configs))
+
+
+def _authors_section(args, argv, extra: list[str], eta: ProgressETA) -> None:
+    rows, configs = [], {}
+    for backbone in BACKBONES:
+        new_rows, configs[f"{backbone}/authors"] = measure_authors(backbone, args, extra, eta)
+        rows += new_rows
+    write_table(rows, Path(args.out).with_name("cosine_authors.csv"), _meta(args, argv, configs))
+
+
+def _meta(args, argv, configs: dict) -> dict:
+    return run_metadata(
         command=command_line("experiments/cosine.py", argv),
         seeds=args.seeds,
         seed="per row",
         config=vars(args),
         train_configs=configs,
     )
-    write_table(rows, args.out, meta)
-    render(Path(args.out), Path(args.figure))
-    print(Path(args.out).with_suffix(".md").read_text())
-    print(f"wrote {args.out}, {Path(args.out).with_suffix('.md')}, {args.figure}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,7 @@ def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> l
                 routing.plans(trained_steps_per_sample(cfg)),
                 endpoints=backward.endpoints,
                 reuse_outputs=backward.reuse_rollout,
+                endpoint_signals=backward.endpoint_signals,
             )
             held = backward.strategy != "exact" and backward.endpoints == "joint"
             model, _ = meta_transformer(cfg)

@@ -342,6 +342,7 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
                 backward.planned_setting().routing.plans(loss.x.shape[0]),
                 endpoints=backward.endpoints,
                 outputs=outputs,
+                endpoint_signals=backward.endpoint_signals,
             )
             tracker.phase = "clip"
             torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
@@ -511,6 +512,7 @@ def plan_terms(cfg: Config) -> dict[str, float]:
         backward.planned_setting().routing.plans(trained_steps_per_sample(cfg)),
         endpoints=backward.endpoints,
         reuse_outputs=backward.reuse_rollout,
+        endpoint_signals=backward.endpoint_signals,
     )
     mp = memory_plan(
         cfg,

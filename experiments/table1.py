@@ -9,8 +9,16 @@ sample, peak memory held by autograd for backward, the reduction vs exact, and t
 counting from the measured per-pass costs (forward with grad and backward from the exact update, forward
 without grad from the rollout). A second table sweeps W and jagg_frac.
 
-    python experiments/table1.py [--scale world|paper] [--iterations N] [--quick]
-    -> results/table1.csv, results/table1.md, results/table1.tex, results/table1_sweep.csv
+A third section times the JAGG authors' own recipe (configs/world/<backbone>_dancegrpo_authors.yaml, DanceGRPO
+on both world backbones: 21 steps, 5 blocks of W = 4, 3 random blocks trained per sample, gradient
+checkpointing on) on shared rollouts: its exact baseline, the authors' method (step-index weights, sequential
+endpoints, no stored outputs, W + 2 forwards per block), the same with t-weights and this repository's default
+(batched + stored outputs) with both weight rules; and, interleaved with them, the exact baseline and the
+authors' method with checkpointing off, as the published script runs (docs/references.md#the-jagg-authors-code).
+
+    python experiments/table1.py [--scale world|paper] [--iterations N] [--quick] [--only paper|authors]
+    -> results/table1.csv, results/table1.md, results/table1.tex, results/table1_sweep.csv,
+       results/table1_authors.csv (``--only authors`` re-runs that section alone and re-renders the rest)
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from jagg.common import (
 from jagg.engine.profiling import SavedActivationMeter
 from jagg.engine.routing import BackwardSetting, GroupCost, Routing, update_cost
 from jagg.loop.components import build_components
-from jagg.loop.timing import TIMING_SETUPS, time_settings, timing_config, update_with
+from jagg.loop.timing import AUTHORS_SETUPS, TIMING_SETUPS, time_settings, timing_config, update_with
 from jagg.loop.trainer import Trainer
 from plotting import figure_footer, world_scale
 
@@ -47,9 +55,18 @@ PAPER = {
 }
 
 
-def _setting(strategy: str, w: int, frac: float, endpoints: str = "batched", stored: bool = True):
+def _setting(
+    strategy: str,
+    w: int,
+    frac: float,
+    endpoints: str = "batched",
+    stored: bool = True,
+    signals: str = "graph",
+):
     routing = Routing(strategy=strategy, group_size=w, jagg_frac=frac)
-    return BackwardSetting(routing=routing, endpoints=endpoints, reuse_outputs=stored)
+    return BackwardSetting(
+        routing=routing, endpoints=endpoints, reuse_outputs=stored, endpoint_signals=signals
+    )
 
 
 def strategies_for(cfg, algo: str) -> list[BackwardSetting]:
@@ -83,6 +100,7 @@ def update_cost_checked(trainer: Trainer, s: BackwardSetting, row: dict) -> Grou
         reuse_outputs=s.reuse_outputs,
         micro_batches=-(-row["n"] // train.train_batch_size),
         grad_accum=train.grad_accum,
+        endpoint_signals=s.endpoint_signals,
     )
     for k in ("forward_passes", "forward_passes_with_grad", "backward_passes", "backward_calls"):
         if getattr(total, k) != row[k]:
@@ -97,10 +115,17 @@ def peak_activation_mb(trainer: Trainer, s: BackwardSetting) -> float:
     return meter.peak_mb
 
 
+def _paper_label(setup: tuple[str, str], s: BackwardSetting, default_frac: float) -> str:
+    """The paper's number beside the paper-literal JAGG rows (joint endpoints at the config's jagg_frac)."""
+    literal = s.routing.strategy == "jagg" and s.mode == "joint" and s.routing.jagg_frac == default_frac
+    return PAPER.get(setup, "") if literal else ""
+
+
 def summarise(
-    setup: tuple[str, str], trainer: Trainer, rows: dict[str, list[dict]], strategies
+    setup: tuple[str, str], trainer: Trainer, rows: dict[str, list[dict]], strategies, paper_label=None
 ) -> list[dict]:
-    """Medians per strategy, reductions vs exact, and the pass-counting prediction."""
+    """Medians per strategy, reductions vs exact, and the pass-counting prediction (``paper_label(s)``: the
+    paper column of a setting; default ``_paper_label``)."""
 
     def med(key: str, k: str) -> float:
         return statistics.median(r[k] for r in rows[key])
@@ -148,13 +173,109 @@ def summarise(
                 ideal_reduction_update_pct=100 * ideal_red_update,
                 ideal_reduction_iter_pct=100 * (upd_exact - ideal_update) / it_exact,
                 measured_over_ideal=(red_update / ideal_red_update) if ideal_red_update > 0 else float("nan"),
-                paper=PAPER.get(setup, "")
-                if s.routing.strategy == "jagg" and s.mode == "joint" and s.routing.jagg_frac == default_frac
-                else "",
+                paper=paper_label(s) if paper_label else _paper_label(setup, s, default_frac),
                 iterations=len(rows[key]),
+                n=r["n"],
+                T=r["T"],
+                pass_fwd_grad_s=f_grad,
+                pass_fwd_nograd_s=f_nograd,
+                pass_bwd_s=bwd,
             )
         )
     return out
+
+
+# --------------------------------------------------------------------------- the authors' recipe
+# The paper's per-step reduction for the DanceGRPO setup of each backbone (Table 1), beside the authors' method.
+AUTHORS_PAPER = {
+    "flux": "-18.2% per step (279 s -> 228 s)",
+    "qwenimage": "-17.3% per step (835 s -> 691 s)",
+}
+
+
+def authors_settings(cfg) -> list[tuple[str, BackwardSetting]]:
+    """(reading, setting) of the authors' recipe's rows, all on its blocks of W = ``cfg.backward.group_size``
+    with every trained block aggregated: the exact baseline (the recipe's 12 single steps cost what the 3
+    blocks' 12 steps cost per step), the authors' method and its t-weight twin (sequential, no stored outputs,
+    W + 2 forwards per block), our sequential backward without the 2 extra forwards, and this repository's
+    default (batched + stored outputs) with both weight rules."""
+    w = cfg.backward.group_size
+    return [
+        ("exact baseline", _setting("exact", w, 1.0)),
+        ("authors' method", _setting("jagg_index", w, 1.0, "sequential", False, "nograd")),
+        ("authors' method, t-weights", _setting("jagg", w, 1.0, "sequential", False, "nograd")),
+        (
+            "authors' backward, endpoint signals from the graphs",
+            _setting("jagg_index", w, 1.0, "sequential", False),
+        ),
+        ("this repository's default, index weights", _setting("jagg_index", w, 1.0, "batched", True)),
+        ("this repository's default, t-weights", _setting("jagg", w, 1.0, "batched", True)),
+    ]
+
+
+def _pass_units(cost: GroupCost, rollout_fwd: int, micro_batches: int, ckpt: bool) -> tuple[float, float]:
+    """(update, iteration) in forwards per micro-batch by the issue's counting: a forward 1, a backward 2,
+    plus 1 recompute under gradient checkpointing; the rollout ``rollout_fwd`` forwards."""
+    update = (cost.forward_passes + cost.backward_passes * (3 if ckpt else 2)) / micro_batches
+    return update, update + rollout_fwd
+
+
+def _authors_rows(setup, trainer: Trainer, settings, iterations: int, eta) -> list[dict]:
+    """Time ``settings`` with gradient checkpointing on and the first two (exact, the authors' method) with
+    it off, all interleaved on the same rollouts; per checkpointing state, rows with the reading, the
+    pass-counting reduction (``_pass_units``), the update speed-up over the authors' method, the paper."""
+    transformer = trainer.backbone.transformer
+    switch = {
+        True: transformer.enable_gradient_checkpointing,
+        False: transformer.disable_gradient_checkpointing,
+    }
+    runs = [(s, True) for _, s in settings] + [(s, False) for _, s in settings[:2]]
+    timed = time_settings(
+        trainer,
+        [s for s, _ in runs],
+        iterations,
+        eta,
+        variants=[(f"ckpt={ckpt}|", switch[ckpt]) for _, ckpt in runs],
+    )
+    out = []
+    for ckpt, chosen in ((True, settings), (False, settings[:2])):
+        switch[ckpt]()  # also for the activation peak ``summarise`` measures
+        bsettings = [s for _, s in chosen]
+        rows = summarise(
+            setup,
+            trainer,
+            {s.key: timed[f"ckpt={ckpt}|{s.key}"] for s in bsettings},
+            bsettings,
+            paper_label=lambda s: AUTHORS_PAPER[setup[0]] if s == settings[1][1] else "",
+        )
+        out += _authors_columns(trainer, chosen, rows, ckpt)
+    switch[trainer.cfg.model.gradient_checkpointing]()
+    return out
+
+
+def _authors_columns(trainer: Trainer, settings, rows: list[dict], ckpt: bool) -> list[dict]:
+    """``rows`` (one per setting, the exact baseline first, the authors' method second) with the reading,
+    checkpointing, endpoint-signal source, the pass-unit reductions and the speed-up over the authors'."""
+    units = {}
+    for (reading, s), row in zip(settings, rows, strict=True):
+        micro = -(-row["n"] // trainer.cfg.train.train_batch_size)
+        cost = update_cost(
+            s.routing.plans(int(row["T"])),
+            endpoints=s.endpoints,
+            reuse_outputs=s.reuse_outputs,
+            micro_batches=micro,
+            grad_accum=trainer.cfg.train.grad_accum,
+            endpoint_signals=s.endpoint_signals,
+        )
+        units[reading] = _pass_units(cost, len(trainer.sigmas) - 1, micro, ckpt)
+        row.update(reading=reading, checkpointing=ckpt, endpoint_signals=s.endpoint_signals)
+    ex_update, ex_iter = units[settings[0][0]]
+    for (reading, _), row in zip(settings, rows, strict=True):
+        upd, it = units[reading]
+        row["units_reduction_update_pct"] = 100 * (1 - upd / ex_update)
+        row["units_reduction_iter_pct"] = 100 * (1 - it / ex_iter)
+        row["update_speedup_vs_authors"] = rows[1]["update_s"] / row["update_s"]
+    return rows
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
@@ -213,21 +334,9 @@ def sweep_strategies(cfg) -> list[BackwardSetting]:
     return [_setting("exact", 2, 0.0)] + [_setting("jagg", w, f) for w in ws for f in (0.6, 1.0)]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scale", default="world", choices=["world", "paper"])
-    ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--sweep-iterations", type=int, default=3)
-    ap.add_argument("--out", default="results/table1.csv")
-    ap.add_argument("--figure", default="paper_figures/table1_update_reduction.png")
-    ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
-    ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
-    args = ap.parse_args(argv)
-    set_threads(1)
-    if args.quick:
-        args.iterations, args.sweep_iterations = 2, 1
+def _paper_section(args, argv, eta) -> None:
+    """Table 1's own setups and the W / jagg_frac sweep -> ``args.out`` and table1_sweep.csv."""
     rows, sweep_rows, cfg = [], [], None
-    eta = ProgressETA(len(SETUPS) * args.iterations + args.sweep_iterations, "table1")
     for backbone, algo in SETUPS:
         cfg = timing_config((backbone, algo), scale=args.scale, quick=args.quick, overrides=args.overrides)
         trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
@@ -243,27 +352,222 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     write_table(rows, out, meta)
     write_table(sweep_rows, out.with_name("table1_sweep.csv"), meta)
+
+
+def _authors_section(args, argv, eta) -> None:
+    """The authors' recipe per backbone with a config for it at this scale -> table1_authors.csv: the rows
+    of ``authors_settings`` with checkpointing on and the exact baseline and the authors' method with it off,
+    all interleaved on the same rollouts (``_authors_rows``)."""
+    rows, cfg = [], None
+    for setup in AUTHORS_SETUPS:
+        if not Path(f"configs/{args.scale}/{setup[0]}_{setup[1]}_authors.yaml").is_file():
+            continue
+        # the rollout keeps its outputs so that the default rows can read them; each row's setting says
+        # whether it does (the authors' rows do not)
+        keep = ["backward.reuse_rollout=true", *args.overrides]
+        cfg = timing_config(setup, scale=args.scale, quick=args.quick, overrides=keep, authors=True)
+        trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
+        settings = authors_settings(cfg)
+        rows += _authors_rows(setup, trainer, settings, args.iterations, eta)
+        print(authors_markdown(rows, _meta(args, argv, cfg)).split("\n", 8)[-1], flush=True)
+    write_table(rows, Path(args.out).with_name("table1_authors.csv"), _meta(args, argv, cfg))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", default="world", choices=["world", "paper"])
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--sweep-iterations", type=int, default=3)
+    ap.add_argument("--out", default="results/table1.csv")
+    ap.add_argument("--figure", default="paper_figures/table1_update_reduction.png")
+    ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
+    ap.add_argument(
+        "--only",
+        choices=["paper", "authors"],
+        help="run one section (the other's CSV, if there, is kept and re-rendered)",
+    )
+    ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
+    args = ap.parse_args(argv)
+    set_threads(1)
+    if args.quick:
+        args.iterations, args.sweep_iterations = 2, 1
+    paper_steps = len(SETUPS) * args.iterations + args.sweep_iterations
+    authors_steps = len(AUTHORS_SETUPS) * args.iterations
+    steps = {"paper": paper_steps, "authors": authors_steps}.get(args.only, paper_steps + authors_steps)
+    eta = ProgressETA(steps, "table1")
+    if args.only != "authors":
+        _paper_section(args, argv, eta)
+    if args.only != "paper":
+        _authors_section(args, argv, eta)
+    out = Path(args.out)
     render(out, Path(args.figure))
     print(out.with_suffix(".md").read_text())
-    print(
-        f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.tex')}, {out.with_name('table1_sweep.csv')}"
-    )
+    print(f"wrote {out.with_suffix('.md')}, {out.with_suffix('.tex')} and the CSVs beside them")
 
 
 def render(csv: Path, png: Path) -> None:
-    """Markdown, LaTeX and the figure from the CSVs and their metadata only (``make figures``)."""
+    """Markdown, LaTeX and the figures from the CSVs and their metadata only (``make figures``)."""
     import pandas as pd
+
+    sweep_csv = csv.with_name("table1_sweep.csv")
+    authors_csv = csv.with_name("table1_authors.csv")
+    rows, md, tex = [], "", ""
+    if csv.is_file():
+        meta = json.loads(csv.with_suffix(".meta.json").read_text())
+        rows = pd.read_csv(csv).fillna("").to_dict("records")
+        md, tex = to_markdown(rows, meta), to_latex(rows)
+    if rows and sweep_csv.is_file():
+        sweep = pd.read_csv(sweep_csv).fillna("").to_dict("records")
+        md += "\n## W / jagg_frac sweep (first setup)\n\n" + to_markdown(sweep, meta).split("\n", 5)[-1]
+    if authors_csv.is_file():
+        authors = pd.read_csv(authors_csv).fillna("").to_dict("records")
+        authors_meta = json.loads(authors_csv.with_suffix(".meta.json").read_text())
+        md += "\n" + authors_markdown(authors, authors_meta)
+        tex += "\n" + authors_latex(authors)
+        render_authors(authors_csv, png.with_name("table1_authors.png"))
+    atomic_write_text(csv.with_suffix(".md"), md)
+    atomic_write_text(csv.with_suffix(".tex"), tex)
+    if rows:
+        plot(rows, png, meta, csv.parent)
+
+
+AUTHORS_COLS = [
+    ("backbone", "{}"),
+    ("reading", "{}"),
+    ("strategy", "{}"),
+    ("mode", "{}"),
+    ("checkpointing", "{}"),
+    ("iter_s", "{:.2f}"),
+    ("update_s", "{:.2f}"),
+    ("fwd_per_sample", "{:g}"),
+    ("bwd_per_sample", "{:g}"),
+    ("reduction_iter_pct", "{:+.1f}%"),
+    ("ideal_reduction_iter_pct", "{:+.1f}%"),
+    ("units_reduction_iter_pct", "{:+.1f}%"),
+    ("reduction_update_pct", "{:+.1f}%"),
+    ("ideal_reduction_update_pct", "{:+.1f}%"),
+    ("units_reduction_update_pct", "{:+.1f}%"),
+    ("update_speedup_vs_authors", "{:.2f}x"),
+    ("paper", "{}"),
+]
+
+
+def _pass_costs(rows: list[dict]) -> list[str]:
+    """Per backbone the measured per-pass seconds (from each exact baseline) and the recompute cost of a
+    backward pass under checkpointing (backward with it minus backward without)."""
+    lines = []
+    for backbone in dict.fromkeys(r["backbone"] for r in rows):
+        exact = {
+            r["checkpointing"]: r for r in rows if r["backbone"] == backbone and r["strategy"] == "exact"
+        }
+        on = exact.get(True)
+        if on is None:
+            continue
+        line = (
+            f"- {backbone}: forward with autograd {on['pass_fwd_grad_s'] * 1e3:.1f} ms, without "
+            f"{on['pass_fwd_nograd_s'] * 1e3:.1f} ms, backward (recompute included) {on['pass_bwd_s'] * 1e3:.1f} ms"
+        )
+        if False in exact:
+            recompute = on["pass_bwd_s"] - exact[False]["pass_bwd_s"]
+            line += f"; without checkpointing backward {exact[False]['pass_bwd_s'] * 1e3:.1f} ms: recompute {recompute * 1e3:.1f} ms"
+        lines.append(line + " per micro-batch pass")
+    return lines
+
+
+def authors_markdown(rows: list[dict], meta: dict) -> str:
+    """The authors' recipe section of table1.md: the rows, what each prediction column means, pass costs."""
+    lines = [
+        "## The JAGG authors' recipe (configs/world/*_dancegrpo_authors.yaml), DanceGRPO on the world backbones",
+        "",
+        f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}, seed {meta['seed']}, "
+        f"{meta['iterations']} timed iterations per row, all rows of one backbone (checkpointing on and off) "
+        f"interleaved on the same rollouts. Command: `{meta['command']}`",
+        "",
+        "21 steps, 20 usable cut into 5 blocks of W = 4, 3 random blocks trained per sample (12 steps); the exact "
+        "baseline trains those 12 steps one by one (the cost of the recipe's 12 random single steps). `ideal`: "
+        "the cost model's counts (`update_cost`) times the measured per-pass seconds below; `units`: the same "
+        "counts in forwards (forward 1, backward 2, recompute 1 with checkpointing, rollout = number of sampling "
+        "steps), the counting the paper's numbers were checked against (docs/references.md). Speed-up: the "
+        "authors' method's update seconds over the row's.",
+        "",
+        *_pass_costs(rows),
+        "",
+        "| " + " | ".join(c for c, _ in AUTHORS_COLS) + " |",
+        "|" + "---|" * len(AUTHORS_COLS),
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(f.format(r[c]) for c, f in AUTHORS_COLS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def authors_latex(rows: list[dict]) -> str:
+    body = [
+        f"{r['backbone']} & {r['reading']} & {'on' if r['checkpointing'] else 'off'} & "
+        f"{r['iter_s']:.2f} & {r['update_s']:.2f} & {r['reduction_iter_pct']:+.1f}\\% & "
+        f"{r['ideal_reduction_iter_pct']:+.1f}\\% & {r['reduction_update_pct']:+.1f}\\% & "
+        f"{r['update_speedup_vs_authors']:.2f} \\\\"
+        for r in rows
+    ]
+    return (
+        "\\begin{tabular}{lllrrrrrr}\n\\toprule\nbackbone & reading & ckpt & s/iter & update s & "
+        "$\\Delta$iter & ideal $\\Delta$iter & $\\Delta$update & speed-up vs authors \\\\\n\\midrule\n"
+        + "\n".join(body)
+        + "\n\\bottomrule\n\\end{tabular}\n"
+    )
+
+
+def render_authors(csv: Path, png: Path) -> None:
+    """Per backbone, the per-iteration and update-phase reductions of the authors' recipe rows vs their exact
+    baseline: measured and predicted by the cost model, the paper's per-step number as a line."""
+    import matplotlib
+    import pandas as pd
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     meta = json.loads(csv.with_suffix(".meta.json").read_text())
     rows = pd.read_csv(csv).fillna("").to_dict("records")
-    sweep_csv = csv.with_name("table1_sweep.csv")
-    md = to_markdown(rows, meta)
-    if sweep_csv.is_file():
-        sweep = pd.read_csv(sweep_csv).fillna("").to_dict("records")
-        md += "\n## W / jagg_frac sweep (first setup)\n\n" + to_markdown(sweep, meta).split("\n", 5)[-1]
-    atomic_write_text(csv.with_suffix(".md"), md)
-    atomic_write_text(csv.with_suffix(".tex"), to_latex(rows))
-    plot(rows, png, meta, csv.parent)
+    backbones = list(dict.fromkeys(r["backbone"] for r in rows))
+    fig, axes = plt.subplots(2, len(backbones), figsize=(6.5 * len(backbones), 8), squeeze=False)
+    for col, backbone in enumerate(backbones):
+        sub = [r for r in rows if r["backbone"] == backbone and r["strategy"] != "exact"]
+        labels = [
+            r["reading"].replace(", ", "\n").replace("endpoint signals", "signals")
+            + ("" if r["checkpointing"] else "\n(no checkpointing)")
+            for r in sub
+        ]
+        x = list(range(len(sub)))
+        for row, (what, measured, ideal) in enumerate(
+            [
+                ("per iteration", "reduction_iter_pct", "ideal_reduction_iter_pct"),
+                ("update phase", "reduction_update_pct", "ideal_reduction_update_pct"),
+            ]
+        ):
+            ax = axes[row][col]
+            ax.bar([i - 0.2 for i in x], [r[measured] for r in sub], 0.4, label="measured")
+            ax.bar(
+                [i + 0.2 for i in x], [r[ideal] for r in sub], 0.4, label="cost model x measured pass costs"
+            )
+            if row == 0:
+                pct = PAPER_PCT[(backbone, "dancegrpo")][0]
+                ax.axhline(pct, color="k", lw=1.2)
+                ax.text(
+                    0.0, pct + 0.8, f"paper: -{pct}% per step", transform=ax.get_yaxis_transform(), fontsize=7
+                )
+            ax.axhline(0, color="k", lw=0.5)
+            ax.set_xticks(x, labels, fontsize=6)
+            ax.set_title(f"{backbone} DanceGRPO, authors' recipe: {what}", fontsize=9)
+            ax.set_ylabel(f"{what} reduction vs exact (%)", fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.99), fontsize=8, ncol=2)
+    figure_footer(
+        fig, meta, world_scale(csv.parent) + f", {meta.get('iterations', '?')} timed iterations per row"
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 0.96))
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 # What the paper's Table 1 reports per setup, and the CSV columns that measure the same quantity.

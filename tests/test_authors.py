@@ -373,6 +373,7 @@ def test_authors_config_follows_run_jagg_sh():
         "sequential",
         False,
     )
+    assert b.endpoint_signals == "nograd"  # W + 2 forwards per group, as grpo_group_backward
     assert (o.lr, o.max_grad_norm, o.weight_decay, t.precision, cfg.model.gradient_checkpointing) == (
         1e-5,
         10.0,
@@ -398,3 +399,52 @@ def test_authors_config_follows_run_jagg_sh():
 def test_algorithm_without_backward_config_refuses_contiguous_groups():
     with pytest.raises(ConfigError, match="backward.group_size"):
         DanceGRPO.validate(SimpleNamespace(step_selection="contiguous_groups", timestep_fraction=0.6), 21)
+
+
+def test_nograd_endpoint_signals_run_the_authors_forward_count():
+    """``endpoint_signals="nograd"`` (configs/paper/qwenimage_dancegrpo_authors.yaml) runs the model as often
+    as ``authors_group_backward`` does: W forwards without autograd, then 2 with it, per group (W + 2 = 6 for
+    W = 4); the default (signals from the graphs) runs W. Same gradient to ~1e-12."""
+    module, velocity, shape = make_model("mlp", batch=1, seed=4)
+    sigmas = shifted_linear_sigmas(21, 3.0)
+    latents, old_lp = authors_rollout(velocity, sigmas, shape, seed=2)
+    calls = []
+
+    def counted(z, t):
+        calls.append(torch.is_grad_enabled())
+        return velocity(z, t)
+
+    steps = torch.arange(4, 8)
+    adv = torch.tensor([1.3], dtype=torch.float64)
+    loss = GRPOStepLoss(
+        x=latents[steps],
+        x_next=latents[steps + 1],
+        sigma=sigmas[steps],
+        sigma_next=sigmas[steps + 1],
+        old_log_prob=old_lp[steps],
+        advantages=adv,
+        kind="dance",
+        noise_level=ETA,
+        clip_range=CLIP,
+        scale=1 / 4,
+    )
+    module.zero_grad(set_to_none=True)
+    authors_group_backward(counted, latents, sigmas, list(range(4, 8)), old_lp, adv, 4)
+    theirs, their_calls = grads_of(module), list(calls)
+    counts = {}
+    for signals in ("graph", "nograd"):
+        calls.clear()
+        module.zero_grad(set_to_none=True)
+        stats = trajectory_backward(
+            counted,
+            loss.x,
+            loss.sigma,
+            loss,
+            plan_groups(4, 4, 1.0, "jagg_index"),
+            endpoints="sequential",
+            endpoint_signals=signals,
+        )
+        counts[signals] = (len(calls), sum(calls), stats.forward_passes)
+        assert rel_err(grads_of(module), theirs) < 1e-12
+    assert (len(their_calls), sum(their_calls)) == (6, 2)
+    assert counts == {"graph": (4, 2, 4), "nograd": (6, 2, 6)}

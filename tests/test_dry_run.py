@@ -248,10 +248,11 @@ def test_dry_run_plans_measured_routing_as_all_jagg_at_the_largest_candidate(cap
 
 def test_dry_run_of_the_authors_recipe(capsys):
     """qwenimage_dancegrpo_authors.yaml: 3 of 5 blocks of 4 trained per sample, all on jagg_index with two
-    sequential endpoint backwards each and no stored outputs: 12 forwards (6 with autograd), 6 backward calls."""
+    sequential endpoint backwards each, no stored outputs and every signal from a forward without autograd (the
+    authors' W + 2 per block): 18 forwards (6 with autograd), 6 backward calls, 8 all-gathers per block."""
     assert main(["--config", AUTHORS, "--dry-run", "--world-size", "8"]) == 0
     out = capsys.readouterr().out
-    assert "W=4, jagg_frac=1.0, endpoints=sequential, reuse_rollout=False" in out
+    assert "W=4, jagg_frac=1.0, endpoints=sequential, reuse_rollout=False, endpoint_signals=nograd" in out
     assert "trained steps per sample           12 of 21" in out
     for g in range(3):
         assert (
@@ -259,5 +260,5 @@ def test_dry_run_of_the_authors_recipe(capsys):
         )
     assert "group 3" not in out
     row = next(line for line in out.splitlines() if "* jagg_index/sequential " in line)
-    assert row.split()[2:8] == ["12", "(6)", "6", "6", "18", "6"]
+    assert row.split()[2:8] == ["18", "(6)", "6", "6", "24", "6"]
     assert "samples per iteration              768 = 64 prompts x 12 images; 96 per rank" in out

@@ -127,6 +127,24 @@ def test_table1_quick(quick):
         assert (g[g.strategy == "jagg"].bwd_per_sample <= exact.bwd_per_sample).all()
     assert (res / "table1.tex").read_text().startswith("\\begin{tabular}")
     _meta_ok(res / "table1.csv")
+    # the authors' recipe: per backbone 6 rows with checkpointing, exact + the authors' method without
+    au = pd.read_csv(res / "table1_authors.csv")
+    assert len(au) == 2 * (6 + 2) and set(au.backbone) == {"flux", "qwenimage"}
+    authors = au[au.reading == "authors' method"]
+    assert (authors["mode"] == "sequential+nograd_ends").all() and set(authors.checkpointing) == {True, False}
+    # pass counts (checked against the cost model by the driver): W + 2 forwards per block for the authors'
+    # method, W for our sequential backward, 2 for the default with stored outputs; 2 backwards each
+    w, blocks = 4, 1  # --quick: 9 steps, 2 blocks of 4, int(2 x 0.6) = 1 trained per sample
+    per_reading = au[au.checkpointing].groupby("reading")[["fwd_per_sample", "bwd_per_sample"]].first()
+    assert per_reading.loc["authors' method"].tolist() == [blocks * (w + 2), blocks * 2]
+    assert per_reading.loc["authors' backward, endpoint signals from the graphs"].tolist() == [
+        blocks * w,
+        blocks * 2,
+    ]
+    assert per_reading.loc["this repository's default, index weights"].tolist() == [blocks * 2, blocks * 2]
+    assert per_reading.loc["exact baseline"].tolist() == [blocks * w, blocks * w]
+    assert (authors.paper != "").all() and "authors' recipe" in (res / "table1.md").read_text()
+    _meta_ok(res / "table1_authors.csv")
 
 
 def test_cosine_quick(quick):
@@ -135,6 +153,14 @@ def test_cosine_quick(quick):
     w2 = cs[(cs.W == 2) & (cs.strategy == "jagg")]
     assert (w2.cosine > 1 - 1e-9).all()  # W = 2 is exact for any model
     assert "Recommended jagg_frac" in (res / "cosine.md").read_text()
+    au = pd.read_csv(res / "cosine_authors.csv")
+    n_groups = au.groupby("reading").group.nunique().to_dict()
+    assert n_groups == {"contiguous": 5, "sorted_subset": 3} and set(au.strategy) == {"jagg", "jagg_index"}
+    contiguous = au[au.reading == "contiguous"]
+    assert (contiguous.step_span_mean == 4).all()  # a block is W consecutive steps
+    assert (au[au.reading == "sorted_subset"].step_span_mean >= 4).all()
+    assert au.cosine.between(-1, 1).all() and "authors' recipe" in (res / "cosine.md").read_text()
+    _meta_ok(res / "cosine_authors.csv")
 
 
 def test_curves_quick(quick):
@@ -163,6 +189,8 @@ def test_figures_regenerate_from_results_alone(quick):
         "memory_per_mode.png",
         "cosine_per_group.png",
         "reward_curves_dancegrpo.png",
+        "table1_authors.png",  # the authors' recipe sections, drawn by the table1 / cosine renderers
+        "cosine_authors.png",
     }
     mem = pd.read_csv(res / "memory_plan.csv")  # the dry run per paper config x mode, 8 GPUs
     assert len(mem) == 4 * 4 and set(mem["mode"]) == {

@@ -93,6 +93,12 @@ def test_routing_fixed_and_measured_and_the_setting_label():
     assert BackwardSetting(routing=Routing(strategy="exact", group_size=2)).mode == "-"
     with pytest.raises(ValueError, match="backward.endpoints"):
         BackwardSetting(routing=fixed, endpoints="diagonal")
+    authors = BackwardSetting(
+        routing=fixed, endpoints="sequential", reuse_outputs=False, endpoint_signals="nograd"
+    )
+    assert authors.key == "jagg/W3/f0.6/sequential+nograd_ends"
+    with pytest.raises(ValueError, match=r"backward.endpoint_signals must be one of \('graph', 'nograd'\)"):
+        BackwardSetting(routing=fixed, endpoint_signals="detached")
     with pytest.raises(TypeError):
         Routing("jagg", 3)  # keyword-only: a positional W can never be read as a fraction
 
@@ -158,3 +164,28 @@ def test_calibrate_routing_measures_routes_and_keeps_the_cheapest_w(min_cosine):
     assert row["routing"] == ["jagg" if r else "exact" for r in cal.routing.measured]
     assert set(row["calibration_by_group_size"]) == {"2", "3", "4"}
     assert "calibration_by_group_size" not in cal.as_metrics(per_group_size=False)
+
+
+@pytest.mark.parametrize("endpoints", ["batched", "sequential"])
+def test_trajectory_cost_with_nograd_endpoint_signals_matches_the_backward(endpoints):
+    """The authors' forward count on a trajectory of 12 steps in groups of 4 (all aggregated): W + 2 = 6
+    forwards per group, 2 of them with autograd; ``trajectory_cost`` predicts what ``trajectory_backward``
+    reports, and the gradient is the default's (signals from the graphs) to float64 rounding."""
+    module, velocity, shape = make_model("mlp", seed=2)
+    sig = torch.linspace(0.97, 0.05, 13, dtype=torch.float64)
+    latents = straight_path_latents(shape, sig[:12], seed=9)
+    step_loss = make_grpo_step_loss(velocity, latents, sig[:12], sig[1:], seed=4)
+    plans = plan_groups(12, 4, 1.0, "jagg_index")
+    grads, stats = {}, {}
+    for signals in ("graph", "nograd"):
+        module.zero_grad(set_to_none=True)
+        stats[signals] = trajectory_backward(
+            velocity, latents, sig[:12], step_loss, plans, endpoints=endpoints, endpoint_signals=signals
+        )
+        grads[signals] = grads_of(module)
+        cost = trajectory_cost(plans, endpoints=endpoints, endpoint_signals=signals)
+        for key in ("forward_passes", "forward_passes_with_grad", "forward_calls", "backward_passes"):
+            assert getattr(cost, key) == getattr(stats[signals], key), (signals, key)
+    assert (stats["graph"].forward_passes, stats["nograd"].forward_passes) == (12, 18)
+    assert stats["nograd"].forward_passes_with_grad == 6 and stats["nograd"].backward_passes == 6
+    assert grads["graph"].norm() > 0 and rel_err(grads["nograd"], grads["graph"]) < 1e-12

@@ -23,6 +23,7 @@ from jagg.engine.routing import group_cost
 from jagg.engine.strategies import (
     AGGREGATION_WEIGHTS,
     ENDPOINT_MODES,
+    ENDPOINT_SIGNALS,
     STRATEGIES,
     exact_at_two,
     group_backward,
@@ -125,17 +126,28 @@ def test_jagg_is_approximate_for_nonlinear_models(name, w):
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-@pytest.mark.parametrize("strategy", ["jagg", "endpoints", "uniform"])
+@pytest.mark.parametrize("strategy", ["jagg", "endpoints", "uniform", "jagg_index"])
 @pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
 @pytest.mark.parametrize("reuse", [False, True], ids=["forward", "stored"])
-def test_endpoint_modes_and_stored_outputs_give_the_same_gradient(name, strategy, endpoints, reuse):
-    """Every endpoint mode, with or without the rollout's stored outputs, computes the paper-literal
-    ("joint", all forwards) gradient of the same strategy (float64, relative error <= 1e-12)."""
+@pytest.mark.parametrize("signals", ENDPOINT_SIGNALS)
+def test_endpoint_modes_and_stored_outputs_give_the_same_gradient(name, strategy, endpoints, reuse, signals):
+    """Every endpoint mode, with or without the rollout's stored outputs, with the endpoints' signals from
+    their graphs or (the authors' code) from extra forwards without autograd, computes the paper-literal
+    ("joint", all forwards, signals from the graphs) gradient of the same strategy (float64, relative error
+    <= 1e-12)."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, 4)
     g_ref, ref = run(strategy, module, velocity, latents, sigmas, step_loss, endpoints="joint")
     outputs = stored_outputs(velocity, latents, sigmas) if reuse else None
     g, stats = run(
-        strategy, module, velocity, latents, sigmas, step_loss, endpoints=endpoints, outputs=outputs
+        strategy,
+        module,
+        velocity,
+        latents,
+        sigmas,
+        step_loss,
+        endpoints=endpoints,
+        outputs=outputs,
+        endpoint_signals=signals,
     )
     assert g_ref.norm() > 0
     assert rel_err(g, g_ref) <= 1e-12
@@ -147,25 +159,40 @@ def test_endpoint_modes_and_stored_outputs_give_the_same_gradient(name, strategy
 @pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
 @pytest.mark.parametrize("reuse", [False, True], ids=["forward", "stored"])
 @pytest.mark.parametrize("w", [2, 4])
-def test_pass_and_call_counts(name, strategy, endpoints, reuse, w):
+@pytest.mark.parametrize("signals", ENDPOINT_SIGNALS)
+def test_pass_and_call_counts(name, strategy, endpoints, reuse, w, signals):
     """Hooks on the model count forward calls (with / without grad) and back-propagated graphs; a wrapped
     ``torch.autograd.backward`` counts backward calls. GroupStats reports them, and the cost model
-    ``group_cost`` predicts them (the one cost model the plan, bench and Table 1 use)."""
+    ``group_cost`` predicts them (the one cost model the plan, bench and Table 1 use). With the endpoints'
+    signals from forwards without autograd (the authors' code), a group of W runs W + 2 forwards."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, w)
     outputs = stored_outputs(velocity, latents, sigmas) if reuse else None
     module.zero_grad(set_to_none=True)
     with count_passes(module) as counts:
         stats = group_backward(
-            velocity, latents, sigmas, step_loss, strategy, endpoints=endpoints, outputs=outputs
+            velocity,
+            latents,
+            sigmas,
+            step_loss,
+            strategy,
+            endpoints=endpoints,
+            outputs=outputs,
+            endpoint_signals=signals,
         )
-    cost = group_cost(w, strategy, endpoints, reuse_outputs=reuse)
+    cost = group_cost(w, strategy, endpoints, reuse_outputs=reuse, endpoint_signals=signals)
     batched = strategy != "exact" and endpoints == "batched"
     if strategy == "exact":
         assert counts == dict(forward=w, forward_grad=w, backward_graphs=w, backward_calls=w)
     else:
-        mid = 0 if reuse or strategy == "endpoints" else w - 2
-        extra = int(endpoints == "sequential" and strategy == "uniform" and not reuse)  # s_{W-1} first
-        assert counts["forward"] == mid + extra + (1 if batched else 2)
+        if signals == "nograd":  # every signal from its own detached forward, endpoints included
+            detached = 0 if reuse else (2 if strategy == "endpoints" else w)
+        else:
+            mid = 0 if reuse or strategy == "endpoints" else w - 2
+            extra = int(endpoints == "sequential" and strategy == "uniform" and not reuse)  # s_{W-1} first
+            detached = mid + extra
+        assert counts["forward"] == detached + (1 if batched else 2)
+        if signals == "nograd" and not reuse and strategy != "endpoints":
+            assert stats.forward_passes == w + 2
         assert counts["forward_grad"] == (1 if batched else 2)
         assert counts["backward_graphs"] == (1 if batched else 2)
         assert counts["backward_calls"] == (2 if endpoints == "sequential" else 1)

@@ -127,6 +127,8 @@ class BackwardConfig:
     calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
     group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
     endpoints: str = "batched"  # batched | joint (paper-literal) | sequential (one graph alive)
+    # graph (endpoint signals from the graph-building forwards) | nograd (the authors' code: W + 2 forwards)
+    endpoint_signals: str = "graph"
     reuse_rollout: bool = (
         True  # intermediate signals from the rollout's outputs while the weights are the rollout's
     )
@@ -164,8 +166,13 @@ class BackwardConfig:
         return self.setting(routing)
 
     def setting(self, routing: Routing) -> BackwardSetting:
-        """``routing`` with this config's endpoint mode and stored-output rule."""
-        return BackwardSetting(routing=routing, endpoints=self.endpoints, reuse_outputs=self.reuse_rollout)
+        """``routing`` with this config's endpoint mode, stored-output rule and endpoint-signal source."""
+        return BackwardSetting(
+            routing=routing,
+            endpoints=self.endpoints,
+            reuse_outputs=self.reuse_rollout,
+            endpoint_signals=self.endpoint_signals,
+        )
 
 
 @dataclass(kw_only=True)
@@ -556,7 +563,7 @@ def _validate_backward(backward: BackwardConfig) -> None:
     frac = 1.0 if backward.jagg_frac is None else backward.jagg_frac
     try:  # the one routing validator (the engine's)
         for w in backward.candidate_group_sizes:
-            validate_routing(w, frac, backward.strategy, backward.endpoints)
+            validate_routing(w, frac, backward.strategy, backward.endpoints, backward.endpoint_signals)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _require(

@@ -26,6 +26,7 @@ from jagg.engine.diagnostics import GroupCosine, group_gradient_cosines, route_b
 from jagg.engine.strategies import (
     AGGREGATION_WEIGHTS,
     ENDPOINT_MODES,
+    ENDPOINT_SIGNALS,
     STRATEGIES,
     GroupStats,
     StepLoss,
@@ -43,7 +44,13 @@ class GroupPlan:
     strategy: str
 
 
-def validate_routing(group_size: int, jagg_frac: float, strategy: str, endpoints: str = "batched") -> None:
+def validate_routing(
+    group_size: int,
+    jagg_frac: float,
+    strategy: str,
+    endpoints: str = "batched",
+    endpoint_signals: str = "graph",
+) -> None:
     """Raise ValueError naming the offending key and the allowed range."""
     if not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"backward.group_size must be an integer >= 2, got {group_size!r}")
@@ -53,6 +60,10 @@ def validate_routing(group_size: int, jagg_frac: float, strategy: str, endpoints
         raise ValueError(f"backward.strategy must be one of {STRATEGIES}, got {strategy!r}")
     if endpoints not in ENDPOINT_MODES:
         raise ValueError(f"backward.endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
+    if endpoint_signals not in ENDPOINT_SIGNALS:
+        raise ValueError(
+            f"backward.endpoint_signals must be one of {ENDPOINT_SIGNALS}, got {endpoint_signals!r}"
+        )
 
 
 def plan_groups(
@@ -109,24 +120,27 @@ class Routing:
 @dataclass(frozen=True, kw_only=True)
 class BackwardSetting:
     """Everything an update needs about its backward: the routing of each micro-batch's groups, the endpoint
-    mode of an aggregated group (``ENDPOINT_MODES``) and whether stored rollout outputs may replace forwards
-    (``backward.reuse_rollout``; the loop decides when they are valid)."""
+    mode of an aggregated group (``ENDPOINT_MODES``), whether stored rollout outputs may replace forwards
+    (``backward.reuse_rollout``; the loop decides when they are valid) and where the endpoints' own signals
+    come from (``ENDPOINT_SIGNALS``, ``backward.endpoint_signals``)."""
 
     routing: Routing
     endpoints: str = "batched"
     reuse_outputs: bool = True
+    endpoint_signals: str = "graph"
 
     def __post_init__(self) -> None:
-        validate_routing(
-            self.routing.group_size, self.routing.jagg_frac, self.routing.strategy, self.endpoints
-        )
+        r = self.routing
+        validate_routing(r.group_size, r.jagg_frac, r.strategy, self.endpoints, self.endpoint_signals)
 
     @property
     def mode(self) -> str:
-        """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused."""
+        """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused and
+        "+nograd_ends" when the endpoints' signals come from forwards without autograd."""
         if self.routing.strategy == "exact":
             return "-"
-        return self.endpoints + ("+stored" if self.reuse_outputs else "")
+        stored = "+stored" if self.reuse_outputs else ""
+        return self.endpoints + stored + ("+nograd_ends" if self.endpoint_signals == "nograd" else "")
 
     @property
     def key(self) -> str:
@@ -144,13 +158,14 @@ def trajectory_backward(
     *,
     endpoints: str = "batched",
     outputs: Tensor | None = None,
+    endpoint_signals: str = "graph",
 ) -> GroupStats:
     """Backward over all T trained steps of a trajectory, one ``group_backward`` per plan (e.g.
     ``Routing.plans(T)``).
 
     ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) must be sorted by time (sigma decreasing);
-    ``step_loss(i, v)`` takes the index i into the T trained steps. ``endpoints`` and ``outputs`` (T, B, ...)
-    are passed to ``group_backward`` for each group.
+    ``step_loss(i, v)`` takes the index i into the T trained steps. ``endpoints``, ``endpoint_signals`` and
+    ``outputs`` (T, B, ...) are passed to ``group_backward`` for each group.
     """
     covered = sorted(i for plan in plans for i in plan.steps)
     if covered != list(range(latents.shape[0])):
@@ -166,6 +181,7 @@ def trajectory_backward(
             plan.strategy,
             endpoints=endpoints,
             outputs=None if outputs is None else outputs[idx],
+            endpoint_signals=endpoint_signals,
         )
         total = stats if total is None else total.merge(stats)
     return total
@@ -220,21 +236,30 @@ def _exact_cost(size: int) -> GroupCost:
 
 
 def group_cost(
-    size: int, strategy: str, endpoints: str = "batched", reuse_outputs: bool = False
+    size: int,
+    strategy: str,
+    endpoints: str = "batched",
+    reuse_outputs: bool = False,
+    endpoint_signals: str = "graph",
 ) -> GroupCost:
     """The counts ``group_backward`` reports for a group of ``size`` steps (tested equal), without running it.
 
     ``reuse_outputs``: intermediate outputs come from the rollout (``group_backward(..., outputs=...)``).
     Two endpoint forwards with autograd and two backward passes always; the detached forwards are the
-    intermediate steps with a non-zero weight row (plus the last step in sequential mode when it feeds g_0).
+    intermediate steps with a non-zero weight row (plus the last step in sequential mode when it feeds g_0),
+    and with ``endpoint_signals="nograd"`` every step with a non-zero row, endpoints included (W + 2 forwards
+    per group, as the authors' code).
     """
-    validate_routing(max(size, 2), 0.0, strategy, endpoints)
+    validate_routing(max(size, 2), 0.0, strategy, endpoints, endpoint_signals)
     if strategy == "exact" or size == 1:
         return _exact_cost(size)
     weights = AGGREGATION_WEIGHTS[strategy](torch.linspace(1.0, 0.1, size, dtype=torch.float64))
-    mid = sum(bool((weights[j] != 0).any()) for j in range(1, size - 1))  # intermediate signals needed
-    early_last = endpoints == "sequential" and bool(weights[-1, 0] != 0)  # s_{W-1} before v_{W-1}'s graph
-    detached = mid + early_last  # outputs needed without autograd
+    if endpoint_signals == "nograd":  # every signal from its own forward without autograd
+        detached = sum(bool((weights[j] != 0).any()) for j in range(size))
+    else:
+        mid = sum(bool((weights[j] != 0).any()) for j in range(1, size - 1))  # intermediate signals needed
+        early_last = endpoints == "sequential" and bool(weights[-1, 0] != 0)  # s_{W-1} before its graph
+        detached = mid + early_last  # outputs needed without autograd
     fwd = 0 if reuse_outputs else detached
     graphs, calls = {"batched": (1, 1), "joint": (2, 1), "sequential": (2, 2)}[endpoints]
     return GroupCost(
@@ -252,10 +277,14 @@ def group_cost(
 
 
 def trajectory_cost(
-    plans: Sequence[GroupPlan], *, endpoints: str = "batched", reuse_outputs: bool = False
+    plans: Sequence[GroupPlan],
+    *,
+    endpoints: str = "batched",
+    reuse_outputs: bool = False,
+    endpoint_signals: str = "graph",
 ) -> GroupCost:
     """``group_cost`` summed over ``plans`` (what ``trajectory_backward`` does with them)."""
-    costs = [group_cost(len(p.steps), p.strategy, endpoints, reuse_outputs) for p in plans]
+    costs = [group_cost(len(p.steps), p.strategy, endpoints, reuse_outputs, endpoint_signals) for p in plans]
     return functools.reduce(operator.add, costs)
 
 
@@ -266,13 +295,17 @@ def update_cost(
     reuse_outputs: bool,
     micro_batches: int,
     grad_accum: int,
+    endpoint_signals: str = "graph",
 ) -> GroupCost:
     """The cost of one update: ``micro_batches`` micro-batches with these plans and an optimizer step every
     ``grad_accum``. Stored outputs are valid only at the rollout's weights, so with ``reuse_outputs`` only the
     micro-batches before the first optimizer step (the first ``min(grad_accum, micro_batches)``) read them."""
     stored = min(grad_accum, micro_batches) if reuse_outputs else 0
     costs = [
-        trajectory_cost(plans, endpoints=endpoints, reuse_outputs=k < stored) for k in range(micro_batches)
+        trajectory_cost(
+            plans, endpoints=endpoints, reuse_outputs=k < stored, endpoint_signals=endpoint_signals
+        )
+        for k in range(micro_batches)
     ]
     return functools.reduce(operator.add, costs)
 
@@ -333,6 +366,7 @@ def calibrate_routing(
     reuse_outputs: bool = False,
     micro_batches: int = 1,
     grad_accum: int = 1,
+    endpoint_signals: str = "graph",
 ) -> Calibration:
     """Measured routing on one micro-batch (inputs as for ``trajectory_backward``; gradients over ``params``).
 
@@ -367,6 +401,7 @@ def calibrate_routing(
             reuse_outputs=reuse_outputs,
             micro_batches=micro_batches,
             grad_accum=grad_accum,
+            endpoint_signals=endpoint_signals,
         )
         candidates[w] = CandidateRouting(cosines=tuple(cosines), routing=routing, predicted_cost=cost.time())
     best = min(candidates, key=lambda w: (candidates[w].predicted_cost, w))

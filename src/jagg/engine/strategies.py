@@ -192,6 +192,15 @@ ENDPOINT_MODES: tuple[str, ...] = ("batched", "joint", "sequential")
                 Peak saved activations equal the exact baseline's; two reduce-scatters per unit under FSDP2.
 """
 
+ENDPOINT_SIGNALS: tuple[str, ...] = ("graph", "nograd")
+"""Where the two endpoints' own signals s_0, s_{W-1} come from (same gradient, different forward count):
+
+    graph   from the endpoint forwards that build the graphs (W forwards per group without stored outputs).
+    nograd  as the JAGG authors' code computes them (SchumiDing/eff_grpo ae14d64, ``grpo_group_backward``):
+            every step's signal from its own forward without autograd, endpoints included, then both endpoints
+            forwarded again with autograd for the backward: W + 2 forwards per group.
+"""
+
 
 def _check_group(latents: Tensor, sigmas: Tensor) -> None:
     w = latents.shape[0]
@@ -252,6 +261,7 @@ def aggregated_backward(
     *,
     endpoints: str = "batched",
     outputs: Tensor | None = None,
+    endpoint_signals: str = "graph",
 ) -> GroupStats:
     """Two-endpoint backward with per-step signals mapped onto the endpoints by ``weights`` (W, 2[, B]).
 
@@ -261,10 +271,13 @@ def aggregated_backward(
        come from forwards without autograd and endpoint v_j from the endpoint forwards.
     2. g_0 = sum_j w[j, 0] s_j,  g_1 = sum_j w[j, 1] s_j.
     3. Backward g_0 through v_0 and g_1 through v_{W-1}, as ``endpoints`` says (``ENDPOINT_MODES``).
-    Each step's ``step_loss`` is evaluated exactly once.
+    Each step's ``step_loss`` is evaluated exactly once. ``endpoint_signals="nograd"`` (``ENDPOINT_SIGNALS``)
+    takes the endpoints' signals in step 1 too, from their own forwards without autograd.
     """
     if endpoints not in ENDPOINT_MODES:
         raise ValueError(f"endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
+    if endpoint_signals not in ENDPOINT_SIGNALS:
+        raise ValueError(f"endpoint_signals must be one of {ENDPOINT_SIGNALS}, got {endpoint_signals!r}")
     w, b = latents.shape[0], latents.shape[1]
     last = w - 1
     t_fwd, t_bwd = _Timer(), _Timer()
@@ -296,7 +309,8 @@ def aggregated_backward(
         with t_bwd:
             torch.autograd.backward(tensors, [g.to(t.dtype) for g, t in zip(grads, tensors)])
 
-    for j in range(1, last):
+    detached_steps = range(w) if endpoint_signals == "nograd" else range(1, last)
+    for j in detached_steps:
         if bool((weights[j] != 0).any()):
             signal(j, detached_output(j))
     if endpoints == "batched":
@@ -315,7 +329,7 @@ def aggregated_backward(
         backward([v_0, v_1], [_aggregate(weights, signals, 0), _aggregate(weights, signals, 1)])
         graphs, calls = 2, 1
     else:  # sequential
-        if bool((weights[last, 0] != 0).any()):  # g_0 needs s_{W-1} before v_{W-1}'s graph exists
+        if last not in signals and bool((weights[last, 0] != 0).any()):  # g_0 needs s_{W-1} first
             signal(last, detached_output(last))
         v_0 = forward(latents[0], sigmas[0], grad=True)
         signal(0, v_0)
@@ -353,6 +367,7 @@ def group_backward(
     *,
     endpoints: str = "batched",
     outputs: Tensor | None = None,
+    endpoint_signals: str = "graph",
 ) -> GroupStats:
     """ADD the (approximate) gradient of sum_j L_j over one group to the parameters' ``.grad``.
 
@@ -368,6 +383,9 @@ def group_backward(
         outputs: optional (W, B, ...) model outputs at these inputs under the CURRENT parameters (e.g. the
             rollout's, before the first optimizer step): intermediate signals then need no model forward.
             Ignored by the exact strategy, which always differentiates its own forwards.
+        endpoint_signals: one of ``ENDPOINT_SIGNALS`` (aggregated strategies only): whether the endpoints'
+            own signals come from the graph-building forwards or, as the authors' code does, from extra
+            forwards without autograd.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -381,5 +399,13 @@ def group_backward(
         return exact_backward(velocity, latents, sigmas, step_loss)
     weights = AGGREGATION_WEIGHTS[strategy](sigmas.to(torch.float64))
     return aggregated_backward(
-        velocity, latents, sigmas, step_loss, weights, strategy, endpoints=endpoints, outputs=outputs
+        velocity,
+        latents,
+        sigmas,
+        step_loss,
+        weights,
+        strategy,
+        endpoints=endpoints,
+        outputs=outputs,
+        endpoint_signals=endpoint_signals,
     )

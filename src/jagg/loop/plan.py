@@ -190,7 +190,8 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
         f"update (backward.strategy={backward.strategy}, W={W}"
         + (f" of auto {backward.candidate_group_sizes}" if backward.group_size is None else "")
         + f", jagg_frac={'auto' if auto else backward.jagg_frac}, "
-        f"endpoints={backward.endpoints}, reuse_rollout={backward.reuse_rollout})"
+        f"endpoints={backward.endpoints}, reuse_rollout={backward.reuse_rollout}, "
+        f"endpoint_signals={backward.endpoint_signals})"
     )
     p.add("trained steps per sample", f"{T} of {sampling.num_steps}")
     for g, plan in enumerate(groups):
@@ -223,7 +224,9 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     )
     # every mode's cost of the configured strategy, with and without stored outputs (exact has no modes)
     costs = {
-        (mode, reuse): trajectory_cost(groups, endpoints=mode, reuse_outputs=reuse)
+        (mode, reuse): trajectory_cost(
+            groups, endpoints=mode, reuse_outputs=reuse, endpoint_signals=backward.endpoint_signals
+        )
         for mode in ENDPOINT_MODES
         for reuse in (False, True)
     }

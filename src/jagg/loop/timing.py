@@ -11,7 +11,7 @@ pinned to the paper's (docs/references.md).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -58,14 +58,30 @@ WORLD_BATCH = [
     "optim.ema_decay=0.0",
 ]
 QUICK = [*TINY_RUN, "sampling.num_steps=6", "algorithm.sde_window_range=[0, 4]"]  # the drivers' --quick
+# The JAGG authors' recipe (configs/world/<backbone>_dancegrpo_authors.yaml: 21 steps, 5 blocks of W = 4, 3
+# trained per sample, checkpointing on) keeps its own step and group structure; only the batch is pinned as
+# above. --quick: 9 steps (2 blocks of 4, 1 trained per sample).
+AUTHORS_SETUPS = [("flux", "dancegrpo"), ("qwenimage", "dancegrpo")]
+AUTHORS_BATCH = [o for o in WORLD_BATCH if not o.startswith("backward.")]
+AUTHORS_QUICK = [*TINY_RUN, "sampling.num_steps=9", "sampling.eval_num_steps=9"]
 
 
 def timing_config(
-    setup: tuple[str, str], *, scale: str = "world", quick: bool = False, overrides: Sequence[str] = ()
+    setup: tuple[str, str],
+    *,
+    scale: str = "world",
+    quick: bool = False,
+    overrides: Sequence[str] = (),
+    authors: bool = False,
 ) -> Config:
     """``configs/<scale>/<backbone>_<algorithm>.yaml`` with the pinned world timing (not at paper scale, not
-    with ``quick``, which runs the tiny models instead) and ``overrides`` last."""
+    with ``quick``, which runs the tiny models instead) and ``overrides`` last. ``authors``: the
+    ``..._authors.yaml`` recipe instead, its step structure kept, the batch pinned (``AUTHORS_BATCH``)."""
     backbone, algorithm = setup
+    if authors:
+        pinned = AUTHORS_BATCH if scale == "world" and not quick else []
+        extra = (AUTHORS_QUICK if quick else []) + list(overrides)
+        return load_config(f"configs/{scale}/{backbone}_{algorithm}_authors.yaml", pinned + extra)
     pinned = WORLD_TIMING[setup] + WORLD_BATCH if scale == "world" and not quick else []
     extra = (QUICK if quick else []) + list(overrides)
     return load_config(f"configs/{scale}/{backbone}_{algorithm}.yaml", pinned + extra)
@@ -115,18 +131,30 @@ def time_settings(
     settings: Sequence[BackwardSetting],
     iterations: int,
     progress: ProgressETA | None = None,
+    *,
+    variants: Sequence[tuple[str, Callable[[], None]]] | None = None,
 ) -> dict[str, list[dict]]:
     """Per setting (by ``BackwardSetting.key``), one row per iteration: the rollout's phases (shared), that
     setting's update metrics and seconds, the samples ``n`` and trained steps ``T`` per sample; a
-    ``progress`` line after each iteration."""
-    rows: dict[str, list[dict]] = {s.key: [] for s in settings}
-    update_with(trainer, trainer.rollout(0, SeedStream.WARMUP), settings[0])  # warm-up, not recorded
+    ``progress`` line after each iteration. ``variants`` (one (label, prepare) per setting): ``prepare()`` runs
+    before each of that setting's updates (e.g. switching gradient checkpointing) and rows are keyed
+    ``label + key``, so one setting can be timed in several variants, all interleaved."""
+    variants = variants or [("", lambda: None)] * len(settings)
+    entries = list(zip(settings, variants, strict=True))
+    rows: dict[str, list[dict]] = {label + s.key: [] for s, (label, _) in entries}
+    warm = {label: (setting, prepare) for setting, (label, prepare) in reversed(entries)}
+    for setting, prepare in warm.values():  # warm-up: the first setting of each variant, not recorded
+        prepare()
+        update_with(trainer, trainer.rollout(0, SeedStream.WARMUP), setting)
     for it in range(iterations):
         ro = trainer.rollout(it)
-        k = it % len(settings)
-        for setting in [*settings[k:], *settings[:k]]:
+        k = it % len(entries)
+        for setting, (label, prepare) in [*entries[k:], *entries[:k]]:
+            prepare()
             upd = update_with(trainer, ro, setting)
-            rows[setting.key].append({**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]})
+            rows[label + setting.key].append(
+                {**ro.timing, **upd, "n": len(ro.prompts), "T": ro.trained.shape[1]}
+            )
         if progress:
             cfg = trainer.cfg
             progress.step(f"{cfg.model.backbone} {cfg.algorithm.name} iteration {it + 1}/{iterations}")

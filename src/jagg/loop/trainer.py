@@ -280,6 +280,7 @@ class Trainer:
                 recorded,
                 setting.routing.plans(steps.shape[1]),
                 endpoints=setting.endpoints,
+                endpoint_signals=setting.endpoint_signals,
                 outputs=None if outputs is None else at_steps(outputs, idx, steps).to(self.device),
             )
             total = stats if total is None else total.merge(stats)
@@ -380,6 +381,7 @@ class Trainer:
             min_cosine=backward.min_cosine,
             endpoints=backward.endpoints,
             reuse_outputs=backward.reuse_rollout,
+            endpoint_signals=backward.endpoint_signals,
             micro_batches=len(self._micro_batches(ro)),
             grad_accum=train.grad_accum,
         )
