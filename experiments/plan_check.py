@@ -253,7 +253,7 @@ def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
 def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss, Tensor | None]:
     """One micro-batch's conditioning, GRPO step loss and stored outputs, shaped as the trainer's."""
     m, t, s, a = cfg.model, cfg.train, cfg.sampling, cfg.algorithm
-    alg = ALGORITHMS[a.name](a)
+    alg = ALGORITHMS[a.name](a, cfg.backward)  # contiguous_groups reads W from the backward config
     gen = torch.Generator().manual_seed(t.seed)
     steps = alg.trained_steps(alg.step_kinds(s.num_steps, gen), t.train_batch_size, gen)  # (b, T), real
     sig = shifted_linear_sigmas(s.num_steps, s.shift).float()
