@@ -31,3 +31,15 @@ def test_own_trainer_prints_passes_and_the_cosine(capsys):
     (cos,) = group_gradient_cosines(model, loss.x, loss.sigma, loss, list(model.parameters()), group_size=4)
     assert abs(cos.cosine - printed) < 1e-6
     assert 0.5 < printed < 1.0  # an approximation, not the exact gradient, and not an unrelated one
+
+
+def test_the_readme_snippet_is_taken_from_the_example():
+    """Every code line of the README's engine snippet (``...`` marks an omission) is a line of the example file,
+    so the README shows code that the test above runs."""
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    section = readme.split("## Use the engine in your own loop", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    example = {line.rstrip() for line in EXAMPLE.read_text().splitlines()}
+    code = [line.rstrip() for line in snippet.splitlines() if line.strip() and line.strip() != "..."]
+    assert len(code) >= 10
+    assert [line for line in code if line not in example] == []
