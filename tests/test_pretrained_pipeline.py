@@ -178,7 +178,9 @@ CASES = [
 
 @pytest.mark.parametrize(("backbone", "algorithm"), CASES)
 def test_pretrained_pipeline_trains_two_iterations(pipelines, tmp_path, backbone, algorithm):
-    cfg = tiny_pretrained_cfg(pipelines, tmp_path, backbone, algorithm, "model.lora_rank=0")
+    # full fine-tuning of the tiny pipeline: nothing frozen, so nothing to replicate
+    overrides = ("model.lora_rank=0", "model.shard_frozen_base=true")
+    cfg = tiny_pretrained_cfg(pipelines, tmp_path, backbone, algorithm, *overrides)
     comp = build_components(cfg)
     assert isinstance(comp.text_encoder, CachedTextEncoder) and isinstance(comp.decode, VaeDecoder)
     cond = comp.text_encoder.encode_prompts(PROMPTS[:2])
