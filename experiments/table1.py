@@ -306,12 +306,15 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         f"{meta['iterations']} timed iterations per setup, strategies interleaved on the same rollouts.",
         f"Command: `{meta['command']}`",
         "",
-        "| " + " | ".join(c for c, _ in cols) + " |",
-        "|" + "---|" * len(cols),
+        *_markdown_rows(cols, rows),
     ]
-    for r in rows:
-        lines.append("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _markdown_rows(cols: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+    """A Markdown table: the header of ``cols`` (name, format) and one formatted line per row."""
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(f.format(r[c]) for c, f in cols) + " |" for r in rows]
 
 
 def to_latex(rows: list[dict]) -> str:
@@ -492,11 +495,8 @@ def authors_markdown(rows: list[dict], meta: dict) -> str:
         "",
         *_pass_costs(rows),
         "",
-        "| " + " | ".join(c for c, _ in AUTHORS_COLS) + " |",
-        "|" + "---|" * len(AUTHORS_COLS),
+        *_markdown_rows(AUTHORS_COLS, rows),
     ]
-    for r in rows:
-        lines.append("| " + " | ".join(f.format(r[c]) for c, f in AUTHORS_COLS) + " |")
     return "\n".join(lines) + "\n"
 
 
