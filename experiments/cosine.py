@@ -44,7 +44,7 @@ from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.diagnostics import group_gradient_cosines
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
-from plotting import figure_footer, world_scale
+from plotting import figure_footer, save_figure, world_scale
 
 BACKBONES = ("flux", "qwenimage")
 COMPARED = ("jagg", "endpoints", "uniform")
@@ -309,9 +309,7 @@ def plot_authors(csv: Path, png: Path) -> None:
     meta = json.loads(csv.with_suffix(".meta.json").read_text())
     figure_footer(fig, meta, world_scale(csv.parent) + ", float64 cosines of float32 gradients")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
 
 
 def recommend(df, threshold: float, w: int = 3) -> dict[str, float]:
@@ -395,9 +393,7 @@ def plot(csv: Path, png: Path) -> None:
     meta = json.loads(csv.with_suffix(".meta.json").read_text())
     figure_footer(fig, meta, world_scale(csv.parent) + ", float64 cosines of float32 gradients")
     fig.tight_layout(rect=(0, 0.03, 1, 0.96))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
 
 
 def to_markdown(df, rec: dict, threshold: float, meta: dict) -> str:

@@ -14,7 +14,11 @@ import runpy
 from pathlib import Path
 
 from jagg.loop.timing import TIMING_SETUPS
-from plotting import figure_footer, world_scale  # experiments/plotting.py: drawing helpers, not a driver
+from plotting import (
+    figure_footer,
+    save_figure,
+    world_scale,
+)  # experiments/plotting.py: drawing helpers, not a driver
 
 EXPERIMENTS = Path(__file__).resolve().parent
 
@@ -40,12 +44,6 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _save(fig, png: Path) -> None:
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    _plt().close(fig)
 
 
 def plot_phases(csv: Path, png: Path) -> None:
@@ -82,7 +80,7 @@ def plot_phases(csv: Path, png: Path) -> None:
     scale = world_scale(csv.parent) + f", {meta.get('iterations', '?')} timed iterations per strategy"
     figure_footer(fig, meta, scale)
     fig.tight_layout(rect=(0, 0.03, 1, 0.93))
-    _save(fig, png)
+    save_figure(fig, png, dpi=100)
 
 
 def plot_speedup(results: Path, png: Path) -> None:
@@ -137,7 +135,7 @@ def plot_speedup(results: Path, png: Path) -> None:
         scale.append("right: " + world_scale(results))
     figure_footer(fig, meta, "; ".join(scale))
     fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    _save(fig, png)
+    save_figure(fig, png, dpi=100)
 
 
 def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> list[dict]:
@@ -245,7 +243,7 @@ def plot_memory(results: Path, png: Path) -> None:
         "architectures, no weights, no GPU",
     )
     fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    _save(fig, png)
+    save_figure(fig, png, dpi=100)
 
 
 def regenerator(driver: str, name: str):

@@ -14,6 +14,15 @@ def figure_footer(fig, meta: dict, scale: str, where: str | None = None) -> None
     fig.text(0.005, 0.005, f"{where}; {scale}; git {sha}", fontsize=7, va="bottom")
 
 
+def save_figure(fig, png: Path, dpi: int) -> None:
+    """Write ``fig`` to ``png`` (its folder created) and close it."""
+    import matplotlib.pyplot as plt
+
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=dpi)
+    plt.close(fig)
+
+
 def world_scale(results: Path) -> str:
     """``embedded-world backbones (Flux ~1.02M, Qwen-Image ~1.06M parameters)`` from results/world.json."""
     path = results / "world.json"

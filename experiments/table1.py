@@ -42,7 +42,7 @@ from jagg.engine.routing import BackwardSetting, GroupCost, Routing, update_cost
 from jagg.loop.components import build_components
 from jagg.loop.timing import AUTHORS_SETUPS, TIMING_SETUPS, time_settings, timing_config, update_with
 from jagg.loop.trainer import Trainer
-from plotting import figure_footer, world_scale
+from plotting import figure_footer, save_figure, world_scale
 
 SETUPS = TIMING_SETUPS
 # The paper (arXiv 2607.17572), Table 1: reduction of wall-clock per training step (DanceGRPO) / update phase
@@ -565,9 +565,7 @@ def render_authors(csv: Path, png: Path) -> None:
         fig, meta, world_scale(csv.parent) + f", {meta.get('iterations', '?')} timed iterations per row"
     )
     fig.tight_layout(rect=(0, 0.03, 1, 0.96))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png, dpi=100)
 
 
 # What the paper's Table 1 reports per setup, and the CSV columns that measure the same quantity.
@@ -624,9 +622,7 @@ def plot(rows: list[dict], png: Path, meta: dict | None = None, results: Path = 
     scale = world_scale(results) + f", {meta.get('iterations', '?')} timed iterations per strategy"
     figure_footer(fig, meta, scale)
     fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png, dpi=100)
 
 
 def _meta(args, argv, cfg) -> dict:

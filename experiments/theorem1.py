@@ -21,7 +21,7 @@ from jagg.common import command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import group_backward, t_weights
-from plotting import figure_footer
+from plotting import figure_footer, save_figure
 
 SHAPE = (4, 4, 4)  # (C, H, W) latent
 D = 64
@@ -131,9 +131,7 @@ def plot(csv: Path, png: Path) -> None:
         where=f"Computed on {meta.get('hardware', '?')}",
     )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
