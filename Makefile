@@ -83,7 +83,7 @@ cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact), an
 routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per world backbone x algorithm, timed vs jagg_frac 0.6 -> results/routing.{csv,md}
 	$(PY) experiments/routing.py
 
-curves: $(STAMP) pretrain ## Reward curves under experiments/curves_protocol.yaml: DanceGRPO x exact / jagg / auto / endpoints / uniform / jagg_index / positive control x 8 paired seeds, the same battery on every arm (~47 min; QUICK=1: a smoke run) -> results/curves/, paper_figures/reward_curves_*.png
+curves: $(STAMP) pretrain ## Reward curves under experiments/curves_protocol.yaml: DanceGRPO x exact / jagg / auto / endpoints / uniform / jagg_index / positive control x 7 paired seeds, the same battery on every arm (~45 min; QUICK=1: a smoke run) -> results/curves/, paper_figures/reward_curves_*.png
 	$(PY) experiments/curves.py $(if $(QUICK),--quick,)
 
 curves-long: $(STAMP) pretrain ## The protocol's long design: + Flow-GRPO-Fast, 12 paired seeds (~2 h) -> results/curves/

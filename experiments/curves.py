@@ -117,14 +117,20 @@ def run_one(
         f"log.run_dir={run_dir}",
         *extra,
     ]
-    if (run_dir / "done").is_file():
+    # `done` records the command: a finished run is reused only for the same config, overrides and seed (a
+    # changed protocol or recipe reruns it instead of silently reusing the old run)
+    stamp = " ".join(cmd[1:]) + "\n"
+    if (run_dir / "done").is_file() and (run_dir / "done").read_text() == stamp:
         return run_dir, False
+    if (run_dir / "done").is_file():
+        (run_dir / "done").unlink()  # another command's run: --overwrite below replaces it
+        shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     cmd.append("--resume" if (run_dir / "checkpoint").is_dir() else "--overwrite")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
-    (run_dir / "done").write_text("ok\n")
+    (run_dir / "done").write_text(stamp)
     return run_dir, True
 
 
@@ -509,10 +515,16 @@ def render(csv_dir: Path, figures: Path, proto_path: Path = PROTOCOL, long: bool
 
 
 def pilot_report(
-    run_root: Path, metric: str, alpha: float, power: float, control: str = "control_0.5"
+    run_root: Path,
+    metric: str,
+    alpha: float,
+    power: float,
+    control: str = "control_0.5",
+    iteration: int | None = None,
 ) -> str:
     """The pilot's numbers (runs under ``run_root``/<arm>_seed<k>/): per seed exact's gain over the base model
-    and the control's paired difference at the last evaluation, their mean and SD, and the MDD per n."""
+    and the control's paired difference at the evaluation of ``iteration`` (default the last), their mean and
+    SD, and the MDD per n."""
     import numpy as np
 
     def last(arm: str, seed: int) -> tuple[float, float]:
@@ -520,7 +532,10 @@ def pilot_report(
             json.loads(x) for x in (run_root / f"{arm}_seed{seed}" / "metrics.jsonl").read_text().splitlines()
         ]
         ev = [r for r in rows if metric in r]
-        return ev[0][metric], ev[-1][metric]
+        at = [r for r in ev if r["iteration"] == iteration] if iteration is not None else ev[-1:]
+        if not at:
+            raise SystemExit(f"{run_root}/{arm}_seed{seed}: no evaluation at iteration {iteration}")
+        return ev[0][metric], at[0][metric]
 
     seeds = sorted(
         int(p.name.split("seed")[1]) for p in run_root.glob(f"{control}_seed*") if (p / "done").is_file()
@@ -531,7 +546,7 @@ def pilot_report(
     sd = float(np.std(diff, ddof=1))
     mdd = {n: minimum_detectable_difference(sd, n, alpha, power, "less") for n in (3, 6, 8, 10, 12, 16)}
     return (
-        f"seeds {seeds}; exact gain {np.mean(gain):+.3f} (per seed {', '.join(f'{g:+.3f}' for g in gain)}); "
+        f"iteration {iteration if iteration is not None else 'last'}; seeds {seeds}; exact gain {np.mean(gain):+.3f} (per seed {', '.join(f'{g:+.3f}' for g in gain)}); "
         f"{control} - exact {np.mean(diff):+.3f} (per seed {', '.join(f'{d:+.3f}' for d in diff)}), paired SD "
         f"{sd:.3f}; one-sided MDD (alpha {alpha}, power {power}) by n: "
         + ", ".join(f"{n}: {m:.3f}" for n, m in mdd.items())
@@ -553,13 +568,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--pilot-report", default=None, help="print the pilot's numbers from these run dirs, exit"
     )
+    ap.add_argument(
+        "--pilot-iteration", type=int, default=None, help="--pilot-report at this evaluation (default the last)"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     set_threads(1)  # this process only orchestrates; each run uses one thread
     proto_path = Path(args.protocol)
     proto = load_protocol(proto_path, args.long)
     if args.pilot_report:
-        print(pilot_report(Path(args.pilot_report), "eval_pref_mean", proto["alpha"], proto["power"]))
+        print(
+            pilot_report(
+                Path(args.pilot_report),
+                "eval_pref_mean",
+                proto["alpha"],
+                proto["power"],
+                iteration=args.pilot_iteration,
+            )
+        )
         return
     unknown = sorted(set(args.arms or []) - set(proto["arms"])) + sorted(
         set(args.recipes or []) - set(proto["recipes"])
