@@ -569,7 +569,10 @@ def main(argv: list[str] | None = None) -> None:
         "--pilot-report", default=None, help="print the pilot's numbers from these run dirs, exit"
     )
     ap.add_argument(
-        "--pilot-iteration", type=int, default=None, help="--pilot-report at this evaluation (default the last)"
+        "--pilot-iteration",
+        type=int,
+        default=None,
+        help="--pilot-report at this evaluation (default the last)",
     )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
