@@ -46,6 +46,24 @@ def grad(strategy, module, velocity, latents, sigmas, step_loss, **kw):
 
 
 # --------------------------------------------------------------------------- the weight rule
+
+
+def _dance_step_loss(latents, sigmas, old_lp, steps, adv, scale):
+    """This repository's per-step DanceGRPO loss on the trained ``steps`` of one authors-style rollout."""
+    return GRPOStepLoss(
+        x=latents[steps],
+        x_next=latents[steps + 1],
+        sigma=sigmas[steps],
+        sigma_next=sigmas[steps + 1],
+        old_log_prob=old_lp[steps],
+        advantages=adv,
+        kind="dance",
+        noise_level=ETA,
+        clip_range=CLIP,
+        scale=scale,
+    )
+
+
 def test_index_weights_are_the_step_index_and_equal_t_weights_on_even_spacing():
     even = torch.linspace(0.9, 0.3, 5, dtype=torch.float64)
     w = jagg_index_weights(even)
@@ -196,18 +214,7 @@ def test_our_sequential_jagg_index_equals_the_authors_group_backward(name):
     assert steps.numel() == 12
     adv = torch.tensor([2.7], dtype=torch.float64).clamp(-ADV_CLIP, ADV_CLIP)
     grad_accum = 8
-    loss = GRPOStepLoss(
-        x=latents[steps],
-        x_next=latents[steps + 1],
-        sigma=sigmas[steps],
-        sigma_next=sigmas[steps + 1],
-        old_log_prob=old_lp[steps],
-        advantages=adv,
-        kind="dance",
-        noise_level=ETA,
-        clip_range=CLIP,
-        scale=1 / (grad_accum * 12),
-    )
+    loss = _dance_step_loss(latents, sigmas, old_lp, steps, adv, scale=1 / (grad_accum * 12))
     module.zero_grad(set_to_none=True)
     stats = trajectory_backward(
         velocity,
@@ -416,18 +423,7 @@ def test_nograd_endpoint_signals_run_the_authors_forward_count():
 
     steps = torch.arange(4, 8)
     adv = torch.tensor([1.3], dtype=torch.float64)
-    loss = GRPOStepLoss(
-        x=latents[steps],
-        x_next=latents[steps + 1],
-        sigma=sigmas[steps],
-        sigma_next=sigmas[steps + 1],
-        old_log_prob=old_lp[steps],
-        advantages=adv,
-        kind="dance",
-        noise_level=ETA,
-        clip_range=CLIP,
-        scale=1 / 4,
-    )
+    loss = _dance_step_loss(latents, sigmas, old_lp, steps, adv, scale=1 / 4)
     module.zero_grad(set_to_none=True)
     authors_group_backward(counted, latents, sigmas, list(range(4, 8)), old_lp, adv, 4)
     theirs, their_calls = grads_of(module), list(calls)
