@@ -104,8 +104,9 @@ def metric_specs(recipe: dict) -> list[dict]:
 # --------------------------------------------------------------------------- running
 def run_one(
     config: str, overrides: list[str], seed: int, run_dir: Path, extra: list[str]
-) -> tuple[Path, bool]:
-    """Train one (arm, seed); reuse a finished run, resume an interrupted one. Returns (dir, newly run)."""
+) -> tuple[Path, float | None]:
+    """Train one (arm, seed); reuse a finished run, resume an interrupted one. Returns (dir, seconds it ran),
+    seconds None for a reused run."""
     cmd = [
         sys.executable,
         "-m",
@@ -121,17 +122,18 @@ def run_one(
     # changed protocol or recipe reruns it instead of silently reusing the old run)
     stamp = " ".join(cmd[1:]) + "\n"
     if (run_dir / "done").is_file() and (run_dir / "done").read_text() == stamp:
-        return run_dir, False
+        return run_dir, None
     if (run_dir / "done").is_file():
         (run_dir / "done").unlink()  # another command's run: --overwrite below replaces it
         shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     cmd.append("--resume" if (run_dir / "checkpoint").is_dir() else "--overwrite")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.time()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
     (run_dir / "done").write_text(stamp)
-    return run_dir, True
+    return run_dir, time.time() - started
 
 
 def run_all(jobs: list[tuple], n_parallel: int) -> dict:
@@ -139,18 +141,17 @@ def run_all(jobs: list[tuple], n_parallel: int) -> dict:
     its time and the ETA (wall-clock per newly run job so far, parallel runs included, x jobs left)."""
     t0, done, fresh, dirs = time.time(), 0, 0, {}
     with ThreadPoolExecutor(n_parallel) as pool:
-        futures = {pool.submit(run_one, *job[1:]): (job[0], time.time()) for job in jobs}
+        futures = {pool.submit(run_one, *job[1:]): job[0] for job in jobs}
         for fut in as_completed(futures):
-            key, started = futures[fut]
-            dirs[key], new = fut.result()
-            done, fresh = done + 1, fresh + new
+            key = futures[fut]
+            dirs[key], seconds = fut.result()
+            done, fresh = done + 1, fresh + (seconds is not None)
             elapsed = time.time() - t0
-            eta = (
-                elapsed / fresh * (len(jobs) - done) if fresh else 0.0
-            )  # wall time per run, runs in parallel
+            # wall time per newly run job (runs in parallel) x jobs left
+            eta = elapsed / fresh * (len(jobs) - done) if fresh else 0.0
+            took = "reused" if seconds is None else f"{seconds:.0f} s"
             print(
-                f"[{done}/{len(jobs)}] {' '.join(map(str, key))}: "
-                f"{'%.0f s' % (time.time() - started) if new else 'reused'}; elapsed {elapsed / 60:.1f} min, "
+                f"[{done}/{len(jobs)}] {' '.join(map(str, key))}: {took}; elapsed {elapsed / 60:.1f} min, "
                 f"ETA {eta / 60:.1f} min",
                 flush=True,
             )
@@ -519,7 +520,7 @@ def pilot_report(
     metric: str,
     alpha: float,
     power: float,
-    control: str = "control_0.5",
+    control: str | None = None,
     iteration: int | None = None,
 ) -> str:
     """The pilot's numbers (runs under ``run_root``/<arm>_seed<k>/): per seed exact's gain over the base model
@@ -537,6 +538,13 @@ def pilot_report(
             raise SystemExit(f"{run_root}/{arm}_seed{seed}: no evaluation at iteration {iteration}")
         return ev[0][metric], at[0][metric]
 
+    if control is None:  # the one control arm the pilot ran (control_<cosine>)
+        names = sorted({p.name.rsplit("_seed", 1)[0] for p in run_root.glob("control_*_seed*")})
+        if len(names) != 1:
+            raise SystemExit(
+                f"{run_root}: expected one control arm (control_<cosine>_seed<k>), found {names}"
+            )
+        control = names[0]
     seeds = sorted(
         int(p.name.split("seed")[1]) for p in run_root.glob(f"{control}_seed*") if (p / "done").is_file()
     )

@@ -10,16 +10,19 @@
 #   bash experiments/curves_pilot.sh lr2e-4 optim.lr=2.0e-4
 #   bash experiments/curves_pilot.sh lr3e-4 optim.lr=3.0e-4
 #   bash experiments/curves_pilot.sh rollouts64 train.prompts_per_iter=8 train.grad_accum=4
+# After version 2's analysis (a pilot for a later version; CONTROL sets the control's cosine, default 0.5):
+#   CONTROL=0.2 bash experiments/curves_pilot.sh v2_control0.2 train.prompts_per_iter=8 train.grad_accum=4 \
+#     train.iterations=24
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONHASHSEED=0
 name=${1:?usage: curves_pilot.sh NAME [override ...]}
 shift
 # protocol version 1's recipe, on top of which every pilot varies one thing
-export PY=${PY:-python} NAME=$name OVERRIDES="$*" V1="train.prompts_per_iter=4 train.grad_accum=2 train.iterations=48"
+export PY=${PY:-python} NAME=$name OVERRIDES="$*" CONTROL=${CONTROL:-0.5} V1="train.prompts_per_iter=4 train.grad_accum=2 train.iterations=48"
 one() {
   arm=$1; seed=$2; extra=""
-  [ "$arm" = control_0.5 ] && extra="train.control_cosine=0.5"
+  [ "$arm" = control ] && arm=control_$CONTROL && extra="train.control_cosine=$CONTROL"
   d=runs/pilot/$NAME/${arm}_seed${seed}
   [ -f "$d/done" ] && return 0
   start=$(date +%s)
@@ -32,5 +35,5 @@ one() {
 }
 export -f one
 mkdir -p "runs/pilot/$name"
-printf "%s\n" "exact 900" "control_0.5 900" "exact 901" "control_0.5 901" "exact 902" "control_0.5 902" \
+printf "%s\n" "exact 900" "control 900" "exact 901" "control 901" "exact 902" "control 902" \
   | xargs -P 2 -L 1 bash -c 'one $0 $1'
