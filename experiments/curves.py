@@ -415,6 +415,8 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             "the primary metric: this design cannot discriminate a gradient of that quality from exact, and NO "
             "equivalence claim is made (a passed TOST below is reported as 'no claim')."
         )
+    if proto.get("note"):
+        design += f" {proto['note'].strip()}"
     if seeds != sorted(proto["seeds"]):
         design += (
             f" NOTE: these runs' seeds {seeds} are not the protocol's {sorted(proto['seeds'])}; this is not an "
