@@ -88,7 +88,7 @@ def _curves(res, figs, root):
             "--arms",
             "exact",
             "jagg",
-            "control_0.5",
+            proto["control_arms"][0],
             "--runs",
             str(root / "runs"),
             "--out",
@@ -167,10 +167,11 @@ def test_curves_quick(quick):
     res, _ = quick("curves")
     seeds = yaml.safe_load(curves.PROTOCOL.read_text())["seeds"][:2]
     csvs = {p.name for p in (res / "curves" / "dancegrpo").glob("*.csv")}
-    assert csvs == {f"{s}_seed{k}.csv" for s in ("exact", "jagg", "control_0.5") for k in seeds}
+    control = yaml.safe_load(curves.PROTOCOL.read_text())["control_arms"][0]
+    assert csvs == {f"{s}_seed{k}.csv" for s in ("exact", "jagg", control) for k in seeds}
     summary = (res / "curves" / "summary.md").read_text()
     assert "Every arm against exact" in summary and "protocol `protocol.yaml`" in summary
-    assert "| jpeg | auc | secondary |" in summary and "| control_0.5 |" in summary
+    assert "| jpeg | auc | secondary |" in summary and f"| {control} |" in summary
     assert "**Design check.**" in summary
     assert not (res / "curves.partial").exists()
 
