@@ -173,6 +173,8 @@ def test_curves_quick(quick):
     assert "Every arm against exact" in summary and "protocol `protocol.yaml`" in summary
     assert "| jpeg | auc | secondary |" in summary and f"| {control} |" in summary
     assert "**Design check.**" in summary
+    note = yaml.safe_load(curves.PROTOCOL.read_text()).get("note")
+    assert note is None or note.strip() in summary  # what a verdict under this protocol version means
     assert not (res / "curves.partial").exists()
 
 
