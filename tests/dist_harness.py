@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -85,6 +86,16 @@ def run_ranks(target: str, world: int, out_dir: str | os.PathLike, timeout: floa
             report.append(f"--- rank {r}: {_describe(p.returncode)}; log tail:\n{tail}")
         raise AssertionError(f"{target} failed on rank(s) {failed}\n" + "\n".join(report))
     return out
+
+
+def save_rank_result(out_dir: str | os.PathLike, rank: int, result: dict, name: str = "rank") -> None:
+    """A worker's result as ``OUT_DIR/{name}{rank}.json`` (what ``rank_results`` reads back)."""
+    Path(out_dir, f"{name}{rank}.json").write_text(json.dumps(result, indent=1))
+
+
+def rank_results(out_dir: str | os.PathLike, world: int, name: str = "rank") -> list[dict]:
+    """Every rank's ``{name}{rank}.json``, in rank order."""
+    return [json.loads(Path(out_dir, f"{name}{r}.json").read_text()) for r in range(world)]
 
 
 def _rank_main(target: str, rank: int, world: int, out_dir: str) -> None:

@@ -8,7 +8,6 @@ over the global batch. The loss is the real one: SDE log-prob of the stored samp
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import rank_results, run_ranks, save_rank_result
 
 W, B_GLOBAL, WORLD = 4, 4, 2
 
@@ -132,14 +131,13 @@ def fsdp_worker(rank: int, out_dir: str) -> None:
                 max_abs_grad=scale,
             )
         torch.save(ref_grads, os.path.join(out_dir, f"ref_{strategy}_{endpoints}_{rank}.pt"))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    save_rank_result(out_dir, rank, result)
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
     out = run_ranks("test_distributed:fsdp_worker", WORLD, tmp_path_factory.mktemp("fsdp"))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)], out
+    return rank_results(out, WORLD), out
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1]}-stored{v[2]}")
@@ -201,15 +199,14 @@ def cosine_worker(rank: int, out_dir: str) -> None:
     lat, sig, cond, loss = group(rows)
     params = [p for p in sharded.parameters() if p.requires_grad]
     multi = group_gradient_cosines(sharded.bind(cond), lat, sig, loss, params, group_size=W)
-    with open(os.path.join(out_dir, f"cos{rank}.json"), "w") as f:
-        json.dump({"single": [c.cosine for c in single], "multi": [c.cosine for c in multi]}, f)
+    cosines = {"single": [c.cosine for c in single], "multi": [c.cosine for c in multi]}
+    save_rank_result(out_dir, rank, cosines, name="cos")
 
 
 def test_group_cosines_under_fsdp2_equal_one_process(tmp_path):
     """The automatic routing's measurement under FSDP2: no rank gathers a full gradient, same cosines."""
     out = run_ranks("test_distributed:cosine_worker", WORLD, tmp_path)
-    for r in range(WORLD):
-        res = json.loads((out / f"cos{r}.json").read_text())
+    for res in rank_results(out, WORLD, name="cos"):
         assert len(res["multi"]) == len(res["single"]) == 1  # one group of W = 4
         assert 0 < res["single"][0] < 1 - 1e-6
         assert res["multi"] == pytest.approx(res["single"], abs=1e-6)
@@ -240,25 +237,25 @@ def control_worker(rank: int, out_dir: str) -> None:
     grads = full_grads(sharded)
     flat = lambda d: torch.cat([d[n].double().flatten() for n in sorted(d)])  # noqa: E731
     g, g_ref, g0 = flat(grads), flat({n: p.grad for n, p in ref.named_parameters()}), flat(exact)
-    with open(os.path.join(out_dir, f"control{rank}.json"), "w") as f:
-        json.dump(
-            {
-                "coef": list(coef),
-                "coef_ref": list(coef_ref),
-                "max_abs_diff": (g - g_ref).abs().max().item(),
-                "max_abs_grad": g_ref.abs().max().item(),
-                "cosine_to_exact": (torch.dot(g, g0) / (g.norm() * g0.norm())).item(),
-                "norm_ratio": (g.norm() / g0.norm()).item(),
-                "sharded": sum(hasattr(p, "device_mesh") for p in params),
-            },
-            f,
-        )
+    save_rank_result(
+        out_dir,
+        rank,
+        {
+            "coef": list(coef),
+            "coef_ref": list(coef_ref),
+            "max_abs_diff": (g - g_ref).abs().max().item(),
+            "max_abs_grad": g_ref.abs().max().item(),
+            "cosine_to_exact": (torch.dot(g, g0) / (g.norm() * g0.norm())).item(),
+            "norm_ratio": (g.norm() / g0.norm()).item(),
+            "sharded": sum(hasattr(p, "device_mesh") for p in params),
+        },
+        name="control",
+    )
 
 
 def test_positive_control_under_fsdp2_equals_one_process(tmp_path):
     out = run_ranks("test_distributed:control_worker", WORLD, tmp_path)
-    for r in range(WORLD):
-        res = json.loads((out / f"control{r}.json").read_text())
+    for res in rank_results(out, WORLD, name="control"):
         assert res["sharded"] > 0  # the sharded path ran
         assert res["coef"] == pytest.approx(res["coef_ref"], rel=1e-4)
         assert res["max_abs_diff"] <= 1e-5 * res["max_abs_grad"]

@@ -21,14 +21,13 @@ process's ``ru_maxrss``) goes to ``report_rank{r}.json`` and is printed by ``tes
 
 from __future__ import annotations
 
-import json
 import resource
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import rank_results, run_ranks, save_rank_result
 from jagg.loop.checkpoint import read_checkpoint
 
 WORLD = 2
@@ -276,7 +275,7 @@ def checkpoint_worker(rank: int, out_dir: str) -> None:
     report["lora_dtypes"] = sorted({f"{p.dtype} {p.requires_grad}" for p in lora.backbone.parameters()})
     report["lora_row"] = {k: lora.fit()[0][k] for k in ("loss", "grad_norm", "onpolicy_ratio_max_dev")}
     report["memory"] = mem.rows
-    (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
+    save_rank_result(out, rank, report, name="report_rank")
 
 
 # --------------------------------------------------------------------------- the test process
@@ -293,7 +292,7 @@ def two_ranks(tmp_path_factory):
     FluxTransformer2DModel(**MEDIUM_FLUX).save_pretrained(pipe / "transformer")  # replaces the tiny one
     (pipe / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     run_ranks("test_distributed_checkpoint:checkpoint_worker", WORLD, out)
-    return out, [json.loads((out / f"report_rank{r}.json").read_text()) for r in range(WORLD)]
+    return out, rank_results(out, WORLD, name="report_rank")
 
 
 def test_loading_from_rank0_gives_every_rank_its_shards(two_ranks):

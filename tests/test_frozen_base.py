@@ -9,14 +9,13 @@ gradients over the ranks, so both equal a one-process run on the global batch.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import rank_results, run_ranks, save_rank_result
 
 B_GLOBAL, WORLD = 4, 2
 SETTINGS = ("sharded", "replicated")  # model.shard_frozen_base = true / false
@@ -137,14 +136,13 @@ def frozen_base_worker(rank: int, out_dir: str) -> None:
         frozen=sorted({f"{type(p).__name__}/{p.dtype}" for p in bf16.parameters() if not p.requires_grad}),
         trained=sorted({f"{type(p).__name__}/{p.dtype}" for p in bf16.parameters() if p.requires_grad}),
     )
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    save_rank_result(out_dir, rank, result)
 
 
 @pytest.fixture(scope="module")
 def frozen_results(tmp_path_factory):
     out = run_ranks("test_frozen_base:frozen_base_worker", WORLD, tmp_path_factory.mktemp("frozen"))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)], out
+    return rank_results(out, WORLD), out
 
 
 def test_replicated_base_lora_gradients_equal_sharded_and_one_process(frozen_results):
