@@ -165,15 +165,15 @@ def test_cosine_quick(quick):
 
 def test_curves_quick(quick):
     res, _ = quick("curves")
-    seeds = yaml.safe_load(curves.PROTOCOL.read_text())["seeds"][:2]
+    proto = yaml.safe_load(curves.PROTOCOL.read_text())
+    seeds, control = proto["seeds"][:2], proto["control_arms"][0]
     csvs = {p.name for p in (res / "curves" / "dancegrpo").glob("*.csv")}
-    control = yaml.safe_load(curves.PROTOCOL.read_text())["control_arms"][0]
     assert csvs == {f"{s}_seed{k}.csv" for s in ("exact", "jagg", control) for k in seeds}
     summary = (res / "curves" / "summary.md").read_text()
     assert "Every arm against exact" in summary and "protocol `protocol.yaml`" in summary
     assert "| jpeg | auc | secondary |" in summary and f"| {control} |" in summary
     assert "**Design check.**" in summary
-    note = yaml.safe_load(curves.PROTOCOL.read_text()).get("note")
+    note = proto.get("note")
     assert note is None or note.strip() in summary  # what a verdict under this protocol version means
     assert not (res / "curves.partial").exists()
 
