@@ -86,7 +86,7 @@ class SamplingConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo
+    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo | mixgrpo
     sde_kind: str = "dance"  # dance | flow_grpo | cps
     noise_level: float = 0.3  # eta (dance) or a (flow_grpo, cps)
     timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
@@ -100,6 +100,17 @@ class AlgorithmConfig:
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
     # Flow-GRPO-Fast: the window start is drawn uniformly in [lo, hi - size], so the window lies in [lo, hi)
     sde_window_range: list[int] = field(default_factory=lambda: [0, 3])
+    # MixGRPO (jagg.engine.algorithms.MixGRPO; Tencent-Hunyuan/MixGRPO's argument names): a window of group_size
+    # consecutive SDE steps (the SDE window, not backward.group_size = W), ODE elsewhere, moved with the training
+    # iteration by sample_strategy: progressive | random | decay | exp_decay (MIX_SCHEDULES)
+    group_size: int = 4
+    sample_strategy: str = "progressive"
+    iters_per_group: int = 25  # progressive: iterations at each window position
+    prog_overlap_step: int = 1  # progressive: steps the window moves (their --prog_overlap off = group_size)
+    max_iters_per_group: int = 10  # decay: iterations at start 0, decaying linearly to ...
+    min_iters_per_group: int = 1  # ... this at the last position
+    exp_decay_thre_timestep: int = 13  # exp_decay: iters_per_group exp(-k relu(start - thre)) iterations
+    exp_decay_k: float = 0.1
     init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
     clip_range: float = 1e-4
     adv_clip: float = 5.0

@@ -10,6 +10,9 @@
     flowgrpo       all steps SDE; the first int(0.99 S) steps trained in order (Flow-GRPO, yifan123/flow_grpo)
     flowgrpo_fast  one window of ``sde_window_size`` SDE steps drawn inside ``sde_window_range`` per rollout,
                    ODE before and after it; only the window is trained (Flow-GRPO-Fast)
+    mixgrpo        one window of ``group_size`` consecutive SDE steps, ODE elsewhere, only the window trained;
+                   the window moves with the training iteration (``sample_strategy``, ``MIX_SCHEDULES``), as
+                   Tencent-Hunyuan/MixGRPO's ``GRPOTrainingStates`` (MixGRPO, below)
 
 For JAGG the trained steps are sorted by time and cut into consecutive groups of W (``jagg.engine.strategies``);
 a Fast window is therefore one group when W >= the window size, and under ``contiguous_groups`` every group is
@@ -17,6 +20,8 @@ one of the trajectory's blocks of W consecutive steps.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -48,7 +53,11 @@ class Algorithm:
     def validate(cfg, num_steps: int, backward=None) -> None:
         """Raise ``ConfigError`` for settings that do not fit a schedule of ``num_steps`` steps."""
 
-    def step_kinds(self, num_steps: int, gen: torch.Generator) -> list[str]:
+    def step_kinds(self, num_steps: int, gen: torch.Generator, iteration: int = 0) -> list[str]:
+        """The kind of each of the ``num_steps`` sampling steps of training iteration ``iteration``'s rollout.
+
+        ``gen`` is that iteration's generator (``SeedStream.ROLLOUT``); only MixGRPO reads ``iteration`` (its
+        window moves with it), so every draw stays a function of (seed, iteration)."""
         raise NotImplementedError
 
     def trained_steps(self, kinds: list[str], batch: int, gen: torch.Generator) -> Tensor:
@@ -102,7 +111,7 @@ class DanceGRPO(Algorithm):
                 f"a multiple of backward.group_size (e.g. sampling.num_steps={-(-(num_steps - 1) // size) * size + 1})"
             )
 
-    def step_kinds(self, num_steps: int, gen: torch.Generator) -> list[str]:
+    def step_kinds(self, num_steps: int, gen: torch.Generator, iteration: int = 0) -> list[str]:
         # The last step outputs DanceGRPO's ``pred_original`` (= the ODE step to sigma = 0), see above.
         return [self.cfg.sde_kind] * (num_steps - 1) + ["ode"]
 
@@ -128,7 +137,7 @@ class DanceGRPO(Algorithm):
 class FlowGRPO(Algorithm):
     name = "flowgrpo"
 
-    def step_kinds(self, num_steps: int, gen: torch.Generator) -> list[str]:
+    def step_kinds(self, num_steps: int, gen: torch.Generator, iteration: int = 0) -> list[str]:
         return [self.cfg.sde_kind] * num_steps
 
     def trained_steps(self, kinds: list[str], batch: int, gen: torch.Generator) -> Tensor:
@@ -154,7 +163,7 @@ class FlowGRPOFast(Algorithm):
         start = int(torch.randint(lo, hi - self.cfg.sde_window_size + 1, (1,), generator=gen))
         return range(start, start + self.cfg.sde_window_size)
 
-    def step_kinds(self, num_steps: int, gen: torch.Generator) -> list[str]:
+    def step_kinds(self, num_steps: int, gen: torch.Generator, iteration: int = 0) -> list[str]:
         win = self.window(num_steps, gen)
         return [self.cfg.sde_kind if i in win else "ode" for i in range(num_steps)]
 
@@ -163,4 +172,115 @@ class FlowGRPOFast(Algorithm):
         return win.expand(batch, len(win)).clone()
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (DanceGRPO, FlowGRPO, FlowGRPOFast)}
+# MixGRPO's window schedules (``algorithm.sample_strategy``, their ``GRPOTrainingStates.sample_strategy``):
+#   progressive  start at step 0, stay ``iters_per_group`` iterations, move by ``prog_overlap_step``; after the
+#                last position (S - 2) roll back to 0 (their --prog_overlap --roll_back, on in every script)
+#   random       iteration 0 at step 0, then a uniform start in [0, S - 2 - group_size] per iteration
+#   decay        progressive, staying int(max (1 - p) + min p) >= min iterations at start p (S - 2)
+#                (``max_iters_per_group``, ``min_iters_per_group``)
+#   exp_decay    progressive, staying ceil(iters_per_group exp(-k relu(start - thre))) iterations
+#                (``exp_decay_k``, ``exp_decay_thre_timestep``)
+MIX_SCHEDULES: tuple[str, ...] = ("progressive", "random", "decay", "exp_decay")
+
+
+class MixGRPO(Algorithm):
+    """MixGRPO (Tencent-Hunyuan/MixGRPO e5cdd6a, ``fastvideo/utils/grpo_states.py`` and ``train_grpo_flux.py``).
+
+    Iteration ``it`` trains the window ``range(start, min(start + group_size, S - 2))`` (their
+    ``get_current_timesteps`` with ``max_timesteps = sampling_steps - 2``): those steps are SDE (their
+    ``determistic[i] = False``), every other step is an Euler ODE step, and the window is trained in order.
+    ``start`` is their ``cur_timestep`` after ``it`` calls of ``update_iteration`` (their loop reads the window,
+    then updates), computed here from ``it`` alone so that a resumed run draws the same windows.
+
+    Departures (docs/decisions.md): their ``random`` schedule draws from an unseeded numpy generator, ours from
+    the iteration's generator; at the position start = S - 2 their window is empty (a rollout that trains
+    nothing, before the roll back): here it is the window at 0, where their schedule goes next. Clipping
+    instead of rolling back (their ``roll_back=False``, in no script) would leave that empty window forever
+    and is not offered.
+    """
+
+    name = "mixgrpo"
+
+    @staticmethod
+    def last_start(num_steps: int) -> int:
+        """Their ``max_timesteps = sampling_steps - 2``: the window never reaches it (the bound is exclusive)."""
+        return num_steps - 2
+
+    @staticmethod
+    def validate(cfg, num_steps: int, backward=None) -> None:
+        if cfg.sample_strategy not in MIX_SCHEDULES:
+            raise ConfigError(
+                f"algorithm.sample_strategy must be one of {list(MIX_SCHEDULES)}, got {cfg.sample_strategy!r}"
+            )
+        checks = (
+            ("group_size", cfg.group_size >= 1, ">= 1"),
+            ("iters_per_group", cfg.iters_per_group >= 1, ">= 1"),
+            ("prog_overlap_step", cfg.prog_overlap_step >= 0, ">= 0"),
+            ("min_iters_per_group", cfg.min_iters_per_group >= 1, ">= 1"),
+            (
+                "max_iters_per_group",
+                cfg.max_iters_per_group >= cfg.min_iters_per_group,
+                ">= min_iters_per_group",
+            ),
+            ("exp_decay_k", cfg.exp_decay_k >= 0, ">= 0"),
+            ("exp_decay_thre_timestep", cfg.exp_decay_thre_timestep >= 0, ">= 0"),
+        )
+        for key, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.{key} must be {allowed}, got {getattr(cfg, key)!r}")
+        if num_steps < 3:
+            raise ConfigError(
+                f"algorithm.name=mixgrpo trains steps [0, sampling.num_steps - 2), none of {num_steps}; "
+                "allowed: sampling.num_steps >= 3"
+            )
+        if cfg.sample_strategy == "random" and cfg.group_size > num_steps - 2:
+            raise ConfigError(
+                f"algorithm.group_size={cfg.group_size} does not fit the {num_steps - 2} trainable steps of "
+                f"sampling.num_steps={num_steps} for sample_strategy=random; allowed: 1 <= group_size <= "
+                "sampling.num_steps - 2"
+            )
+
+    def dwell(self, start: int, num_steps: int) -> int:
+        """Iterations the window stays at ``start`` (their ``iters_per_group`` or its decayed forms)."""
+        cfg = self.cfg
+        if cfg.sample_strategy == "decay":  # get_dynamic_iters_per_group
+            progress = start / self.last_start(num_steps)
+            mixed = int(cfg.max_iters_per_group * (1 - progress) + cfg.min_iters_per_group * progress)
+            return max(cfg.min_iters_per_group, mixed)
+        if cfg.sample_strategy == "exp_decay":  # get_exp_decay_iters_per_group
+            relu = max(0, start - cfg.exp_decay_thre_timestep)
+            return max(1, math.ceil(cfg.iters_per_group * math.exp(-cfg.exp_decay_k * relu)))
+        return cfg.iters_per_group
+
+    def window_start(self, iteration: int, num_steps: int, gen: torch.Generator) -> int:
+        """The window's first step at training iteration ``iteration`` (their ``cur_timestep``)."""
+        last = self.last_start(num_steps)
+        if self.cfg.sample_strategy == "random":
+            if iteration == 0:  # their initial state: the first window is read before the first update
+                return 0
+            return int(torch.randint(0, last - self.cfg.group_size + 1, (1,), generator=gen))
+        start, left = 0, iteration
+        while left >= (stay := self.dwell(start, num_steps)):
+            left -= stay
+            start += self.cfg.prog_overlap_step
+            if start > last:  # roll_back_start
+                start = 0
+        return start
+
+    def window(self, iteration: int, num_steps: int, gen: torch.Generator) -> range:
+        """The trained steps of ``iteration``: ``range(start, min(start + group_size, S - 2))``, never empty."""
+        start, last = self.window_start(iteration, num_steps, gen), self.last_start(num_steps)
+        if start >= last:  # their empty window (start == S - 2): the window at 0 (see the class docstring)
+            start = 0
+        return range(start, min(start + self.cfg.group_size, last))
+
+    def step_kinds(self, num_steps: int, gen: torch.Generator, iteration: int = 0) -> list[str]:
+        win = self.window(iteration, num_steps, gen)
+        return [self.cfg.sde_kind if i in win else "ode" for i in range(num_steps)]
+
+    def trained_steps(self, kinds: list[str], batch: int, gen: torch.Generator) -> Tensor:
+        win = torch.tensor([i for i, k in enumerate(kinds) if k == self.cfg.sde_kind])
+        return win.expand(batch, len(win)).clone()
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (DanceGRPO, FlowGRPO, FlowGRPOFast, MixGRPO)}

@@ -172,7 +172,7 @@ class Trainer:
         mine = self.dist.share(len(all_prompts))  # this rank's samples of the global batch
         prompts = all_prompts[mine]
         cond = self.comp.text_encoder.encode_prompts(prompts)
-        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
+        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen, iteration=it)  # MixGRPO's window
         if algorithm.init_same_noise:  # DanceGRPO: one x_T per prompt, images differ by their SDE noise
             per_prompt = self._noise(train.prompts_per_iter, gen)
             noise = per_prompt.repeat_interleave(train.images_per_prompt, dim=0)[mine]
