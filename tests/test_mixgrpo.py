@@ -532,3 +532,202 @@ def test_dry_run_plans_the_window_as_one_group(capsys, monkeypatch, tmp_path, co
     )
     assert "384 = 32 prompts x 12 images; 12 per rank in micro-batches of 1, step every 3" in out
     assert not (tmp_path / "r").exists()
+
+
+# --------------------------------------------------------------------------- port: MixGRPO-Flash (run_sample_step, "post")
+def sd3_time_shift(shift, t):
+    return (shift * t) / (1 + (shift - 1) * t)
+
+
+class TheirDPMState:
+    """``DPMState``: the last ``order`` data predictions and how many updates were made (capped at ``order``)."""
+
+    def __init__(self, order):
+        self.order, self.model_outputs, self.lower_order_nums = order, [None] * order, 0
+
+    def update(self, model_output):
+        for i in range(self.order - 1):
+            self.model_outputs[i] = self.model_outputs[i + 1]
+        self.model_outputs[-1] = model_output
+
+    def update_lower_order(self):
+        if self.lower_order_nums < self.order:
+            self.lower_order_nums += 1
+
+
+def _alpha_sigma(sigma):
+    return 1 - sigma, sigma
+
+
+def their_first_order(model_output, sigmas, step_index, sample):
+    """``dpm_solver_first_order_update``, dpmsolver++, ``sde_solver=False``."""
+    alpha_t, sigma_t = _alpha_sigma(sigmas[step_index + 1])
+    alpha_s, sigma_s = _alpha_sigma(sigmas[step_index])
+    h = (torch.log(alpha_t) - torch.log(sigma_t)) - (torch.log(alpha_s) - torch.log(sigma_s))
+    return (sigma_t / sigma_s) * sample - (alpha_t * (torch.exp(-h) - 1.0)) * model_output
+
+
+def their_second_order(model_output_list, sigmas, step_index, sample, solver_type):
+    """``multistep_dpm_solver_second_order_update``, dpmsolver++, ``sde_solver=False``."""
+    alpha_t, sigma_t = _alpha_sigma(sigmas[step_index + 1])
+    alpha_s0, sigma_s0 = _alpha_sigma(sigmas[step_index])
+    alpha_s1, sigma_s1 = _alpha_sigma(sigmas[step_index - 1])
+    lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
+    lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
+    lambda_s1 = torch.log(alpha_s1) - torch.log(sigma_s1)
+    m0, m1 = model_output_list[-1], model_output_list[-2]
+    h, h_0 = lambda_t - lambda_s0, lambda_s0 - lambda_s1
+    r0 = h_0 / h
+    D0, D1 = m0, (1.0 / r0) * (m0 - m1)
+    if solver_type == "midpoint":
+        return (
+            (sigma_t / sigma_s0) * sample
+            - (alpha_t * (torch.exp(-h) - 1.0)) * D0
+            - 0.5 * (alpha_t * (torch.exp(-h) - 1.0)) * D1
+        )
+    return (
+        (sigma_t / sigma_s0) * sample
+        - (alpha_t * (torch.exp(-h) - 1.0)) * D0
+        + (alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0)) * D1
+    )
+
+
+def their_dpm_step(order, solver_type, model_output, sample, step_index, timesteps, sigmas, dpm_state):
+    """``dpm_step`` with a ``dpm_state`` and ``sde_solver=False`` (orders 1 and 2)."""
+    lower_order_final = step_index == len(timesteps) - 1
+    model_output = sample - sigmas[step_index] * model_output  # convert_model_output
+    dpm_state.update(model_output)
+    if order == 1 or dpm_state.lower_order_nums < 1 or lower_order_final:
+        prev_sample = their_first_order(model_output, sigmas, step_index, sample)
+    else:
+        prev_sample = their_second_order(dpm_state.model_outputs, sigmas, step_index, sample, solver_type)
+    dpm_state.update_lower_order()
+    return prev_sample
+
+
+def their_flash_rollout(velocity, z, sigma_schedule, determistic, gen, *, shift, ratio, order, solver_type):
+    """``run_sample_step`` with ``dpm_algorithm_type="dpmsolver++"``, ``dpm_apply_strategy="post"`` and
+    ``--flow_grpo_sampling``: the schedule rebuilt after the last SDE step, flow_grpo_step up to it (the
+    data predictions fed to the DPM state), DPM-Solver++ after it."""
+    dpm_state = TheirDPMState(order)
+    last_false_index = len(determistic) - 1 - next(i for i, v in enumerate(reversed(determistic)) if not v)
+    num_post_steps = int(max((sigma_schedule.size(0) - 1 - last_false_index) * ratio, 1))
+    post_time_step = torch.linspace(1, 0, sigma_schedule.size(0), dtype=torch.float64)[
+        last_false_index + 1
+    ].item()
+    post_sigma_schedule = sd3_time_shift(
+        shift, torch.linspace(post_time_step, 0, num_post_steps, dtype=torch.float64)
+    )
+    sigma_schedule = torch.cat([sigma_schedule[: last_false_index + 1], post_sigma_schedule], dim=0)
+    all_latents = [z]
+    with torch.no_grad():
+        for i in range(sigma_schedule.size(0) - 1):
+            pred = velocity(z, sigma_schedule[i])
+            if i <= last_false_index:
+                dpm_state.update(z - sigma_schedule[i] * pred)
+                noise = torch.randn(z.shape, generator=gen, dtype=torch.float64)
+                z, _, _ = their_flow_grpo_step(pred, z, ETA, sigma_schedule, i, None, noise, determistic[i])
+                dpm_state.update_lower_order()
+            else:
+                z = their_dpm_step(
+                    order, solver_type, pred, z, i, sigma_schedule[:-1], sigma_schedule, dpm_state
+                )
+            all_latents.append(z)
+    return sigma_schedule, torch.stack(all_latents)
+
+
+FLASH = [
+    # (iteration, ratio, order, solver): finetune_flux_grpo_MixGRPO_Flash.sh (0.4, 2, midpoint), Flash* (0.2),
+    # heun and first order, windows at 0, 5, 20 (truncated) and 22 (n_post = 1: no DPM step)
+    (0, 0.4, 2, "midpoint"),
+    (125, 0.4, 2, "midpoint"),
+    (130, 0.2, 2, "midpoint"),
+    (60, 0.4, 2, "heun"),
+    (75, 0.5, 1, "midpoint"),
+    (500, 0.4, 2, "midpoint"),
+    (550, 0.4, 2, "midpoint"),
+]
+
+
+@pytest.mark.parametrize(("it", "ratio", "order", "solver"), FLASH)
+def test_flash_rollout_equals_their_post_dpm_solver_sampling(it, ratio, order, solver):
+    _, velocity, shape = make_model("flux", batch=2, seed=6)
+    sigmas = shifted_linear_sigmas(25, 3.0)
+    algo = mix(
+        25,
+        dpm_algorithm_type="dpmsolver++",
+        dpm_post_compress_ratio=ratio,
+        dpm_solver_order=order,
+        dpm_solver_type=solver,
+    )
+    kinds = algo.step_kinds(25, torch.Generator(), iteration=it)
+    window = their_windows(25, it + 1, iters_per_group=25, group_size=4)[it]
+    flash_sigmas, flash_kinds = algo.rollout_schedule(sigmas, kinds)
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    their_sigmas, lat = their_flash_rollout(
+        velocity,
+        z,
+        sigmas,
+        [i not in window for i in range(25)],
+        torch.Generator().manual_seed(8),
+        shift=3.0,
+        ratio=ratio,
+        order=order,
+        solver_type=solver,
+    )
+    assert torch.allclose(flash_sigmas, their_sigmas, rtol=0, atol=1e-14)
+    ours = sample_trajectory(
+        velocity, z, flash_sigmas, flash_kinds, noise_level=ETA, generator=torch.Generator().manual_seed(8)
+    )
+    assert ours.latents.shape == lat.shape and rel_err(ours.latents, lat) < 1e-12
+    n_dpm = len(flash_kinds) - window[-1] - 1
+    assert n_dpm == int(max((25 - window[-1]) * ratio, 1)) - 1 and flash_kinds[window[-1] + 1 :] == (
+        [f"dpm2_{solver}" if order == 2 else "dpm1"] * (n_dpm - 1) + ["dpm1"] if n_dpm else []
+    )
+    assert algo.trained_steps(flash_kinds, 2, torch.Generator()).tolist() == [window] * 2
+    assert torch.equal(
+        flash_sigmas[: window[-1] + 2], sigmas[: window[-1] + 2]
+    )  # the window's times unchanged
+    if n_dpm:
+        assert float(flash_sigmas[-1]) == 0.0 and len(flash_kinds) < 25
+
+
+def test_flash_is_validated():
+    with pytest.raises(
+        ConfigError, match=r"algorithm.dpm_algorithm_type must be one of \['none', 'dpmsolver\+\+'\]"
+    ):
+        load_config(WORLD[0], ["algorithm.dpm_algorithm_type=dpmsolver"])
+    with pytest.raises(ConfigError, match=r"needs algorithm.sample_strategy=progressive"):
+        load_config(
+            WORLD[0], ["algorithm.dpm_algorithm_type=dpmsolver++", "algorithm.sample_strategy=random"]
+        )
+    with pytest.raises(ConfigError, match=r"algorithm.dpm_post_compress_ratio must be in \(0, 1\]"):
+        load_config(
+            WORLD[0], ["algorithm.dpm_algorithm_type=dpmsolver++", "algorithm.dpm_post_compress_ratio=0"]
+        )
+    with pytest.raises(ConfigError, match=r"algorithm.dpm_solver_order must be 1 or 2, got 3"):
+        load_config(WORLD[0], ["algorithm.dpm_solver_order=3"])
+    with pytest.raises(ConfigError, match=r"needs sampling.schedule=shift, got 'scheduler'"):
+        load_config(PAPER[0], ["algorithm.dpm_algorithm_type=dpmsolver++", "sampling.schedule=scheduler"])
+    algo = mix(10, dpm_algorithm_type="dpmsolver++")
+    with pytest.raises(ValueError, match="shifted-linear"):
+        algo.rollout_schedule(
+            torch.linspace(1, 0, 11, dtype=torch.float64) ** 2, ["flow_grpo"] * 4 + ["ode"] * 6
+        )
+
+
+def test_flash_trains_in_the_trainer_with_fewer_rollout_steps(tmp_path):
+    cfg = tiny_config(
+        tmp_path,
+        "train.iterations=1",
+        "sampling.num_steps=10",
+        "algorithm.dpm_algorithm_type=dpmsolver++",
+        config=WORLD[0],
+    )
+    trainer = build_trainer(cfg)
+    ro = trainer.rollout(0)
+    # window [0, 4); int((10 - 3) * 0.4) = 2 points after it: one DPM step (first order, the final one)
+    assert ro.traj.kinds == ("flow_grpo",) * 4 + ("dpm1",) and ro.traj.latents.shape[0] == 6
+    assert float(ro.traj.sigmas[-1]) == 0.0
+    (m,) = trainer.fit()
+    assert m["onpolicy_ratio_max_dev"] == 0.0 and math.isfinite(m["loss"]) and m["backward_passes"] == 4

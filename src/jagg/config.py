@@ -111,6 +111,13 @@ class AlgorithmConfig:
     min_iters_per_group: int = 1  # ... this at the last position
     exp_decay_thre_timestep: int = 13  # exp_decay: iters_per_group exp(-k relu(start - thre)) iterations
     exp_decay_k: float = 0.1
+    # MixGRPO-Flash: after the window, none (Euler ODE on the run's schedule) | dpmsolver++ (deterministic
+    # DPM-Solver++ of dpm_solver_order, midpoint | heun, on int((S - last window step) * ratio) schedule points;
+    # needs sampling.schedule=shift and sample_strategy=progressive)
+    dpm_algorithm_type: str = "none"
+    dpm_post_compress_ratio: float = 0.4
+    dpm_solver_order: int = 2
+    dpm_solver_type: str = "midpoint"
     init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
@@ -559,6 +566,11 @@ def _validate_algorithm(
         f"got {algorithm.name!r}",
     )
     ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
+    _require(
+        algorithm.name != "mixgrpo" or algorithm.dpm_algorithm_type == "none" or sampling.schedule == "shift",
+        f"algorithm.dpm_algorithm_type={algorithm.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "
+        f"schedule after the window: needs sampling.schedule=shift, got {sampling.schedule!r}",
+    )
 
 
 def _validate_backward(backward: BackwardConfig) -> None:

@@ -26,6 +26,7 @@ import math
 import torch
 from torch import Tensor
 
+from jagg.engine.sde import shift_sigmas
 from jagg.errors import ConfigError
 
 # DanceGRPO's readings of "which steps are trained" (``algorithm.step_selection``):
@@ -63,6 +64,11 @@ class Algorithm:
     def trained_steps(self, kinds: list[str], batch: int, gen: torch.Generator) -> Tensor:
         """(B, T) step indices per sample, ascending in index (i.e. sorted by decreasing sigma)."""
         raise NotImplementedError
+
+    def rollout_schedule(self, sigmas: Tensor, kinds: list[str]) -> tuple[Tensor, list[str]]:
+        """The sigmas and kinds the rollout samples with: the run's schedule and ``kinds``, except under
+        MixGRPO-Flash (fewer DPM-Solver++ steps after the window; the trained steps keep their index and time)."""
+        return sigmas, kinds
 
 
 class DanceGRPO(Algorithm):
@@ -181,6 +187,9 @@ class FlowGRPOFast(Algorithm):
 #   exp_decay    progressive, staying ceil(iters_per_group exp(-k relu(start - thre))) iterations
 #                (``exp_decay_k``, ``exp_decay_thre_timestep``)
 MIX_SCHEDULES: tuple[str, ...] = ("progressive", "random", "decay", "exp_decay")
+# MixGRPO-Flash (``algorithm.dpm_algorithm_type``): after the window, the Euler ODE steps (none) or fewer
+# deterministic DPM-Solver++ steps on a compressed schedule (MixGRPO.rollout_schedule)
+MIX_POST_SOLVERS: tuple[str, ...] = ("none", "dpmsolver++")
 
 
 class MixGRPO(Algorithm):
@@ -228,6 +237,23 @@ class MixGRPO(Algorithm):
         for key, ok, allowed in checks:
             if not ok:
                 raise ConfigError(f"algorithm.{key} must be {allowed}, got {getattr(cfg, key)!r}")
+        if cfg.dpm_algorithm_type not in MIX_POST_SOLVERS:
+            raise ConfigError(
+                f"algorithm.dpm_algorithm_type must be one of {list(MIX_POST_SOLVERS)}, got {cfg.dpm_algorithm_type!r}"
+            )
+        flash = (
+            ("dpm_post_compress_ratio", 0 < cfg.dpm_post_compress_ratio <= 1, "in (0, 1]"),
+            ("dpm_solver_order", cfg.dpm_solver_order in (1, 2), "1 or 2"),
+            ("dpm_solver_type", cfg.dpm_solver_type in ("midpoint", "heun"), "midpoint or heun"),
+        )
+        for key, ok, allowed in flash:
+            if not ok:
+                raise ConfigError(f"algorithm.{key} must be {allowed}, got {getattr(cfg, key)!r}")
+        if cfg.dpm_algorithm_type != "none" and cfg.sample_strategy != "progressive":
+            raise ConfigError(
+                f"algorithm.dpm_algorithm_type={cfg.dpm_algorithm_type} (MixGRPO-Flash) needs "
+                f"algorithm.sample_strategy=progressive, as MixGRPO's code asserts; got {cfg.sample_strategy!r}"
+            )
         if num_steps < 3:
             raise ConfigError(
                 f"algorithm.name=mixgrpo trains steps [0, sampling.num_steps - 2), none of {num_steps}; "
@@ -281,6 +307,36 @@ class MixGRPO(Algorithm):
     def trained_steps(self, kinds: list[str], batch: int, gen: torch.Generator) -> Tensor:
         win = torch.tensor([i for i, k in enumerate(kinds) if k == self.cfg.sde_kind])
         return win.expand(batch, len(win)).clone()
+
+    def rollout_schedule(self, sigmas: Tensor, kinds: list[str]) -> tuple[Tensor, list[str]]:
+        """MixGRPO-Flash (``dpm_algorithm_type: dpmsolver++``, their ``dpm_apply_strategy="post"``): after the
+        window's last step ``l`` the schedule is rebuilt with ``n = int(max((S - l) * dpm_post_compress_ratio, 1))``
+        points ``shift(linspace(t_{l+1}, 0, n))`` (t the unshifted times ``linspace(1, 0, S + 1)``), sampled with
+        deterministic DPM-Solver++ of ``dpm_solver_order`` (first order at the final step, as their
+        ``lower_order_final``). ``run_sample_step`` in Tencent-Hunyuan/MixGRPO fastvideo/utils/sampling_utils.py.
+
+        The shift is read back from the shifted-linear schedule (``sampling.schedule=shift``, checked by the
+        config); a schedule that is not shifted-linear is refused. With n = 1 their schedule ends at sigma_{l+1},
+        not at 0; kept as theirs."""
+        if self.cfg.dpm_algorithm_type == "none":
+            return sigmas, kinds
+        num_steps = len(kinds)
+        last = max(i for i, k in enumerate(kinds) if k == self.cfg.sde_kind)
+        times = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+        s1, t1 = float(sigmas[1]), float(times[1])
+        shift = s1 * (1 - t1) / (t1 * (1 - s1))  # sigma = s t / (1 + (s - 1) t), inverted at the first step
+        if not torch.allclose(sigmas.double(), shift_sigmas(times, shift), rtol=0, atol=1e-9):
+            raise ValueError(
+                "MixGRPO-Flash rebuilds a shifted-linear schedule; got another (sampling.schedule)"
+            )
+        n_post = int(max((num_steps - last) * self.cfg.dpm_post_compress_ratio, 1))
+        post = shift_sigmas(torch.linspace(float(times[last + 1]), 0.0, n_post, dtype=torch.float64), shift)
+        # post[0] is sigma_{l+1} up to rounding: keep the run's value, so the update's times are the rollout's
+        flash = torch.cat([sigmas[: last + 2].double(), post[1:]]).to(sigmas.dtype)
+        n_dpm = n_post - 1  # steps after the window
+        order = f"dpm2_{self.cfg.dpm_solver_type}" if self.cfg.dpm_solver_order == 2 else "dpm1"
+        post_kinds = [order] * (n_dpm - 1) + ["dpm1"] if n_dpm else []  # lower_order_final
+        return flash, list(kinds[: last + 1]) + post_kinds
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (DanceGRPO, FlowGRPO, FlowGRPOFast, MixGRPO)}
