@@ -731,3 +731,20 @@ def test_flash_trains_in_the_trainer_with_fewer_rollout_steps(tmp_path):
     assert float(ro.traj.sigmas[-1]) == 0.0
     (m,) = trainer.fit()
     assert m["onpolicy_ratio_max_dev"] == 0.0 and math.isfinite(m["loss"]) and m["backward_passes"] == 4
+
+
+def test_flash_scripts_load_as_overrides_of_the_paper_config():
+    """finetune_flux_grpo_MixGRPO_Flash.sh and ..._Flash*.sh differ from MixGRPO's script only in these flags."""
+    flash = ["algorithm.iters_per_group=20", "algorithm.dpm_algorithm_type=dpmsolver++"]
+    star = [*flash, "algorithm.prog_overlap_step=0", "algorithm.dpm_post_compress_ratio=0.2"]
+    for overrides, ratio, step in ((flash, 0.4, 1), (star, 0.2, 0)):
+        cfg = load_config(PAPER[0], overrides)
+        a = cfg.algorithm
+        assert (a.dpm_post_compress_ratio, a.dpm_solver_order, a.dpm_solver_type) == (ratio, 2, "midpoint")
+        algo = MixGRPO(a)
+        sigmas = shifted_linear_sigmas(25, 3.0)
+        kinds = algo.step_kinds(25, torch.Generator(), iteration=299)
+        flash_sigmas, flash_kinds = algo.rollout_schedule(sigmas, kinds)
+        start = 299 // 20 * step  # Flash: start 14 at the last iteration; Flash*: always 0
+        assert [i for i, k in enumerate(flash_kinds) if k == "flow_grpo"] == list(range(start, start + 4))
+        assert len(flash_kinds) == start + 4 + int((25 - start - 3) * ratio) - 1 and flash_sigmas[-1] == 0

@@ -285,13 +285,18 @@ class MixGRPO(Algorithm):
             if iteration == 0:  # their initial state: the first window is read before the first update
                 return 0
             return int(torch.randint(0, last - self.cfg.group_size + 1, (1,), generator=gen))
-        start, left = 0, iteration
-        while left >= (stay := self.dwell(start, num_steps)):
+        step = self.cfg.prog_overlap_step
+        if step == 0:  # MixGRPO-Flash*: the window never moves
+            return 0
+        # one cycle visits 0, step, 2 step, ... <= S - 2, then rolls back to 0 (roll_back_start)
+        positions = range(0, last + 1, step)
+        left = iteration % sum(self.dwell(p, num_steps) for p in positions)
+        for start in positions:
+            stay = self.dwell(start, num_steps)
+            if left < stay:
+                return start
             left -= stay
-            start += self.cfg.prog_overlap_step
-            if start > last:  # roll_back_start
-                start = 0
-        return start
+        raise AssertionError("unreachable: left < the cycle length")
 
     def window(self, iteration: int, num_steps: int, gen: torch.Generator) -> range:
         """The trained steps of ``iteration``: ``range(start, min(start + group_size, S - 2))``, never empty."""
