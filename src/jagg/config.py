@@ -87,7 +87,7 @@ class SamplingConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo
+    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo | mixgrpo
     sde_kind: str = "dance"  # dance | flow_grpo | cps
     noise_level: float = 0.3  # eta (dance) or a (flow_grpo, cps)
     timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
@@ -101,6 +101,24 @@ class AlgorithmConfig:
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
     # Flow-GRPO-Fast: the window start is drawn uniformly in [lo, hi - size], so the window lies in [lo, hi)
     sde_window_range: list[int] = field(default_factory=lambda: [0, 3])
+    # MixGRPO (jagg.engine.algorithms.MixGRPO; Tencent-Hunyuan/MixGRPO's argument names): a window of group_size
+    # consecutive SDE steps (the SDE window, not backward.group_size = W), ODE elsewhere, moved with the training
+    # iteration by sample_strategy: progressive | random | decay | exp_decay (MIX_SCHEDULES)
+    group_size: int = 4
+    sample_strategy: str = "progressive"
+    iters_per_group: int = 25  # progressive: iterations at each window position
+    prog_overlap_step: int = 1  # progressive: steps the window moves (their --prog_overlap off = group_size)
+    max_iters_per_group: int = 10  # decay: iterations at start 0, decaying linearly to ...
+    min_iters_per_group: int = 1  # ... this at the last position
+    exp_decay_thre_timestep: int = 13  # exp_decay: iters_per_group exp(-k relu(start - thre)) iterations
+    exp_decay_k: float = 0.1
+    # MixGRPO-Flash: after the window, none (Euler ODE on the run's schedule) | dpmsolver++ (deterministic
+    # DPM-Solver++ of dpm_solver_order, midpoint | heun, on int((S - last window step) * ratio) schedule points;
+    # needs sampling.schedule=shift and sample_strategy=progressive)
+    dpm_algorithm_type: str = "none"
+    dpm_post_compress_ratio: float = 0.4
+    dpm_solver_order: int = 2
+    dpm_solver_type: str = "midpoint"
     init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
@@ -566,6 +584,11 @@ def _validate_algorithm(
         f"got {algorithm.name!r}",
     )
     ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
+    _require(
+        algorithm.name != "mixgrpo" or algorithm.dpm_algorithm_type == "none" or sampling.schedule == "shift",
+        f"algorithm.dpm_algorithm_type={algorithm.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "
+        f"schedule after the window: needs sampling.schedule=shift, got {sampling.schedule!r}",
+    )
 
 
 def _validate_backward(backward: BackwardConfig) -> None:

@@ -175,7 +175,8 @@ class Trainer:
         mine = self.dist.share(len(all_prompts))  # this rank's samples of the global batch
         prompts = all_prompts[mine]
         cond = self.comp.text_encoder.encode_prompts(prompts)
-        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
+        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen, iteration=it)  # MixGRPO's window
+        sigmas, kinds = self.algorithm.rollout_schedule(self.sigmas, kinds)  # MixGRPO-Flash: after it
         if algorithm.init_same_noise:  # DanceGRPO: one x_T per prompt, images differ by their SDE noise
             per_prompt = self._noise(train.prompts_per_iter, gen)
             noise = per_prompt.repeat_interleave(train.images_per_prompt, dim=0)[mine]
@@ -185,7 +186,7 @@ class Trainer:
         traj = sample_micro_batches(
             lambda rows: self.velocity(cond.select(rows)),
             noise,
-            self.sigmas.to(self.device),
+            sigmas.to(self.device),
             kinds,
             batch_size=train.train_batch_size,
             first_sample=mine.start,
