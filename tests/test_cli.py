@@ -262,16 +262,21 @@ def test_resume_compares_config_and_keeps_run_json(tmp_path, capsys):
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2, 3]
 
 
-def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path, capsys):
+def test_resume_auto_starts_fresh_only_where_nothing_is_lost(tmp_path, capsys):
     run_dir = tmp_path / "run"
     cli = ["--config", WORLD, *TINY, f"log.run_dir={run_dir}", "--resume", "auto"]
     assert main(cli) == 0  # nothing there yet: a fresh run
     assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
     assert main([*cli, "train.iterations=2"]) == 0  # a checkpoint now: resumed
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2] and len(_meta(run_dir)["resumes"]) == 1
-    shutil.rmtree(run_dir / "checkpoint")  # preempted before its first checkpoint: run.json and metrics only
+    shutil.rmtree(run_dir / "checkpoint")  # lost: metrics rows remain, and auto does not start over them
+    assert "holds 2 metrics rows but no checkpoint" in _fails(capsys, cli)
+    assert [r["iteration"] for r in _rows(run_dir)] == [1, 2]
+    (run_dir / "metrics.jsonl").unlink()  # preempted before its first row: run.json only, nothing to lose
     assert main(cli) == 0
     assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
-    shutil.rmtree(run_dir / "checkpoint")
-    (run_dir / "run.json").unlink()  # someone else's directory
-    assert "is not a run directory" in _fails(capsys, cli)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("someone else's directory")
+    assert "is not a run directory" in _fails(capsys, [*cli, f"log.run_dir={other}"])
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]

@@ -279,16 +279,18 @@ def test_corrupt_checkpoint_is_one_line_exit_2(tmp_path, capsys, name, how, says
     assert "--overwrite" in err and "log.keep_checkpoints=2" in err  # what to do
 
 
-def test_unverified_checkpoint_read_error_is_one_line(tmp_path, capsys):
-    """A checkpoint without a manifest (written before it existed): the reader's error, as one line."""
+def test_checkpoint_without_manifest_is_refused(tmp_path, capsys):
+    """Deleting the manifest does not switch verification off: a flipped byte is not loaded unverified."""
     assert main(_cli(tmp_path)) == 0
     ckpt = tmp_path / "run" / "checkpoint"
     (ckpt / "manifest.json").unlink()
-    _damage(ckpt / "__0_0.distcp", "truncate")
+    _damage(ckpt / "__0_0.distcp", "flip")
+    run_json = (tmp_path / "run" / "run.json").read_text()
     capsys.readouterr()
     assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"checkpoint {ckpt} cannot be read" in err
+    assert len(err.splitlines()) == 1 and f"checkpoint {ckpt} has no manifest.json" in err
+    assert (tmp_path / "run" / "run.json").read_text() == run_json  # the failed resume recorded nothing
 
 
 def _rows(run_dir) -> list[dict]:
