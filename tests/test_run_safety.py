@@ -5,12 +5,14 @@ evaluation, fp32 rotary tables under bf16 FSDP2 and verified checkpoints (issue 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from jagg.config import TINY_OVERRIDES, load_config
 from jagg.errors import ConfigError
+from jagg.loop.rundir import REPO_ROOT as ROOT
 from jagg.train import main
 
 TINY = [*TINY_OVERRIDES, "train.iterations=1", "train.prompts_per_iter=1", "train.images_per_prompt=2"]
@@ -314,3 +316,190 @@ def test_keep_two_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
     # with the default (keep 1) there is nothing to fall back to
     assert main(_cli(tmp_path / "c", "log.checkpoint_every=1", "train.iterations=2")) == 0
     assert sorted(p.name for p in (tmp_path / "c" / "run").glob("checkpoint*")) == ["checkpoint"]
+
+
+# --------------------------------------------------------------------------- issue 29: a run directory loses nothing
+def _tree(root) -> dict[str, str]:
+    """Every path under ``root`` with its bytes' hash (directories as "dir"): what a refusal must leave as it is."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _marked(path):
+    """A directory that carries this project's run marker (what --overwrite otherwise accepts)."""
+    from jagg.loop.rundir import write_marker
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_marker(path)
+    (path / "keep.txt").write_text("must survive")
+    return path
+
+
+@pytest.mark.parametrize("case", ["cwd", "ancestor", "repository", "home", "runs", "foreign"])
+def test_overwrite_refuses_anything_but_a_run_directory(tmp_path, monkeypatch, capsys, case):
+    scratch = tmp_path / "scratch"
+    runs = scratch / "runs"
+    _marked(runs / "a")  # a run one level down: "runs" itself is no run directory
+    cwd = _marked(scratch / "work")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(_marked(scratch / "home")))
+    _marked(scratch / "repo" / ".git")
+    (scratch / "foreign").mkdir()
+    (scratch / "foreign" / "notes.txt").write_text("someone else's")
+    target = {
+        "cwd": ".",
+        "ancestor": str(scratch),
+        "repository": str(scratch / "repo"),
+        "home": str(scratch / "home"),
+        "runs": str(runs),
+        "foreign": str(scratch / "foreign"),
+    }[case]
+    why = {
+        "cwd": "working directory",
+        "ancestor": "working directory or one of its ancestors",
+        "repository": "git repository's root",
+        "home": "home directory",
+        "runs": "not a run directory of this project",
+        "foreign": "not a run directory of this project",
+    }[case]
+    before = _tree(scratch)
+    capsys.readouterr()
+    argv = [a.replace("configs/", f"{ROOT}/configs/") for a in _cli(tmp_path, "--overwrite")]
+    assert _exit_code([*argv, f"log.run_dir={target}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite refuses to delete" in err and why in err, err
+    assert _tree(scratch) == before  # nothing deleted, no lock left behind
+
+
+def test_without_overwrite_a_foreign_directory_is_not_offered_to_it(tmp_path, capsys):
+    foreign = tmp_path / "run"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone else's")
+    assert _exit_code(_cli(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a run directory of this project" in err and "--overwrite" not in err
+
+
+def test_overwrite_replaces_a_run_directory(tmp_path):
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+    (run / "stale.txt").write_text("from the old run")
+    assert main(_cli(tmp_path, "--overwrite")) == 0
+    assert not (run / "stale.txt").exists() and (run / ".jagg_run").is_file()
+    assert len(_rows(run)) == 1 and not (run / ".lock").exists()  # released on exit
+
+
+HOLD = (  # a process that holds a run directory's lock until killed, as a live training does
+    "import sys, time\nfrom jagg.loop.rundir import RunDirLock\n"
+    "RunDirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n"
+)
+
+
+def test_resume_auto_against_a_live_run_exits_2_naming_it_and_a_killed_holder_is_stale(tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    live = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert live.stdout.readline().strip() == "locked"
+        before = _tree(run)
+        capsys.readouterr()
+        assert _exit_code(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"is in use by another training run (pid {live.pid} on" in err
+        assert _tree(run) == before  # joined nothing, wrote nothing
+    finally:
+        live.send_signal(signal.SIGKILL)  # kill -9: the lock file stays, its flock goes with the process
+        live.wait()
+    assert (run / ".lock").is_file()
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 0  # a stale lock: taken over
+    assert [r["iteration"] for r in _rows(run)] == [1, 2] and not (run / ".lock").exists()
+
+
+def test_two_trainings_started_at_once_one_runs_one_exits_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "jagg.train",
+        *_cli(tmp_path, "train.iterations=3", "log.checkpoint_every=1"),
+    ]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    ]
+    procs.append(
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    )
+    outs = [p.communicate(timeout=300) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], outs
+    loser = next(err for p, (_, err) in zip(procs, outs, strict=True) if p.returncode == 2).strip()
+    assert len(loser.splitlines()) == 1, loser
+    # at once: the loser meets the lock; later than the winner's end: a finished run it may not replace
+    assert "is in use by another training run (pid" in loser or "already exists" in loser, loser
+    assert [r["iteration"] for r in _rows(tmp_path / "run")] == [1, 2, 3]  # one writer's rows, in order
+
+
+def two_rank_lock(rank: int, out_dir: str) -> None:
+    """Both ranks get rank 0's refusal of a locked directory; in a free one rank 0 alone holds the lock, and
+    another process (rank 1 stands in for it) cannot take it meanwhile."""
+    import torch.distributed as dist
+
+    from dist_harness import save_rank_result
+    from jagg.distributed import DistInfo
+    from jagg.errors import ConfigError
+    from jagg.loop.rundir import RunDirLock, hold
+
+    out, info, result = Path(out_dir), DistInfo.current(), {}
+    try:
+        with hold(out / "busy", info):
+            result["busy"] = "entered"
+    except ConfigError as err:
+        result["busy"] = str(err)
+    with hold(out / "free", info) as lock:
+        result["holds"] = lock is not None
+        dist.barrier()
+        if rank == 1:
+            try:
+                RunDirLock(out / "free").acquire()
+                result["second"] = "acquired"
+            except ConfigError as err:
+                result["second"] = str(err)
+        dist.barrier()
+    save_rank_result(out_dir, rank, result)
+
+
+def test_lock_across_ranks(tmp_path):
+    import os
+
+    from dist_harness import rank_results, run_ranks
+    from jagg.loop.rundir import RunDirLock
+
+    busy = RunDirLock(tmp_path / "busy")
+    busy.acquire()  # this process is the other training
+    try:
+        run_ranks("test_run_safety:two_rank_lock", 2, tmp_path, timeout=300)
+    finally:
+        busy.release()
+    r0, r1 = rank_results(tmp_path, 2)
+    assert r0["busy"] == r1["busy"] and f"in use by another training run (pid {os.getpid()} on" in r0["busy"]
+    assert (r0["holds"], r1["holds"]) == (True, False)
+    assert "in use by another training run" in r1["second"]
+    assert (
+        not (tmp_path / "free").exists() and not (tmp_path / "busy").exists()
+    )  # released, created dirs gone
