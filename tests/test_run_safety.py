@@ -503,3 +503,145 @@ def test_lock_across_ranks(tmp_path):
     assert (
         not (tmp_path / "free").exists() and not (tmp_path / "busy").exists()
     )  # released, created dirs gone
+
+
+def test_resume_auto_reports_an_incomplete_checkpoint_and_discards_nothing(tmp_path, capsys):
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+    (run / "checkpoint" / ".metadata").unlink()
+    before = _tree(run)
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        len(err.splitlines()) == 1
+        and f"checkpoint {run / 'checkpoint'} is incomplete (.metadata missing)" in err
+    )
+    assert _tree(run) == before  # not restarted from iteration 0 over the run
+
+
+def test_an_incomplete_checkpoint_falls_back_to_an_intact_previous_one(tmp_path):
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    assert main(_cli(tmp_path, *keep, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    (run / "checkpoint" / ".metadata").unlink()
+    with pytest.warns(
+        UserWarning, match=r"incomplete \(.metadata missing\).*checkpoint.prev \(iteration 1\)"
+    ):
+        assert main(_cli(tmp_path, *keep, "train.iterations=3", "--resume=auto")) == 0
+    assert [r["iteration"] for r in _rows(run)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "read-only"])
+def test_unusable_run_dir_is_one_line_before_the_model(tmp_path, monkeypatch, capsys, case):
+    import errno
+    import os
+
+    import jagg.loop.components as components
+
+    (tmp_path / "file").write_text("not a directory")
+    run_dir = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run"}.get(
+        case, tmp_path / "ro"
+    )
+    if case == "read-only":  # root ignores chmod: the lock file's creation fails as on a read-only directory
+        run_dir.mkdir()
+        real_open = os.open
+
+        def read_only(path, *args, **kw):
+            if str(path).startswith(str(run_dir)):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_open(path, *args, **kw)
+
+        monkeypatch.setattr(os, "open", read_only)
+    monkeypatch.setattr(components, "build_components", lambda cfg: pytest.fail("built the model first"))
+    before = _tree(tmp_path)
+    assert _exit_code([*_cli(tmp_path), f"log.run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    says = {
+        "a file": "is a file, not a directory",
+        "under a file": f"lies under {tmp_path / 'file'}, which is a file",
+    }
+    assert len(err.splitlines()) == 1 and says.get(case, "is not writable (Permission denied)") in err, err
+    assert _tree(tmp_path) == before
+
+
+def _fake_disk(monkeypatch, free: int) -> None:
+    import shutil
+
+    import jagg.loop.checkpoint as ckpt
+
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=free))
+
+
+def test_free_space_is_checked_before_a_save(tmp_path, monkeypatch, capsys):
+    _fake_disk(monkeypatch, free=1000)
+    assert _exit_code(_cli(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    run = tmp_path / "run"
+    assert len(err.splitlines()) == 1 and f"not enough disk space for checkpoint {run / 'checkpoint'}" in err
+    assert "1000 B free" in err and "needed" in err
+    assert not list(run.glob("checkpoint*"))  # nothing started
+
+
+def test_disk_full_while_saving_is_one_line_and_the_next_start_cleans_up(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    assert main(_cli(tmp_path, "log.checkpoint_every=1")) == 0
+    run = tmp_path / "run"
+
+    def full(state, checkpoint_id, **kw):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full)
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2", "log.checkpoint_every=1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"disk full while writing checkpoint {run / 'checkpoint'}" in err
+    assert " free on " in err and " needed" in err
+    assert not (run / "checkpoint.tmp").exists()  # the partial save is gone
+    monkeypatch.undo()
+    (run / "checkpoint.tmp").mkdir()  # what a kill -9 during a save leaves
+    (run / "checkpoint.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    (run / ".run.json.abc123.tmp").write_text("{")  # and during an atomic write
+    assert main(_cli(tmp_path, "--resume", "train.iterations=2", "log.checkpoint_every=1")) == 0
+    assert not (run / "checkpoint.tmp").exists() and not list(run.glob(".*.tmp"))
+    assert [r["iteration"] for r in _rows(run)] == [1, 2]
+
+
+def test_a_moved_run_directory_resumes(tmp_path):
+    import shutil
+
+    assert main(_cli(tmp_path / "a")) == 0
+    shutil.move(tmp_path / "a" / "run", tmp_path / "b")
+    assert (
+        main([*_cli(tmp_path / "b", "--resume", "train.iterations=2"), f"log.run_dir={tmp_path / 'b'}"]) == 0
+    )
+    meta = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert meta["resumes"][0]["config_changes"]["log.run_dir"] == [
+        str(tmp_path / "a" / "run"),
+        str(tmp_path / "b"),
+    ]
+    assert [r["iteration"] for r in _rows(tmp_path / "b")] == [1, 2]
+
+
+def test_disk_full_in_any_write_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import jagg.loop.trainer as trainer_module
+
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(trainer_module, "atomic_write_text", full)  # the resume rewrites metrics.jsonl
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"disk full while writing {run / 'metrics.jsonl'}" in err
+    assert " free on " in err

@@ -141,7 +141,7 @@ def _holder_alive(holder: dict) -> bool:
 
 
 def describe(holder: dict) -> str:
-    argv = " ".join(holder.get("argv", [])) or "?"
+    argv = " ".join(["python", *holder["argv"]]) if holder.get("argv") else "?"
     return (
         f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since {holder.get('time', '?')} ({argv})"
     )
