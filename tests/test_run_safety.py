@@ -645,3 +645,39 @@ def test_disk_full_in_any_write_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"disk full while writing {run / 'metrics.jsonl'}" in err
     assert " free on " in err
+
+
+@pytest.mark.parametrize("holder", ["dead", "live", "other host"])
+def test_lock_without_flock_checks_the_recorded_pid_and_host(tmp_path, monkeypatch, holder):
+    """Where the filesystem has no flock, the holder's record decides: a dead pid on this host is stale, a live
+    one or one on another host (which cannot be checked from here) holds the directory."""
+    import errno
+    import fcntl
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from jagg.loop import rundir
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = {"dead": int(dead.stdout), "live": os.getppid(), "other host": os.getppid()}[holder]
+    host = "elsewhere.invalid" if holder == "other host" else socket.gethostname()
+    (tmp_path / ".lock").write_text(
+        json.dumps({"pid": pid, "start": rundir._process_start(pid), "host": host})
+    )
+    lock = rundir.RunDirLock(tmp_path)
+    if holder == "dead":
+        lock.acquire()
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        lock.release()
+        assert not (tmp_path / ".lock").exists()
+    else:
+        with pytest.raises(ConfigError, match=f"in use by another training run \\(pid {pid} on {host}"):
+            lock.acquire()
