@@ -74,6 +74,7 @@ class Progress:
     ema: list[torch.Tensor] | None
     routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
     group_size: int | None = None  # backward.group_size=auto: the last calibrated W
+    placement: str | None = None  # backward.placement=auto (knots): the last measured placement rule
 
 
 @contextmanager
@@ -338,6 +339,7 @@ def _write(tmp: Path, state: dict, progress: Progress, config: dict, dist: DistI
         "metrics": progress.metrics,
         "routing": progress.routing,
         "group_size": progress.group_size,
+        "placement": progress.placement,
         "rng": rng,
         "config": config,
         "optimizer_saved": stepped,
@@ -407,6 +409,7 @@ def load_checkpoint(
         ema=ema,
         routing=meta.get("routing"),
         group_size=meta.get("group_size"),
+        placement=meta.get("placement"),
     )
 
 
