@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check hpsv2-ref pretrain clean theorem table1 cosine routing curves curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -80,6 +80,9 @@ table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoint
 cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact), and t- vs index weights on contiguous vs sorted-subset groups (the authors' recipe) -> results/cosine{,_authors}.csv, cosine.md, paper_figures/cosine_*.png
 	$(PY) experiments/cosine.py
 
+knots: $(STAMP) pretrain ## Shared knots vs JAGG groups: cosine to exact vs backward passes per sample (both world backbones, full trajectory / DanceGRPO 12 of 20 / the authors' blocks), full-trajectory timing (~35 min) -> results/knots{,_time}.csv, knots.md, paper_figures/knots_cosine.png
+	$(PY) experiments/knots.py
+
 routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per world backbone x algorithm, timed vs jagg_frac 0.6 -> results/routing.{csv,md}
 	$(PY) experiments/routing.py
 
@@ -105,4 +108,4 @@ figures: $(STAMP) ## Regenerate every table and figure from results/ alone (no t
 notebooks: $(STAMP) ## Execute notebooks/*.ipynb in place from results/ (outputs + figures; walkthrough on the world backbone if pretrained, else random init)
 	$(PY) experiments/run_notebooks.py
 
-all: table1 cosine routing curves world-rl theorem bench figures notebooks ## Everything (pretraining included), then every figure and notebook
+all: table1 cosine knots routing curves world-rl theorem bench figures notebooks ## Everything (pretraining included), then every figure and notebook

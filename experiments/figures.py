@@ -266,6 +266,7 @@ TARGETS = [
     ),
     ("memory per mode", "table1.csv", "memory_per_mode.png", lambda path, png: plot_memory(path.parent, png)),
     ("cosine", "cosine.csv", "cosine_per_group.png", regenerator("cosine.py", "render")),
+    ("knots", "knots.csv", "knots_cosine.png", regenerator("knots.py", "render")),
     (
         "reward curves",
         "curves",

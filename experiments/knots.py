@@ -64,7 +64,7 @@ PINNED = [  # the cosine experiment's plain DanceGRPO loss (as experiments/cosin
     "train.train_batch_size=16",
     "train.grad_accum=1",
 ]
-QUICK = [*TINY_RUN, "sampling.num_steps=9", "sampling.eval_num_steps=9", "train.train_batch_size=4"]
+QUICK = [*TINY_RUN, "sampling.num_steps=7", "sampling.eval_num_steps=7", "train.train_batch_size=4"]
 
 
 def trained_steps(structure: str, trainer: Trainer, n: int, index: int) -> torch.Tensor:
