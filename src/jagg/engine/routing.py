@@ -218,6 +218,13 @@ class BackwardSetting:
         return functools.reduce(operator.add, costs)
 
     @property
+    def holds_gradients(self) -> bool:
+        """Whether one backward call runs over several knot graphs (``joint``, an aggregated strategy): under
+        FSDP2 a later graph's gradient then waits unsharded for the earlier one (the memory plan's held
+        gradient). Stacked modes build one graph per backward call."""
+        return self.routing.strategy != "exact" and not ENDPOINT_MODES[self.endpoints].stacked
+
+    @property
     def mode(self) -> str:
         """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused,
         "+nograd_ends" when the knots' signals come from forwards without autograd and "+rows<n>" under
