@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -189,3 +190,21 @@ def test_unknown_or_missing_tracker_fails_before_writing(tmp_path, capsys):
             main([*TRACKED, f"log.run_dir={run_dir}", "log.report_to=[wandb]"])
         assert exc.value.code == 2 and "log.report_to: wandb is not installed" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
+def test_wandb_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    """A second tracker on the same run directory (a resume) writes to the same wandb run id."""
+    from jagg.loop.trackers import Trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for step in (0, 1):
+        trackers = Trackers(["wandb"], tmp_path / "run", {"seed": 0})
+        trackers.log_row({"iteration": step, "loss": float(step)})
+        trackers.close()
+        time.sleep(1.1)  # offline run folders are named by the second they start in
+    files = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
+    assert len(files) == 2 and {f.name for f in files} == {f"run-{run_id}.wandb"}
+    assert [sorted(wandb_history(f)[0]) for f in files] == [[0], [1]]
