@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
-from jagg.engine.grpo import KL_STD
+from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
 from jagg.errors import ConfigError
@@ -106,6 +106,9 @@ class AlgorithmConfig:
     adv_eps: float = 1e-8
     adv_unbiased: bool = True
     adv_std: str = "group"  # group | global
+    # several training rewards (jagg.engine.grpo.ADV_AGGREGATIONS): weighted_sum (normalise the weighted sum) |
+    # per_reward (normalise each reward within its group, then sum with reward.weights: MixGRPO's advantage_aggr)
+    adv_aggregation: str = "weighted_sum"
     kl_beta: float = 0.0
     kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
 
@@ -532,6 +535,10 @@ def _validate_algorithm(
     _require(
         algorithm.adv_std in ("group", "global"),
         f"algorithm.adv_std must be group|global, got {algorithm.adv_std!r}",
+    )
+    _require(
+        algorithm.adv_aggregation in ADV_AGGREGATIONS,
+        f"algorithm.adv_aggregation must be one of {list(ADV_AGGREGATIONS)}, got {algorithm.adv_aggregation!r}",
     )
     _require(algorithm.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {algorithm.kl_beta}")
     _require(
