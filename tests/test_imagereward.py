@@ -23,7 +23,22 @@ from jagg.scale.imagereward import (
 IMG = 32
 PROMPTS = ["a red circle on the left", "a photo of a cat", "an astronaut riding a horse", "x"]
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-WORDS += "a red circle on the left photo of cat an astronaut riding horse x".split()
+WORDS += [
+    "a",
+    "red",
+    "circle",
+    "on",
+    "the",
+    "left",
+    "photo",
+    "of",
+    "cat",
+    "an",
+    "astronaut",
+    "riding",
+    "horse",
+    "x",
+]
 # med_config.json's BERT keys, shrunk (the real one: hidden 768, 12 layers, 12 heads, vocab 30524)
 TINY_MED = dict(
     hidden_size=32,
