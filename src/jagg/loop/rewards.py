@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
+import jagg.scale.hpsv3  # noqa: F401  (registers hpsv3)
 import jagg.scale.imagereward  # noqa: F401  (registers imagereward)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
