@@ -182,3 +182,28 @@ def test_offline_fails_fast(monkeypatch, tmp_path):
     assert "MizzenAI/HPSv3" in str(err.value) and "local path" in str(err.value)
     with pytest.raises(WeightsUnavailableError, match="local path does not exist"):
         HPSv3Reward(checkpoint=str(tmp_path / "HPSv3.safetensors"), base="/nonexistent/qwen2vl")
+
+
+def test_dry_run_plan_counts_hpsv3_and_imagereward():
+    """The memory plan holds both reward models resident on every rank, in their configured dtype (HPSv3 in bf16
+    here, ImageReward in the default fp32), counted from their architectures on the meta device."""
+    from jagg.config import load_config
+    from jagg.engine.routing import trajectory_cost
+    from jagg.loop.plan import AUX_MODELS, aux_params, memory_plan, trained_steps_per_sample
+
+    cfg = load_config(
+        "configs/paper/flux_dancegrpo.yaml",
+        [
+            "reward.weights={hpsv3: 1.0, imagereward: 0.5}",
+            "reward.kwargs={hpsv3: {dtype: bf16}}",
+            "algorithm.adv_aggregation=per_reward",
+        ],
+    )
+    setting = cfg.backward.fixed_setting()
+    cost = trajectory_cost(setting.routing.plans(trained_steps_per_sample(cfg)), endpoints=setting.endpoints)
+    gpu = memory_plan(cfg, 8, cost.graphs_alive, False).gpu
+    assert gpu[AUX_MODELS["hpsv3"][0]] == 2 * aux_params("hpsv3")
+    assert gpu[AUX_MODELS["imagereward"][0]] == 4 * aux_params("imagereward")
+    assert aux_params("hpsv3") == 8_291_375_616 + 2 * 3584 + (
+        3584 * 1024 + 1024 + 1024 * 16 + 16 + 16 * 2 + 2
+    )

@@ -227,6 +227,9 @@ def test_full_size_shapes_match_imagereward():
         encoder_width=768,
         add_cross_attention=True,
     )
+    from jagg.scale.imagereward import MED_CONFIG
+
+    assert med == MED_CONFIG  # the values of ImageReward's med_config.json
     with torch.device("meta"):
         model = ImageRewardModel.from_med_config(med)
     sd = model.state_dict()

@@ -15,7 +15,7 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   ``joint`` endpoint mode holds, the KL reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
-                  ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
+                  ViT-H-14, CLIPScore ViT-L/14, ImageReward, HPSv3's Qwen2-VL-7B; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
                   the meta device (``AUX_MODELS``; the published counts if a library cannot)
     activations   the update's: ``graphs alive`` (``trajectory_cost``) x batch x tokens x hidden x layers, block
                   inputs only with gradient checkpointing (+ one block recomputed: 2B rows in the batched
@@ -328,6 +328,15 @@ def _build_aux(name: str):
             else (_CLIP_L_TEXT, _CLIP_L_VISION, 768)
         )
         return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=proj))
+    if name == "imagereward":
+        from jagg.scale.imagereward import MED_CONFIG, ImageRewardModel
+
+        return ImageRewardModel.from_med_config(MED_CONFIG)
+    if name == "hpsv3":
+        from jagg.scale.hpsv3 import QWEN2_VL_7B, hpsv3_model
+
+        vocab = QWEN2_VL_7B["text_config"]["vocab_size"]  # + <|Reward|>
+        return hpsv3_model(tf.Qwen2VLConfig(**QWEN2_VL_7B), vocab, vocab + 1)
     from diffusers import AutoencoderKL, AutoencoderKLQwenImage
 
     return AutoencoderKL(**_FLUX_VAE) if name == "flux_vae" else AutoencoderKLQwenImage()  # its defaults
@@ -342,6 +351,10 @@ AUX_MODELS = {  # name -> (description, published parameter count)
     "hpsv2": ("HPSv2.1: open_clip ViT-H-14", 986.1e6),
     "pickscore": ("PickScore: CLIP ViT-H-14", 986.1e6),
     "clipscore": ("CLIPScore: CLIP ViT-L/14", 427.6e6),
+    # counted from the architecture (BLIP ViT-L/16 303.3M + BERT-base with cross-attention 142.0M + head)
+    "imagereward": ("ImageReward: BLIP ViT-L/16 + BERT-base", 446.2e6),
+    # Qwen2-VL-7B-Instruct as published (8,291,375,616) + one token embedding row / lm_head row + rm_head 3.7M
+    "hpsv3": ("HPSv3: Qwen2-VL-7B", 8.2951e9),
 }
 TEXT_ENCODERS = {"flux": ("t5_xxl", "clip_l_text"), "qwenimage": ("qwen25_vl_7b",)}
 GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)

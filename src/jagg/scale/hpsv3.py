@@ -56,6 +56,29 @@ Please provide the overall ratings of this image: <|Reward|>
 END
 """
 REWARD_TOKEN = "<|Reward|>"
+# Qwen/Qwen2-VL-7B-Instruct's config.json (its architecture, for the dry-run plan's parameter count)
+QWEN2_VL_7B = dict(
+    text_config=dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    ),
+    vision_config=dict(
+        depth=32,
+        embed_dim=1280,
+        hidden_size=3584,
+        num_heads=16,
+        mlp_ratio=4,
+        patch_size=14,
+        spatial_merge_size=2,
+    ),
+    tie_word_embeddings=False,
+)
 PIXELS = 256 * 28 * 28  # inference.py : prepare_batch (min_pixels = max_pixels)
 IMAGE_FACTOR = 28
 
@@ -102,7 +125,7 @@ def hpsv3_model(config, special_token_id: int, vocab_size: int):
     from transformers import Qwen2VLForConditionalGeneration
 
     model = Qwen2VLForConditionalGeneration(config)
-    model.resize_token_embeddings(vocab_size)
+    model.resize_token_embeddings(vocab_size, mean_resizing=False)  # the checkpoint overwrites the new row
     model.rm_head = _rm_head(config.text_config.hidden_size).float()
     model.reward_token_id = int(special_token_id)
     return model
@@ -150,7 +173,9 @@ class HPSv3Reward:
     """HPSv3 as a reward: ``reward(images (B,3,H,W) in [0,1], prompts) -> (B,)`` mu (see the module doc).
 
     ``checkpoint``: hub repo id (file ``filename``) or a local .safetensors / .pt file or a directory holding
-    it. ``base``: hub id or local folder of Qwen2-VL-7B-Instruct (its config and processor).
+    it. ``base``: hub id or local folder of Qwen2-VL-7B-Instruct (its config and processor). ``dtype``: fp32 by
+    default like every reward here (33 GB for 8.3B parameters); HPSv3 itself runs bf16
+    (``reward.kwargs: {hpsv3: {dtype: bf16}}``, which the dry-run plan counts).
     """
 
     name = "hpsv3"
@@ -162,7 +187,7 @@ class HPSv3Reward:
         base: str = "Qwen/Qwen2-VL-7B-Instruct",
         *,
         device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype = torch.float32,
         **kwargs,
     ) -> None:
         from transformers import AutoConfig, AutoProcessor
@@ -210,7 +235,7 @@ class HPSv3Reward:
         processor,
         *,
         device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype = torch.float32,
         batch_size: int = 8,
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")

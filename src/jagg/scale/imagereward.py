@@ -37,6 +37,22 @@ from jagg.scale.rewards import CLIP_MEAN, CLIP_STD, clip_preprocess
 IMAGEREWARD_MEAN = 0.16717362830052426
 IMAGEREWARD_STD = 1.0333394966054072
 IMAGEREWARD_MAX_LENGTH = 35
+# med_config.json of THUDM/ImageReward (BLIP's BERT-base with cross-attention; the copy in ImageReward's
+# train/src/config/ has these values)
+MED_CONFIG = dict(
+    hidden_act="gelu",
+    hidden_size=768,
+    initializer_range=0.02,
+    intermediate_size=3072,
+    layer_norm_eps=1e-12,
+    max_position_embeddings=512,
+    num_attention_heads=12,
+    num_hidden_layers=12,
+    pad_token_id=0,
+    vocab_size=30524,
+    encoder_width=768,
+    add_cross_attention=True,
+)
 # ImageReward/models/BLIP/blip.py : create_vit("large", 224): ViT-L/16
 VIT_LARGE = dict(
     hidden_size=1024,
