@@ -32,7 +32,7 @@ from jagg.rewards import EVAL_ONLY
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
-BACKBONE_NAMES = ("flux", "qwenimage")
+BACKBONE_NAMES = ("flux", "qwenimage", "sd3")
 # log.report_to: the experiment trackers of ``jagg.loop.trackers`` (imported there only when named).
 TRACKER_NAMES = ("tensorboard", "wandb")
 
@@ -54,13 +54,15 @@ TINY_RUN = (
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    backbone: str = "flux"  # flux | qwenimage
+    backbone: str = "flux"  # flux | qwenimage | sd3 (SD3 / SD3.5: model.source=pretrained only)
     source: str = (
         "world"  # world (embedded default, `make pretrain`) | tiny (random init) | pretrained (hub/path)
     )
     path: str | None = None  # hub id or local directory for source=pretrained
     guidance_scale: float = 3.5  # Flux embedded guidance
-    true_cfg_scale: float = 1.0  # Qwen-Image true CFG (> 1 needs a negative prompt)
+    true_cfg_scale: float = (
+        1.0  # Qwen-Image / SD3 true CFG (> 1 needs a negative prompt; SD3.5 in Flow-GRPO: 4.5)
+    )
     gradient_checkpointing: bool = False
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 0.0
@@ -476,6 +478,11 @@ def _validate_model(model: ModelConfig) -> None:
     _require(
         model.source != "pretrained" or bool(model.path),
         "model.path is required when model.source=pretrained",
+    )
+    _require(
+        model.backbone != "sd3" or model.source == "pretrained",
+        f"model.backbone=sd3 needs model.source=pretrained (the embedded world has no SD3 backbone), "
+        f"got {model.source!r}",
     )
     _require(model.lora_rank >= 0, f"model.lora_rank must be >= 0, got {model.lora_rank}")
     _require(
