@@ -371,3 +371,21 @@ def test_paper_config_trains_on_two_ranks(tmp_path):
         assert len(trained) == 1 and trained[0]["optimizer_steps"] == 1 and trained[0]["skipped_steps"] == 0
         assert all(torch.isfinite(torch.tensor(r[k])) for r in trained for k in ("loss", "grad_norm"))
         assert "eval_jpeg_mean" in rows[-1]
+
+
+def test_embedding_cache_keeps_the_negative_pooled_vector(pipeline_dir, tmp_path):
+    """SD3's conditioning (tokens, pooled, negative tokens and pooled) through ``CachedTextEncoder``'s files and
+    back, after the text encoders are freed: equal to a fresh encoding."""
+    from jagg.scale.pipelines import CachedTextEncoder
+    from jagg.scale.pretrained import load_text_encoder
+
+    cfg = sd3_cfg(pipeline_dir, tmp_path)
+    encoder = load_text_encoder(cfg, torch.device("cpu"), torch.float32)
+    direct = encoder.encode_prompts(PROMPTS[:3])
+    cached = CachedTextEncoder(encoder, cache_dir=str(tmp_path / "emb"), namespace="sd3")
+    assert cached.precompute(PROMPTS[:3]) == 3
+    cached.release()
+    got = cached.encode_prompts(PROMPTS[:3])
+    for name in ("embeds", "pooled", "neg_embeds", "neg_pooled"):
+        torch.testing.assert_close(getattr(got, name), getattr(direct, name), msg=name)
+    assert got.embeds.shape == (3, 77 + 16, 32) and got.neg_pooled.shape == (3, 32)
