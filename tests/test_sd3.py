@@ -1,5 +1,5 @@
 """SD3 / SD3.5 through the backbone seam, on a tiny random-init pipeline of the real classes (diffusers
-``SD3Transformer2DModel``, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler``; transformers CLIP-L / CLIG-G
+``SD3Transformer2DModel``, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler``; transformers CLIP-L / CLIP-G
 ``CLIPTextModelWithProjection`` and T5), offline: our sampler equals diffusers' ``StableDiffusion3Pipeline``; the
 backward strategies and endpoint modes; two training iterations of the paper config's recipe with LoRA; the LoRA
 export loads into diffusers; the config and offline errors."""
