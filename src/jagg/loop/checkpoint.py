@@ -66,6 +66,7 @@ class Progress:
     ema: list[torch.Tensor] | None
     routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
     group_size: int | None = None  # backward.group_size=auto: the last calibrated W
+    placement: str | None = None  # backward.placement=auto (knots): the last measured placement rule
 
 
 @contextmanager
@@ -225,6 +226,7 @@ def save_checkpoint(
             "metrics": progress.metrics,
             "routing": progress.routing,
             "group_size": progress.group_size,
+            "placement": progress.placement,
             "rng": rng,
             "config": config,
             "optimizer_saved": stepped,
@@ -291,6 +293,7 @@ def load_checkpoint(
         ema=ema,
         routing=meta.get("routing"),
         group_size=meta.get("group_size"),
+        placement=meta.get("placement"),
     )
 
 
