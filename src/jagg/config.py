@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ from jagg.rewards import EVAL_ONLY
 BACKBONE_NAMES = ("flux", "qwenimage", "sd3")
 # log.report_to: the experiment trackers of ``jagg.loop.trackers`` (imported there only when named).
 TRACKER_NAMES = ("tensorboard", "wandb")
+# train.seed's largest value: jagg.common.generator seeds with seed * 1_000_003 + offsets, which must stay
+# inside torch's 64-bit seed range (the usual 32-bit seeds leave ample room)
+MAX_SEED = 2**32 - 1
 
 # The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
 # config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
@@ -317,16 +321,22 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Read a YAML config, resolving ``inherit:`` chains (paths relative to the including file)."""
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML config, resolving ``inherit:`` chains (paths relative to the including file); a file that
+    inherits from itself, directly or through others, is a ``ConfigError`` naming the cycle."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: file {str(path)!r} does not exist")
+    if path.resolve() in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path.resolve()))
+        raise ConfigError(f"config: inherit: cycle {cycle}")
     data = _safe_load(path.read_text(), f"config: {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must be a mapping")
     parent = data.pop("inherit", None)
-    return _merge(load_yaml(path.parent / parent), data) if parent else data
+    if parent is not None and not isinstance(parent, str):
+        raise ConfigError(f"config: {path}: inherit must be a file name, got {parent!r}")
+    return _merge(load_yaml(path.parent / parent, (*_chain, path.resolve())), data) if parent else data
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -393,13 +403,15 @@ def _coerce(key: str, tp, value):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         _, vt = typing.get_args(tp)
         return {str(k): _coerce(f"{key}.{k}", vt, v) for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if tp is float and not isinstance(value, bool) and isinstance(value, int | float | str):
+        try:  # int -> float; PyYAML reads "1e-3" (no dot) as a string
+            number = float(value)
+        except (ValueError, OverflowError):
+            number = None
+        if number is not None and not math.isfinite(number):  # .inf / nan pass every `x > 0` check
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        if number is not None:
+            return number
     if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
     if not isinstance(value, tp):
@@ -658,6 +670,10 @@ def _validate_train(train: TrainConfig) -> None:
     _require(
         train.control_cosine is None or 0 < train.control_cosine <= 1,
         f"train.control_cosine must be null or in (0, 1], got {train.control_cosine}",
+    )
+    _require(
+        0 <= train.seed <= MAX_SEED,
+        f"train.seed must be in [0, {MAX_SEED}] (it seeds torch generators), got {train.seed}",
     )
     for key in (
         "iterations",

@@ -344,9 +344,19 @@ def _build_aux(name: str):
     if name == "qwen25_vl_7b":
         return tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**_QWEN25_VL_7B))
     if name == "hpsv2":
+        import logging
+
         import open_clip
 
-        return open_clip.create_model("ViT-H-14", pretrained=None, device="meta")
+        # open_clip warns "No pretrained weights loaded ... initialized randomly" through the root logger, which
+        # also sets that logger up (logging.basicConfig) and doubles every later line of the CLI; a plan needs
+        # the architecture only, on the meta device. A handler on the root logger meanwhile prevents both.
+        quiet = logging.NullHandler()
+        logging.root.addHandler(quiet)
+        try:
+            return open_clip.create_model("ViT-H-14", pretrained=None, device="meta")
+        finally:
+            logging.root.removeHandler(quiet)
     if name in ("pickscore", "clipscore"):
         text, vision, proj = (
             (_CLIP_H_TEXT, _CLIP_H_VISION, 1024)
