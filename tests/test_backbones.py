@@ -72,4 +72,4 @@ def test_qwen_true_cfg_rescales_to_conditional_norm():
 
 def test_unknown_backbone_name():
     with pytest.raises(ValueError, match="backbone must be one of"):
-        build_tiny_backbone("sd3")
+        build_tiny_backbone("sdxl")

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
-from jagg.engine.grpo import KL_STD
+from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
@@ -34,7 +34,7 @@ from jagg.rewards import EVAL_ONLY
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
-BACKBONE_NAMES = ("flux", "qwenimage")
+BACKBONE_NAMES = ("flux", "qwenimage", "sd3")
 # log.report_to: the experiment trackers of ``jagg.loop.trackers`` (imported there only when named).
 TRACKER_NAMES = ("tensorboard", "wandb")
 # train.seed's largest value: jagg.common.generator seeds with seed * 1_000_003 + offsets, which must stay
@@ -59,13 +59,15 @@ TINY_RUN = (
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    backbone: str = "flux"  # flux | qwenimage
+    backbone: str = "flux"  # flux | qwenimage | sd3 (SD3 / SD3.5: model.source=pretrained only)
     source: str = (
         "world"  # world (embedded default, `make pretrain`) | tiny (random init) | pretrained (hub/path)
     )
     path: str | None = None  # hub id or local directory for source=pretrained
     guidance_scale: float = 3.5  # Flux embedded guidance
-    true_cfg_scale: float = 1.0  # Qwen-Image true CFG (> 1 needs a negative prompt)
+    true_cfg_scale: float = (
+        1.0  # Qwen-Image / SD3 true CFG (> 1 needs a negative prompt; SD3.5 in Flow-GRPO: 4.5)
+    )
     gradient_checkpointing: bool = False
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 0.0
@@ -129,6 +131,9 @@ class AlgorithmConfig:
     adv_eps: float = 1e-8
     adv_unbiased: bool = True
     adv_std: str = "group"  # group | global
+    # several training rewards (jagg.engine.grpo.ADV_AGGREGATIONS): weighted_sum (normalise the weighted sum) |
+    # per_reward (normalise each reward within its group, then sum with reward.weights: MixGRPO's advantage_aggr)
+    adv_aggregation: str = "weighted_sum"
     kl_beta: float = 0.0
     kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
 
@@ -522,6 +527,11 @@ def _validate_model(model: ModelConfig) -> None:
         model.source != "pretrained" or bool(model.path),
         "model.path is required when model.source=pretrained",
     )
+    _require(
+        model.backbone != "sd3" or model.source == "pretrained",
+        f"model.backbone=sd3 needs model.source=pretrained (the embedded world has no SD3 backbone), "
+        f"got {model.source!r}",
+    )
     _require(model.lora_rank >= 0, f"model.lora_rank must be >= 0, got {model.lora_rank}")
     _require(
         model.lora_rank == 0 or model.lora_alpha > 0,
@@ -580,6 +590,10 @@ def _validate_algorithm(
     _require(
         algorithm.adv_std in ("group", "global"),
         f"algorithm.adv_std must be group|global, got {algorithm.adv_std!r}",
+    )
+    _require(
+        algorithm.adv_aggregation in ADV_AGGREGATIONS,
+        f"algorithm.adv_aggregation must be one of {list(ADV_AGGREGATIONS)}, got {algorithm.adv_aggregation!r}",
     )
     _require(algorithm.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {algorithm.kl_beta}")
     _require(

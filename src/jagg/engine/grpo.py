@@ -52,6 +52,41 @@ def group_advantages(
     return adv.clamp(-clip, clip)
 
 
+# algorithm.adv_aggregation: how several training rewards become one advantage (MixGRPO's --multi_reward_mix)
+#   weighted_sum  normalise the weighted sum of the rewards within each group (MixGRPO's reward_aggr; DanceGRPO,
+#                 Flow-GRPO with one reward)
+#   per_reward    normalise each reward within each group, then sum with the weights (MixGRPO's advantage_aggr)
+ADV_AGGREGATIONS = ("weighted_sum", "per_reward")
+
+
+def per_reward_advantages(
+    rewards: dict[str, Tensor],
+    weights: dict[str, float],
+    group_ids: Tensor,
+    *,
+    std_mode: str = "group",
+    unbiased: bool = False,
+    eps: float = 1e-4,
+    clip: float = 5.0,
+) -> Tensor:
+    """A_i = clamp(sum_k w_k (r_ki - mean_{group(i)} r_k) / (std r_k + eps), -clip, clip).
+
+    MixGRPO's ``advantage_aggr`` (``fastvideo/train_grpo_flux.py`` : ``train_one_step``, Tencent-Hunyuan/MixGRPO
+    @ e5cdd6a; docs/references.md): each reward is group-normalised on its own, so a reward's scale does not
+    decide its share, and the weights do; the sum is clamped afterwards (their ``adv_clip_max``, in the loss).
+    ``rewards``: {name: (N,)} for every name in ``weights``; the rest as in ``group_advantages``.
+    """
+    if set(rewards) < set(weights):
+        raise ValueError(f"per_reward_advantages: no scores for {sorted(set(weights) - set(rewards))}")
+    total = torch.zeros(group_ids.shape[0], dtype=torch.float64)
+    for name, weight in weights.items():
+        normalised = group_advantages(
+            rewards[name], group_ids, std_mode=std_mode, unbiased=unbiased, eps=eps, clip=float("inf")
+        )
+        total += weight * normalised
+    return total.clamp(-clip, clip)
+
+
 @dataclass
 class PPOStats:
     """Diagnostics of one clipped-PPO evaluation (all detached scalars)."""

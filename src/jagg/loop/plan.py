@@ -15,7 +15,7 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   ``joint`` endpoint mode holds, the KL reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
-                  ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
+                  ViT-H-14, CLIPScore ViT-L/14, ImageReward, HPSv3's Qwen2-VL-7B; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
                   the meta device (``AUX_MODELS``; the published counts if a library cannot)
     activations   the update's: ``graphs alive`` (``trajectory_cost``) x batch x tokens x hidden x layers, block
                   inputs only with gradient checkpointing (+ one block recomputed: 2B rows in the batched
@@ -66,6 +66,21 @@ KNOWN_CONFIGS = {
         joint_attention_dim=3584,
         guidance_embeds=False,
         axes_dims_rope=(16, 56, 56),
+    ),
+    "sd3": dict(  # stabilityai/stable-diffusion-3.5-medium (MMDiT-X), 2.24B parameters
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=24,
+        attention_head_dim=64,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        caption_projection_dim=1536,
+        pooled_projection_dim=2048,
+        out_channels=16,
+        pos_embed_max_size=384,
+        dual_attention_layers=tuple(range(13)),
+        qk_norm="rms_norm",
     ),
 }
 VAE_SCALE = 8  # pixels per latent cell for both real VAEs
@@ -211,7 +226,7 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
         "stored rollout outputs used",
         f"{reused} of {n_micro} micro-batches per iteration (before the 1st step)",
     )
-    cfg_mult = 2 if model.backbone == "qwenimage" and model.true_cfg_scale > 1 else 1
+    cfg_mult = 2 if model.backbone in TRUE_CFG and model.true_cfg_scale > 1 else 1
     exact = trajectory_cost(Routing(strategy="exact", group_size=W).plans(T))
     p.section(
         "cost per sample by endpoint mode (passes of one micro-batch; FSDP2 collectives per sharded unit;"
@@ -273,6 +288,15 @@ _T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=2
 _CLIP_L_TEXT = dict(
     vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
 )
+_CLIP_G_TEXT = dict(
+    vocab_size=49408,
+    hidden_size=1280,
+    intermediate_size=5120,
+    num_hidden_layers=32,
+    num_attention_heads=20,
+    projection_dim=1280,
+    hidden_act="gelu",
+)
 _CLIP_L_VISION = dict(
     hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, patch_size=14
 )
@@ -315,6 +339,8 @@ def _build_aux(name: str):
         return tf.T5EncoderModel(tf.T5Config(feed_forward_proj="gated-gelu", **_T5_XXL))
     if name == "clip_l_text":
         return tf.CLIPTextModel(tf.CLIPTextConfig(max_position_embeddings=77, **_CLIP_L_TEXT))
+    if name == "clip_g_text":
+        return tf.CLIPTextModelWithProjection(tf.CLIPTextConfig(max_position_embeddings=77, **_CLIP_G_TEXT))
     if name == "qwen25_vl_7b":
         return tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**_QWEN25_VL_7B))
     if name == "hpsv2":
@@ -338,6 +364,15 @@ def _build_aux(name: str):
             else (_CLIP_L_TEXT, _CLIP_L_VISION, 768)
         )
         return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=proj))
+    if name == "imagereward":
+        from jagg.scale.imagereward import MED_CONFIG, ImageRewardModel
+
+        return ImageRewardModel.from_med_config(MED_CONFIG)
+    if name == "hpsv3":
+        from jagg.scale.hpsv3 import QWEN2_VL_7B, hpsv3_model
+
+        vocab = QWEN2_VL_7B["text_config"]["vocab_size"]  # + <|Reward|>
+        return hpsv3_model(tf.Qwen2VLConfig(**QWEN2_VL_7B), vocab, vocab + 1)
     from diffusers import AutoencoderKL, AutoencoderKLQwenImage
 
     return AutoencoderKL(**_FLUX_VAE) if name == "flux_vae" else AutoencoderKLQwenImage()  # its defaults
@@ -346,14 +381,24 @@ def _build_aux(name: str):
 AUX_MODELS = {  # name -> (description, published parameter count)
     "t5_xxl": ("T5-XXL encoder (google/t5-v1_1-xxl)", 4.762e9),
     "clip_l_text": ("CLIP-L text (openai/clip-vit-large-patch14)", 123.1e6),
+    "clip_g_text": ("CLIP-G text (SD3.5 text_encoder_2, with projection)", 694.7e6),
     "qwen25_vl_7b": ("Qwen2.5-VL-7B (with its vision tower)", 8.292e9),
     "flux_vae": ("FLUX.1-dev VAE", 83.8e6),
     "qwenimage_vae": ("Qwen-Image VAE", 126.9e6),
     "hpsv2": ("HPSv2.1: open_clip ViT-H-14", 986.1e6),
     "pickscore": ("PickScore: CLIP ViT-H-14", 986.1e6),
     "clipscore": ("CLIPScore: CLIP ViT-L/14", 427.6e6),
+    # counted from the architecture (BLIP ViT-L/16 303.3M + BERT-base with cross-attention 142.0M + head)
+    "imagereward": ("ImageReward: BLIP ViT-L/16 + BERT-base", 446.2e6),
+    # Qwen2-VL-7B-Instruct as published (8,291,375,616) + one token embedding row / lm_head row + rm_head 3.7M
+    "hpsv3": ("HPSv3: Qwen2-VL-7B", 8.2951e9),
 }
-TEXT_ENCODERS = {"flux": ("t5_xxl", "clip_l_text"), "qwenimage": ("qwen25_vl_7b",)}
+TEXT_ENCODERS = {
+    "flux": ("t5_xxl", "clip_l_text"),
+    "qwenimage": ("qwen25_vl_7b",),
+    "sd3": ("t5_xxl", "clip_l_text", "clip_g_text"),
+}
+TRUE_CFG = ("qwenimage", "sd3")  # backbones whose model.true_cfg_scale > 1 doubles every transformer call
 GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
 CUDA_RESERVE = 3 * GIB  # CUDA context, NCCL buffers and allocator fragmentation (an assumption, not measured)
 HOST_BASELINE = 4 * GIB  # one rank's Python + torch + CUDA libraries on the host (measured ~0.8 GiB on CPU)
@@ -454,7 +499,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     if pretrained:
         if not data.precompute_embeddings:
             aux.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
-        vae = "flux_vae" if model_cfg.backbone == "flux" else "qwenimage_vae"
+        vae = "qwenimage_vae" if model_cfg.backbone == "qwenimage" else "flux_vae"  # SD3's VAE: Flux's layout
         aux[vae] = aux_params(vae) * compute
         for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
             if name in AUX_MODELS:
@@ -470,11 +515,12 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         host_prompts = prompts * embedding_bytes(cfg, model)
     # activations of the update: per graph, B samples x tokens x hidden x layers
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
-    txt = (
-        model_cfg.max_sequence_length if model_cfg.backbone == "flux" else 64
-    )  # Flux pads T5 to the max; Qwen: typical prompt
+    txt = {  # Flux pads T5 to the max; SD3 the 77 CLIP tokens + T5 padded to the max; Qwen: typical prompt
+        "flux": model_cfg.max_sequence_length,
+        "sd3": 77 + model_cfg.max_sequence_length,
+    }.get(model_cfg.backbone, 64)
     tokens = (sampling.latent_size // 2) ** 2 + txt
-    cfg_mult = 2 if model_cfg.backbone == "qwenimage" and model_cfg.true_cfg_scale > 1 else 1
+    cfg_mult = 2 if model_cfg.backbone in TRUE_CFG and model_cfg.true_cfg_scale > 1 else 1
     per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
     # the batched endpoint mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
     backward = cfg.backward
@@ -526,7 +572,7 @@ def all_gather_bytes(cfg: Config, model, all_gathers: int, world_size: int) -> d
     compute = 2 if train.precision == "bf16" else (8 if train.precision == "fp64" else 4)
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
-    cfg_mult = 2 if model_cfg.backbone == "qwenimage" and model_cfg.true_cfg_scale > 1 else 1
+    cfg_mult = 2 if model_cfg.backbone in TRUE_CFG and model_cfg.true_cfg_scale > 1 else 1
     n_micro = max(1, train.prompts_per_iter * train.images_per_prompt // world_size // train.train_batch_size)
     rounds = n_micro * (all_gathers + sampling.num_steps * cfg_mult)
     base = (n_all - n_train) * compute * rounds
@@ -630,6 +676,9 @@ def embedding_bytes(cfg: Config, model) -> int:
     width = model.config.joint_attention_dim
     if model_cfg.backbone == "flux":
         return model_cfg.max_sequence_length * (width * 2 + 8) + 768 * 2
+    if model_cfg.backbone == "sd3":  # 77 CLIP + T5 rows and the 2048 pooled vector (+ the negative with CFG)
+        one = (77 + model_cfg.max_sequence_length) * width * 2 + 2048 * 2
+        return one * (2 if model_cfg.true_cfg_scale > 1 else 1)
     rows = 64 * (
         2 if model_cfg.true_cfg_scale > 1 else 1
     )  # a typical prompt (+ the negative one with true CFG)

@@ -38,6 +38,8 @@ REWARD_NAMES = (
     "clip",
     "clipscore",
     "hpsv2",
+    "hpsv3",
+    "imagereward",
     "jpeg",
     "jpeg_incompressibility",
     "pickscore",

@@ -1,8 +1,8 @@
 """A run's rewards: every reward module registered, each reward built with its kwargs on the run's device.
 
-This is where the registry (``jagg.rewards.REWARDS``) is filled: importing this module imports the three
-modules that register rewards (the JPEG rewards, the embedded world's judges, the real HPSv2.1 / PickScore /
-CLIPScore), so the lower layers never import the ones above them to find a reward.
+This is where the registry (``jagg.rewards.REWARDS``) is filled: importing this module imports the modules that
+register rewards (the JPEG rewards, the embedded world's judges, the real HPSv2.1 / PickScore / CLIPScore and
+ImageReward), so the lower layers never import the ones above them to find a reward.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 
 import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
+import jagg.scale.hpsv3  # noqa: F401  (registers hpsv3)
+import jagg.scale.imagereward  # noqa: F401  (registers imagereward)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
 from jagg.config import Config

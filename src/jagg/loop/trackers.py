@@ -5,8 +5,12 @@ and / or Weights & Biases.
                   numeric field of a row as a scalar at step ``row["iteration"]``, the sample grid as an image,
                   the config as text
     wandb         ``wandb.init(project=$WANDB_PROJECT or "jagg", name=<run_dir name>, dir=<run_dir>)`` with the
-                  same scalars and grids; offline with wandb's own ``WANDB_MODE=offline`` (``wandb sync``
-                  uploads later). Not installed by ``make``: ``pip install wandb``
+                  same scalars and grids, and as its config the run's config plus ``git_sha``, ``hardware`` and
+                  ``versions`` (``jagg.common.run_metadata``, as run.json). Mode: ``$WANDB_MODE`` when set; else
+                  online when an API key is set up (``WANDB_API_KEY`` or ``wandb login``'s netrc entry), offline
+                  otherwise (``wandb sync <run_dir>/wandb/offline-run-*`` uploads later). A resumed run continues
+                  the same wandb run (its id is kept in ``<run_dir>/wandb_run_id``). An optional extra:
+                  ``pip install 'jagg[trackers]'`` (tested with wandb 0.31.0)
 
 Each tracker library is imported only when named (``jagg.loop.preflight`` checks that it is installed before
 anything is written). Only rank 0 opens trackers; the trainer feeds them where it appends to metrics.jsonl.
@@ -16,8 +20,11 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
+import secrets
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 from torch import Tensor
@@ -61,17 +68,26 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """Scalars, grids and the config to a wandb run (offline with ``WANDB_MODE=offline``)."""
+    """Scalars, grids, the config and the run metadata to a wandb run (offline unless set up, see above)."""
 
     def __init__(self, run_dir: Path, config: dict) -> None:
         import wandb
 
+        from jagg.common import run_metadata
+
         self.wandb = wandb
+        id_file = run_dir / "wandb_run_id"  # a resumed run appends to the same wandb run
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        id_file.write_text(run_id + "\n")
+        meta = run_metadata()
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "jagg"),
             name=run_dir.name,
             dir=str(run_dir),
-            config=config,
+            id=run_id,
+            resume="allow",
+            mode=None if os.environ.get("WANDB_MODE") else wandb_default_mode(),
+            config={**config, **{k: meta[k] for k in ("git_sha", "hardware", "versions")}},
         )
 
     def log_row(self, row: dict, step: int) -> None:
@@ -82,6 +98,19 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def wandb_default_mode() -> str:
+    """``online`` when a wandb API key is set up (``WANDB_API_KEY``, or the netrc entry ``wandb login`` writes
+    for ``$WANDB_BASE_URL``'s host), else ``offline``: a run never stops to ask for a login."""
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"
 
 
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}  # keys: jagg.config.TRACKER_NAMES

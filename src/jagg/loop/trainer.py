@@ -38,7 +38,7 @@ from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.control import degrade_gradients, fixed_direction
-from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages
+from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages, per_reward_advantages
 from jagg.engine.knots import Knots
 from jagg.engine.routing import BackwardSetting, Routing, calibrate_knots, calibrate_routing
 from jagg.engine.sde import shifted_linear_sigmas
@@ -201,14 +201,12 @@ class Trainer:
         rewards, scores = score_samples(images, prompts, self.train_reward, evals)
         rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
         scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
-        adv = group_advantages(
-            rewards,
-            group_ids,
-            std_mode=algorithm.adv_std,
-            unbiased=algorithm.adv_unbiased,
-            eps=algorithm.adv_eps,
-            clip=algorithm.adv_clip,
-        )[mine]
+        norm = dict(std_mode=algorithm.adv_std, unbiased=algorithm.adv_unbiased, eps=algorithm.adv_eps)
+        if algorithm.adv_aggregation == "per_reward":  # each reward normalised, then weighted (MixGRPO)
+            weights = self.cfg.reward.weights
+            adv = per_reward_advantages(scores, weights, group_ids, **norm, clip=algorithm.adv_clip)[mine]
+        else:
+            adv = group_advantages(rewards, group_ids, **norm, clip=algorithm.adv_clip)[mine]
         timing = {"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled}
         return Rollout(
             prompts=prompts,

@@ -3,7 +3,7 @@
 Every adapter takes latents in the natural layout (B, C, H, W) and times sigma in [0, 1] (scalar or (B,)),
 packs them the way its pipeline does, runs the transformer and unpacks the prediction. The SDE math and the
 backward strategies therefore never see a model-specific layout. The same adapter class serves the tiny
-random-init models of the tests, the embedded-default world models and the real Flux / Qwen-Image weights;
+random-init models of the tests, the embedded-default world models and the real Flux / Qwen-Image / SD3.5 weights;
 only the transformer's config (or checkpoint) differs. ``Components`` is what a model source provides to the
 loop (backbone, text encoder, decoder, prompts, schedules).
 
@@ -16,10 +16,15 @@ from __future__ import annotations
 from jagg.models.base import Backbone, Components, TextCond, pack_2x2, unpack_2x2
 from jagg.models.flux import FluxBackbone, tiny_flux_config
 from jagg.models.qwenimage import QwenImageBackbone, tiny_qwenimage_config
+from jagg.models.sd3 import SD3Backbone, tiny_sd3_config
 
 # name -> (adapter class, tiny-config factory). The registry the CLI and configs refer to.
-BACKBONES: dict[str, type[Backbone]] = {"flux": FluxBackbone, "qwenimage": QwenImageBackbone}
-TINY_CONFIGS = {"flux": tiny_flux_config, "qwenimage": tiny_qwenimage_config}
+BACKBONES: dict[str, type[Backbone]] = {
+    "flux": FluxBackbone,
+    "qwenimage": QwenImageBackbone,
+    "sd3": SD3Backbone,
+}
+TINY_CONFIGS = {"flux": tiny_flux_config, "qwenimage": tiny_qwenimage_config, "sd3": tiny_sd3_config}
 
 
 def build_tiny_backbone(name: str, seed: int = 0, **overrides) -> Backbone:
@@ -35,10 +40,12 @@ __all__ = [
     "Components",
     "FluxBackbone",
     "QwenImageBackbone",
+    "SD3Backbone",
     "TextCond",
     "build_tiny_backbone",
     "pack_2x2",
     "tiny_flux_config",
     "tiny_qwenimage_config",
+    "tiny_sd3_config",
     "unpack_2x2",
 ]

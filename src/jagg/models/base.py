@@ -17,7 +17,8 @@ class TextCond:
     embeds: (B, L, D) token embeddings (T5 for Flux, Qwen2.5-VL for Qwen-Image, the world's text tower).
     mask:   (B, L) 1 for real tokens (Qwen-Image attends with it).
     pooled: (B, P) pooled embedding (Flux's CLIP-L vector).
-    neg_embeds / neg_mask: the negative prompt for true classifier-free guidance (Qwen-Image).
+    neg_embeds / neg_mask / neg_pooled: the negative prompt for true classifier-free guidance (Qwen-Image;
+    SD3 also uses its pooled vector).
     """
 
     embeds: Tensor
@@ -25,6 +26,7 @@ class TextCond:
     pooled: Tensor | None = None
     neg_embeds: Tensor | None = None
     neg_mask: Tensor | None = None
+    neg_pooled: Tensor | None = None
 
     def _map(self, fn) -> TextCond:
         return replace(

@@ -46,8 +46,13 @@ QWENIMAGE_MLP_TARGETS = ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.p
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "flux": ATTENTION_TARGETS + FLUX_FF_TARGETS,
     "qwenimage": ATTENTION_TARGETS + QWENIMAGE_MLP_TARGETS,
+    "sd3": ATTENTION_TARGETS,  # scripts/train_sd3.py (ac4c86e): the eight attention projections, r 32, alpha 64
 }
-_CLASS_TO_BACKBONE = {"FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwenimage"}
+_CLASS_TO_BACKBONE = {
+    "FluxTransformer2DModel": "flux",
+    "QwenImageTransformer2DModel": "qwenimage",
+    "SD3Transformer2DModel": "sd3",
+}
 PEFT_CONFIG_NAME = "adapter_config.json"
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
 DIFFUSERS_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # what load_lora_weights(folder) picks
@@ -194,9 +199,17 @@ def save_adapter(
     save_file({f"base_model.model.{k}": v for k, v in weights.items()}, peft_file, metadata={"format": "pt"})
     written = [os.path.join(out_dir, PEFT_CONFIG_NAME), peft_file]
     if diffusers:
-        from diffusers.loaders.lora_pipeline import FluxLoraLoaderMixin, QwenImageLoraLoaderMixin
+        from diffusers.loaders.lora_pipeline import (
+            FluxLoraLoaderMixin,
+            QwenImageLoraLoaderMixin,
+            SD3LoraLoaderMixin,
+        )
 
-        mixins = {"flux": FluxLoraLoaderMixin, "qwenimage": QwenImageLoraLoaderMixin}
+        mixins = {
+            "flux": FluxLoraLoaderMixin,
+            "qwenimage": QwenImageLoraLoaderMixin,
+            "sd3": SD3LoraLoaderMixin,
+        }
         name = _CLASS_TO_BACKBONE.get(type(transformer).__name__)
         if name is None:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Real text encoders, VAE decoders and a prompt-embedding cache for FLUX.1-dev and Qwen-Image.
+"""Real text encoders, VAE decoders and a prompt-embedding cache for FLUX.1-dev, Qwen-Image and SD3.5.
 
 They implement the two interfaces the trainer needs (``jagg.models.Components``):
     text_encoder.encode_prompts(list[str]) -> TextCond
@@ -105,6 +105,63 @@ class QwenImageTextEncoder:
         return cond
 
 
+class SD3TextEncoder:
+    """CLIP-L + CLIP-G (pooled, and tokens beside T5's) + T5 through ``StableDiffusion3Pipeline.encode_prompt``;
+    the negative prompt (true CFG; Flow-GRPO encodes "") is encoded once and attached to every row."""
+
+    def __init__(
+        self,
+        clip_l,
+        clip_l_tokenizer,
+        clip_g,
+        clip_g_tokenizer,
+        t5,
+        t5_tokenizer,
+        *,
+        max_sequence_length: int = 256,
+        negative_prompt: str | None = None,
+        device=None,
+    ):
+        from diffusers import StableDiffusion3Pipeline
+
+        self.device = torch.device(device or "cpu")
+        self.max_sequence_length = max_sequence_length
+        frozen = lambda m: m.to(self.device).eval().requires_grad_(False)  # noqa: E731
+        self.pipe = StableDiffusion3Pipeline(
+            transformer=None,
+            scheduler=None,
+            vae=None,
+            text_encoder=frozen(clip_l),
+            tokenizer=clip_l_tokenizer,
+            text_encoder_2=frozen(clip_g),
+            tokenizer_2=clip_g_tokenizer,
+            text_encoder_3=frozen(t5),
+            tokenizer_3=t5_tokenizer,
+        )
+        self.negative = self._encode([negative_prompt]) if negative_prompt is not None else None
+
+    def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return embeds.cpu(), pooled.cpu()  # (B, 77 + L, 4096), (B, 2048)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> TextCond:
+        embeds, pooled = self._encode(list(prompts))
+        cond = TextCond(embeds=embeds, pooled=pooled)
+        if self.negative is not None:
+            neg, neg_pooled = self.negative
+            cond.neg_embeds = neg.expand(len(prompts), -1, -1)
+            cond.neg_pooled = neg_pooled.expand(len(prompts), -1)
+        return cond
+
+
 # --------------------------------------------------------------------------- VAE decoders
 class VaeDecoder:
     """``decode(latents (B, 16, h, w)) -> (B, 3, H, W) in [0, 1]``, in chunks, without grad.
@@ -177,11 +234,12 @@ def _pad_cat(tensors: list[Tensor]) -> Tensor:
 def collate(rows: list[TextCond]) -> TextCond:
     """Inverse of ``_rows``: one batch, padded to the longest prompt with mask zeros."""
     fields = {}
-    for name in ("embeds", "mask", "pooled", "neg_embeds", "neg_mask"):
+    for name in ("embeds", "mask", "pooled", "neg_embeds", "neg_mask", "neg_pooled"):
         vals = [getattr(r, name) for r in rows]
         if vals[0] is None:
             continue
-        fields[name] = _pad_cat(vals) if vals[0].ndim >= 2 and name != "pooled" else torch.cat(vals)
+        pooled = name in ("pooled", "neg_pooled")
+        fields[name] = _pad_cat(vals) if vals[0].ndim >= 2 and not pooled else torch.cat(vals)
     return TextCond(**fields)
 
 

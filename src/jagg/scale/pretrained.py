@@ -1,4 +1,4 @@
-"""Real FLUX.1-dev / Qwen-Image transformers (and their scheduler configs) in the adapter classes.
+"""Real FLUX.1-dev / Qwen-Image / SD3.5 transformers (and their scheduler configs) in the adapter classes.
 
 A diffusers pipeline repo stores the DiT under ``transformer/`` and the schedule under ``scheduler/``:
     transformer = FluxTransformer2DModel.from_pretrained(repo, subfolder="transformer", torch_dtype=bf16)
@@ -22,12 +22,25 @@ from jagg.engine.sde import diffusers_sigmas
 from jagg.errors import ConfigError
 from jagg.models import BACKBONES, Backbone, Components
 from jagg.scale.hub import load_or_explain
-from jagg.scale.pipelines import CachedTextEncoder, FluxTextEncoder, QwenImageTextEncoder, VaeDecoder
+from jagg.scale.pipelines import (
+    CachedTextEncoder,
+    FluxTextEncoder,
+    QwenImageTextEncoder,
+    SD3TextEncoder,
+    VaeDecoder,
+)
 from jagg.scale.prompts import load_prompts
 
 # name -> default hub id (the paper's backbones)
-PRETRAINED_IDS = {"flux": "black-forest-labs/FLUX.1-dev", "qwenimage": "Qwen/Qwen-Image"}
-_HOW = "FLUX.1-dev is gated: accept its licence on the hub before downloading."
+PRETRAINED_IDS = {
+    "flux": "black-forest-labs/FLUX.1-dev",
+    "qwenimage": "Qwen/Qwen-Image",
+    "sd3": "stabilityai/stable-diffusion-3.5-medium",  # Flow-GRPO's SD3.5-M
+}
+_HOW = {
+    "flux": "FLUX.1-dev is gated: accept its licence on the hub before downloading.",
+    "sd3": "Stable Diffusion 3.5 is gated: accept its licence on the hub before downloading.",
+}
 
 
 def _subfolder(path: str, sub: str) -> str | None:
@@ -62,7 +75,7 @@ def load_transformer(
         )
 
     what = f"{name} transformer " + ("config" if meta else "weights")
-    return load_or_explain(load, repo, what=what, how=_HOW if name == "flux" else "")
+    return load_or_explain(load, repo, what=what, how=_HOW.get(name, ""))
 
 
 def load_backbone(
@@ -129,6 +142,15 @@ PIPELINE_PARTS = {
         "tokenizer": ("transformers", "AutoTokenizer"),
         "vae": ("diffusers", "AutoencoderKLQwenImage"),
     },
+    "sd3": {  # stable-diffusion-3.5-medium's model_index.json
+        "text_encoder": ("transformers", "CLIPTextModelWithProjection"),
+        "tokenizer": ("transformers", "AutoTokenizer"),
+        "text_encoder_2": ("transformers", "CLIPTextModelWithProjection"),
+        "tokenizer_2": ("transformers", "AutoTokenizer"),
+        "text_encoder_3": ("transformers", "T5EncoderModel"),
+        "tokenizer_3": ("transformers", "AutoTokenizer"),
+        "vae": ("diffusers", "AutoencoderKL"),
+    },
 }
 
 
@@ -142,8 +164,7 @@ def load_part(name: str, sub: str, name_or_path: str | None = None, *, dtype: to
         kw = {} if sub.startswith("tokenizer") else {"torch_dtype": dtype}
         return cls.from_pretrained(p, subfolder=sub, local_files_only=local, **kw)
 
-    how = _HOW if name == "flux" else ""
-    return load_or_explain(load, repo, what=f"{name} {sub}", how=how)
+    return load_or_explain(load, repo, what=f"{name} {sub}", how=_HOW.get(name, ""))
 
 
 def load_text_encoder(cfg: Config, device: torch.device, dtype: torch.dtype):
@@ -157,6 +178,15 @@ def load_text_encoder(cfg: Config, device: torch.device, dtype: torch.dtype):
             part("text_encoder_2"),
             part("tokenizer_2"),
             max_sequence_length=m.max_sequence_length,
+            device=device,
+        )
+    if m.backbone == "sd3":
+        return SD3TextEncoder(
+            *(part(sub) for sub in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")),
+            part("text_encoder_3"),
+            part("tokenizer_3"),
+            max_sequence_length=m.max_sequence_length,
+            negative_prompt=m.negative_prompt if m.true_cfg_scale > 1 else None,
             device=device,
         )
     return QwenImageTextEncoder(
@@ -175,8 +205,21 @@ def pretrained_schedules(cfg: Config) -> tuple[torch.Tensor | None, torch.Tensor
     if s.schedule != "scheduler":
         return None, None
     sched = load_scheduler_config(cfg.model.path or cfg.model.backbone)
+    if cfg.model.backbone == "sd3":
+        return sd3_sigmas(sched, s.num_steps), sd3_sigmas(sched, s.eval_num_steps)
     seq_len = (s.latent_size // 2) ** 2
     return diffusers_sigmas(sched, s.num_steps, seq_len), diffusers_sigmas(sched, s.eval_num_steps, seq_len)
+
+
+def sd3_sigmas(scheduler_config: dict, num_steps: int, dtype=torch.float64) -> torch.Tensor:
+    """Sigmas (S + 1,) of ``StableDiffusion3Pipeline``: ``scheduler.set_timesteps(num_steps)`` without a sigma list
+    (timesteps evenly spaced from sigma_max to the shifted sigma_min, then shifted by ``shift``, 3.0 for
+    SD3.5-M; no dynamic shift), as Flow-GRPO's ``pipeline_with_logprob`` through ``retrieve_timesteps``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    sched = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    sched.set_timesteps(num_steps)
+    return sched.sigmas.to(dtype)
 
 
 def build_pretrained_components(cfg: Config) -> Components:
@@ -192,9 +235,11 @@ def build_pretrained_components(cfg: Config) -> Components:
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
     device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    adapter = (
-        {"guidance_scale": m.guidance_scale} if m.backbone == "flux" else {"true_cfg_scale": m.true_cfg_scale}
-    )
+    adapter = {
+        "flux": {"guidance_scale": m.guidance_scale},
+        "qwenimage": {"true_cfg_scale": m.true_cfg_scale},
+        "sd3": {"guidance_scale": m.true_cfg_scale},  # true CFG (SD3Backbone)
+    }[m.backbone]
     info = DistInfo.current()
     backbone = load_backbone(m.backbone, m.path, dtype=dtype, meta=not info.is_main, **adapter)
     decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=dtype), device=device)

@@ -1,0 +1,287 @@
+"""HPSv3 (Ma et al. 2025, github.com/MizzenAI/HPSv3): Qwen2-VL-7B-Instruct with a reward head read at a special
+``<|Reward|>`` token; the reward is the head's first output (mu of its (mu, sigma)).
+
+What ``HPSv3RewardInferencer.reward`` does (``hpsv3/inference.py``, ``hpsv3/model/qwen2vl_trainer.py`` :
+``Qwen2VLRewardModelBT``, ``hpsv3/train.py`` : ``create_model_and_processor``, ``hpsv3/config/HPSv3_7B.yaml``;
+docs/references.md), on transformers' ``Qwen2VLForConditionalGeneration`` without the ``hpsv3`` package:
+    image   resized to exactly 256 * 28 * 28 pixels on a 28-pixel grid (``min_pixels = max_pixels``; 448 x 448 for
+            a square image), then the Qwen2-VL image processor (CLIP mean / std, 14-pixel patches, 2x2 merge)
+    text    one user turn: the image, then ``INSTRUCTION.format(text_prompt=prompt)`` + ``PROMPT_WITH_SPECIAL_TOKEN``
+            in Qwen2-VL's chat template with the generation prompt; ``<|Reward|>`` is an added special token
+    model   the image embeddings scattered into the token embeddings, the language model run on them with the
+            positions of a plain text sequence (their forward passes ``input_ids=None`` to the model, so the
+            multimodal rotary index is never built: positions are ``cumsum(attention_mask) - 1``)
+    head    ``rm_head`` (``ranknet``: Linear(H, 1024), ReLU, Dropout, Linear(1024, 16), ReLU, Linear(16, 2)) in
+            float32 on the hidden state at ``<|Reward|>``; reward = output 0 (mu)
+
+Not the ``hpsv3`` package: it pins trl / deepspeed / flash-attn era dependencies. Weights: ``MizzenAI/HPSv3``
+(``HPSv3.safetensors``) or a local file, over ``Qwen/Qwen2-VL-7B-Instruct``'s config and processor (hub id or
+local folder); offline without them: ``WeightsUnavailableError`` (``jagg.scale.hub``). The model is built from
+the config directly on the reward's device and dtype, then the checkpoint is loaded strictly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from jagg.rewards import register_reward
+from jagg.scale.hub import hub_file, load_or_explain
+from jagg.scale.rewards import CLIP_MEAN, CLIP_STD
+
+# hpsv3/dataset/data_collator_qwen.py (INSTRUCTION, prompt_with_special_token; the upstream file was not in the
+# stored snapshot and was read in a fork's copy, docs/references.md)
+INSTRUCTION = """
+You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best. 
+
+**Visual Quality:**  
+Evaluate the overall visual quality of the image. The following sub-dimensions should be considered:
+- **Reasonableness:** The image should not contain any significant biological or logical errors, such as abnormal body structures or nonsensical environmental setups.
+- **Clarity:** Evaluate the sharpness and visibility of the image. The image should be clear and easy to interpret, with no blurring or indistinct areas.
+- **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual elements (e.g., hair, clothing, shadows).
+- **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense of harmony and balance.
+- **Safety:** The image should not contain harmful or inappropriate content, such as political, violent, or adult material. If such content is present, the image quality and satisfaction score should be the lowest possible. 
+Textual prompt - {text_prompt}
+
+
+"""  # noqa: W291 (their trailing spaces are part of the prompt)
+PROMPT_WITH_SPECIAL_TOKEN = """
+Please provide the overall ratings of this image: <|Reward|>
+
+END
+"""
+REWARD_TOKEN = "<|Reward|>"
+# Qwen/Qwen2-VL-7B-Instruct's config.json (its architecture, for the dry-run plan's parameter count)
+QWEN2_VL_7B = dict(
+    text_config=dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    ),
+    vision_config=dict(
+        depth=32,
+        embed_dim=1280,
+        hidden_size=3584,
+        num_heads=16,
+        mlp_ratio=4,
+        patch_size=14,
+        spatial_merge_size=2,
+    ),
+    tie_word_embeddings=False,
+)
+PIXELS = 256 * 28 * 28  # inference.py : prepare_batch (min_pixels = max_pixels)
+IMAGE_FACTOR = 28
+
+
+def chat_text(prompt: str) -> str:
+    """Qwen2-VL-Instruct's chat template rendered for one user turn (image, then text) + the generation prompt."""
+    text = INSTRUCTION.format(text_prompt=prompt) + PROMPT_WITH_SPECIAL_TOKEN
+    return (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{text}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def resized_hw(height: int, width: int, pixels: int = PIXELS, factor: int = IMAGE_FACTOR) -> tuple[int, int]:
+    """qwen-vl-utils ``smart_resize`` with ``min_pixels = max_pixels = pixels``: the aspect ratio kept, both sides
+    multiples of ``factor``, the area ``pixels`` up to rounding (448 x 448 for a square image)."""
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > pixels:
+        beta = math.sqrt(height * width / pixels)
+        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h * w < pixels:
+        beta = math.sqrt(pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def _rm_head(hidden: int, out: int = 2) -> nn.Sequential:
+    """``Qwen2VLRewardModelBT``'s ``ranknet`` head without ``rm_head_kwargs`` (HPSv3_7B.yaml)."""
+    return nn.Sequential(
+        nn.Linear(hidden, 1024),
+        nn.ReLU(),
+        nn.Dropout(0.05),
+        nn.Linear(1024, 16),
+        nn.ReLU(),
+        nn.Linear(16, out),
+    )
+
+
+def hpsv3_model(config, special_token_id: int, vocab_size: int):
+    """Random-init ``Qwen2VLForConditionalGeneration`` of ``config`` with ``vocab_size`` token embeddings (the
+    processor's tokenizer after ``<|Reward|>`` was added) and the float32 ``rm_head``."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration(config)
+    model.resize_token_embeddings(vocab_size, mean_resizing=False)  # the checkpoint overwrites the new row
+    model.rm_head = _rm_head(config.text_config.hidden_size).float()
+    model.reward_token_id = int(special_token_id)
+    return model
+
+
+def convert_hpsv3_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """HPSv3.safetensors' keys -> transformers 5's ``Qwen2VLForConditionalGeneration`` (+ ``rm_head``): a checkpoint
+    saved before transformers 4.52 has ``model.layers`` / ``model.embed_tokens`` / ``model.norm`` / ``visual``,
+    later ones ``model.language_model.*`` / ``model.visual.*``; both map to the latter."""
+    out = {}
+    for key, value in state_dict.items():
+        key = key.removeprefix("module.")
+        key = re.sub(r"^visual\.", "model.visual.", key)
+        key = re.sub(r"^model\.(layers|embed_tokens|norm)\b", r"model.language_model.\1", key)
+        out[key] = value
+    return out
+
+
+@torch.no_grad()
+def hpsv3_scores(model, input_ids: Tensor, attention_mask: Tensor, pixel_values: Tensor, grid_thw: Tensor):
+    """(B, 2) head outputs at ``<|Reward|>``: ``Qwen2VLRewardModelBT.forward`` on transformers 5's modules."""
+    inner = model.model
+    embeds = inner.language_model.embed_tokens(input_ids)
+    image = inner.visual(
+        pixel_values.to(inner.visual.dtype), grid_thw=grid_thw
+    ).pooler_output  # merged patches
+    mask = (input_ids == model.config.image_token_id).unsqueeze(-1).expand_as(embeds)
+    embeds = embeds.masked_scatter(mask, image.to(embeds.dtype))
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # text positions
+    hidden = inner.language_model(
+        inputs_embeds=embeds,
+        attention_mask=attention_mask,
+        position_ids=positions.unsqueeze(0).expand(3, -1, -1),
+    ).last_hidden_state
+    at = input_ids == model.reward_token_id
+    if not bool((at.sum(-1) == 1).all()):
+        raise ValueError(
+            f"HPSv3: each sequence needs exactly one {REWARD_TOKEN} token, got {at.sum(-1).tolist()}"
+        )
+    return model.rm_head(hidden[at].float())  # (B, 2)
+
+
+@register_reward("hpsv3")
+class HPSv3Reward:
+    """HPSv3 as a reward: ``reward(images (B,3,H,W) in [0,1], prompts) -> (B,)`` mu (see the module doc).
+
+    ``checkpoint``: hub repo id (file ``filename``) or a local .safetensors / .pt file or a directory holding
+    it. ``base``: hub id or local folder of Qwen2-VL-7B-Instruct (its config and processor). ``dtype``: fp32 by
+    default like every reward here (33 GB for 8.3B parameters); HPSv3 itself runs bf16
+    (``reward.kwargs: {hpsv3: {dtype: bf16}}``, which the dry-run plan counts).
+    """
+
+    name = "hpsv3"
+
+    def __init__(
+        self,
+        checkpoint: str = "MizzenAI/HPSv3",
+        filename: str = "HPSv3.safetensors",
+        base: str = "Qwen/Qwen2-VL-7B-Instruct",
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        **kwargs,
+    ) -> None:
+        from transformers import AutoConfig, AutoProcessor
+
+        ckpt = os.path.expanduser(checkpoint)
+        path = (
+            ckpt if os.path.isfile(ckpt) else hub_file(checkpoint, filename, what="HPSv3 reward checkpoint")
+        )
+        what = "HPSv3 base model (Qwen2-VL-7B-Instruct)"
+        config = load_or_explain(
+            lambda p, local: AutoConfig.from_pretrained(p, local_files_only=local),
+            base,
+            what=f"{what} config",
+        )
+        processor = load_or_explain(
+            lambda p, local: AutoProcessor.from_pretrained(p, local_files_only=local, padding_side="right"),
+            base,
+            what=f"{what} processor",
+        )
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        with torch.device(
+            dev
+        ):  # 8B parameters: built where they will run, then overwritten by the checkpoint
+            model = hpsv3_with_processor(config, processor)
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(path, device="cpu")
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        state = state.get("model", state)
+        model.load_state_dict(convert_hpsv3_state_dict(state))
+        self._init_from(model, processor, device=dev, dtype=dtype, **kwargs)
+
+    @classmethod
+    def from_model(cls, model, processor, **kwargs) -> HPSv3Reward:
+        """Wrap a model of ``hpsv3_with_processor`` and its processor (tokenizer with ``<|Reward|>``)."""
+        self = cls.__new__(cls)
+        self._init_from(model, processor, **kwargs)
+        return self
+
+    def _init_from(
+        self,
+        model,
+        processor,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 8,
+    ) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        self.model.rm_head.float()  # their head stays float32 (create_model_and_processor)
+        self.processor = processor
+        self.batch_size = int(batch_size)
+
+    def _inputs(self, images: Tensor, prompts: list[str]):
+        """The processor's batch: each image resized as qwen-vl-utils does (bicubic, on the [0, 1] tensor), the
+        chat text with the image placeholders expanded; right padding."""
+        pixels = []
+        for img in images.float().clamp(0, 1):
+            h, w = resized_hw(*img.shape[-2:])
+            img = F.interpolate(img[None], size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+            pixels.append(img[0].clamp(0, 1))
+        return self.processor(
+            text=[chat_text(p) for p in prompts],
+            images=pixels,
+            padding=True,
+            return_tensors="pt",
+            images_kwargs={
+                "do_rescale": False,
+                "do_resize": False,
+                "image_mean": CLIP_MEAN,
+                "image_std": CLIP_STD,
+            },
+        )
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
+        if images.shape[0] != len(prompts):
+            raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
+        out = []
+        for i in range(0, len(prompts), self.batch_size):
+            batch = self._inputs(images[i : i + self.batch_size], list(prompts[i : i + self.batch_size]))
+            batch = batch.to(self.device)
+            scores = hpsv3_scores(
+                self.model, batch.input_ids, batch.attention_mask, batch.pixel_values, batch.image_grid_thw
+            )
+            out.append(scores[:, 0])
+        return torch.cat(out).float().to(images.device)
+
+
+def hpsv3_with_processor(config, processor):
+    """Add ``<|Reward|>`` to the processor's tokenizer (as ``create_model_and_processor``) and build the model."""
+    tok = processor.tokenizer
+    tok.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
+    return hpsv3_model(config, tok.convert_tokens_to_ids(REWARD_TOKEN), len(tok))

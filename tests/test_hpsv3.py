@@ -1,0 +1,209 @@
+"""HPSv3 on a tiny random-init Qwen2-VL of the real classes (transformers ``Qwen2VLForConditionalGeneration`` and
+``Qwen2VLProcessor``), offline: the chat text, the 448 x 448 resize, the read-out at ``<|Reward|>``, batching,
+a checkpoint in either key layout through the real constructor, the offline failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jagg.errors import WeightsUnavailableError
+from jagg.rewards import REWARDS, build_reward
+from jagg.scale.hpsv3 import (
+    INSTRUCTION,
+    PROMPT_WITH_SPECIAL_TOKEN,
+    REWARD_TOKEN,
+    HPSv3Reward,
+    chat_text,
+    convert_hpsv3_state_dict,
+    hpsv3_scores,
+    hpsv3_with_processor,
+    resized_hw,
+)
+
+PROMPTS = ["a red circle on the left", "a photo of a cat", "an astronaut riding a horse"]
+SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+SPECIAL += ["<|video_pad|>"]
+
+
+def tiny_processor():
+    """A byte-level BPE with Qwen2-VL's special tokens, and Qwen2-VL's image processor (14-pixel patches, 2x2 merge)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([*PROMPTS, INSTRUCTION, PROMPT_WITH_SPECIAL_TOKEN], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", padding_side="right")
+    images = Qwen2VLImageProcessor(min_pixels=256 * 28 * 28, max_pixels=256 * 28 * 28)
+    return Qwen2VLProcessor(image_processor=images, tokenizer=fast, video_processor=Qwen2VLVideoProcessor())
+
+
+def tiny_config(processor):
+    from transformers import Qwen2VLConfig
+
+    tok = processor.tokenizer
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            max_position_embeddings=4096,
+            pad_token_id=ids["<pad>"],
+        ),
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+    )
+
+
+def tiny(seed: int = 0):
+    processor = tiny_processor()
+    config = tiny_config(processor)
+    torch.manual_seed(seed)
+    model = hpsv3_with_processor(config, processor).eval()
+    with torch.no_grad():  # a head with larger weights, so that the scores of a random model spread
+        for p in model.rm_head.parameters():
+            p.normal_(0.0, 0.3)
+    return model, processor, config
+
+
+def images(b: int = 3, h: int = 48, w: int = 40, seed: int = 0):
+    return torch.rand(b, 3, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def reward():
+    model, processor, _ = tiny(seed=0)
+    return HPSv3Reward.from_model(model, processor, dtype=torch.float32)
+
+
+def test_registered():
+    assert "hpsv3" in REWARDS
+
+
+def test_resize_and_chat_text():
+    assert resized_hw(1024, 1024) == (448, 448) and resized_hw(16, 16) == (448, 448)
+    for h, w in [(720, 1280), (48, 40), (512, 768), (17, 50)]:
+        rh, rw = resized_hw(h, w)
+        assert rh % 28 == 0 and rw % 28 == 0
+        assert abs(rh * rw - 256 * 28 * 28) / (256 * 28 * 28) < 0.2
+        assert abs(rh / rw - h / w) / (h / w) < 0.2
+    text = chat_text("a cat")
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+    assert "<|vision_start|><|image_pad|><|vision_end|>\nYou are tasked with evaluating" in text
+    assert "Textual prompt - a cat\n" in text and text.count(REWARD_TOKEN) == 1
+    assert text.endswith("<|Reward|>\n\nEND\n<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_score_is_mu_at_the_reward_token(reward):
+    """The processor expands the image placeholder to the merged patch count of the resized image (48 x 40 ->
+    504 x 420: 36 x 30 patches, 270 tokens), the reward token appears once per row, and the score is output 0
+    of the head there."""
+    x = images()
+    batch = reward._inputs(x, PROMPTS)
+    assert resized_hw(48, 40) == (504, 420) and batch.image_grid_thw.tolist() == [[1, 36, 30]] * 3
+    image_id = reward.model.config.image_token_id
+    assert ((batch.input_ids == image_id).sum(-1) == 270).all()
+    both = hpsv3_scores(
+        reward.model, batch.input_ids, batch.attention_mask, batch.pixel_values, batch.image_grid_thw
+    )
+    assert both.shape == (3, 2)
+    s = reward(x, PROMPTS)
+    assert s.shape == (3,) and s.dtype == torch.float32 and torch.isfinite(s).all()
+    torch.testing.assert_close(s, both[:, 0])
+
+
+def test_batch_invariance_and_inputs(reward):
+    x = images()
+    s = reward(x, PROMPTS)
+    one_by_one = torch.cat([reward(x[i : i + 1], PROMPTS[i : i + 1]) for i in range(3)])
+    torch.testing.assert_close(s, one_by_one, atol=1e-4, rtol=1e-4)  # right padding changes nothing
+    reward.batch_size = 2
+    torch.testing.assert_close(reward(x, PROMPTS), s, atol=1e-4, rtol=1e-4)
+    reward.batch_size = 8
+    assert not torch.allclose(s, reward(x, PROMPTS[::-1]), atol=1e-3)
+    assert not torch.allclose(s, reward(0.3 * images(seed=1), PROMPTS), atol=1e-3)
+    assert reward(images(2, 64, 96), PROMPTS[:2]).shape == (2,)
+    with pytest.raises(ValueError, match="3 images but 2 prompts"):
+        reward(x, PROMPTS[:2])
+
+
+@pytest.mark.parametrize("layout", ["transformers5", "legacy"])
+def test_from_local_checkpoint(tmp_path, layout):
+    """The real constructor: the base's config and processor from a local folder, HPSv3.safetensors in either key
+    layout (saved before / after transformers 4.52), loaded strictly; equal scores on images it has not seen."""
+    from safetensors.torch import save_file
+
+    model, processor, config = tiny(seed=2)
+    base = tmp_path / "qwen2vl"
+    config.save_pretrained(base)
+    tiny_processor().save_pretrained(
+        base
+    )  # without <|Reward|>: the constructor adds it, as create_model_and_processor
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if layout == "legacy":
+        state = {
+            k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+            for k, v in state.items()
+        }
+    assert convert_hpsv3_state_dict(state).keys() == model.state_dict().keys()
+    save_file(state, tmp_path / "HPSv3.safetensors")
+    fn = HPSv3Reward(checkpoint=str(tmp_path / "HPSv3.safetensors"), base=str(base), dtype=torch.float32)
+    ref = HPSv3Reward.from_model(model, processor, dtype=torch.float32)
+    x = images(seed=7)
+    torch.testing.assert_close(fn(x, PROMPTS), ref(x, PROMPTS))
+
+
+def test_offline_fails_fast(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(WeightsUnavailableError, match="HF_HUB_OFFLINE") as err:
+        build_reward("hpsv3")
+    assert "MizzenAI/HPSv3" in str(err.value) and "local path" in str(err.value)
+    with pytest.raises(WeightsUnavailableError, match="local path does not exist"):
+        HPSv3Reward(checkpoint=str(tmp_path / "HPSv3.safetensors"), base="/nonexistent/qwen2vl")
+
+
+def test_dry_run_plan_counts_hpsv3_and_imagereward():
+    """The memory plan holds both reward models resident on every rank, in their configured dtype (HPSv3 in bf16
+    here, ImageReward in the default fp32), counted from their architectures on the meta device."""
+    from jagg.config import load_config
+    from jagg.engine.routing import trajectory_cost
+    from jagg.loop.plan import AUX_MODELS, aux_params, memory_plan, trained_steps_per_sample
+
+    cfg = load_config(
+        "configs/paper/flux_dancegrpo.yaml",
+        [
+            "reward.weights={hpsv3: 1.0, imagereward: 0.5}",
+            "reward.kwargs={hpsv3: {dtype: bf16}}",
+            "algorithm.adv_aggregation=per_reward",
+        ],
+    )
+    setting = cfg.backward.fixed_setting()
+    cost = trajectory_cost(setting.routing.plans(trained_steps_per_sample(cfg)), endpoints=setting.endpoints)
+    gpu = memory_plan(cfg, 8, cost.graphs_alive, False).gpu
+    assert gpu[AUX_MODELS["hpsv3"][0]] == 2 * aux_params("hpsv3")
+    assert gpu[AUX_MODELS["imagereward"][0]] == 4 * aux_params("imagereward")
+    assert aux_params("hpsv3") == 8_291_375_616 + 2 * 3584 + (
+        3584 * 1024 + 1024 + 1024 * 16 + 16 + 16 * 2 + 2
+    )
