@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
-from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD
+from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
@@ -136,6 +136,23 @@ class AlgorithmConfig:
     adv_aggregation: str = "weighted_sum"
     kl_beta: float = 0.0
     kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
+
+    def step_loss(
+        self, steps: TrainedSteps, advantages, *, scale: float = 1.0, ref_velocity=None
+    ) -> GRPOStepLoss:
+        """THE per-step GRPO loss of ``steps`` under this algorithm's objective (SDE kind and noise, clip range,
+        KL against ``ref_velocity`` when given and ``kl_beta > 0``), scaled by ``scale``."""
+        return GRPOStepLoss.of(
+            steps,
+            advantages,
+            kind=self.sde_kind,
+            noise_level=self.noise_level,
+            clip_range=self.clip_range,
+            kl_beta=self.kl_beta if ref_velocity is not None else 0.0,
+            kl_std=self.kl_std,
+            ref_velocity=ref_velocity,
+            scale=scale,
+        )
 
 
 # A field whose YAML value may be ``auto``: None in the dataclass (decided at run time); the metadata says what

@@ -138,6 +138,21 @@ class StepStats:
     ppo: PPOStats
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrainedSteps:
+    """The T trained steps of a micro-batch of B trajectories, as the rollout stored them: the model inputs
+    ``x`` and the sampled next latents ``x_next`` (T, B, ...), their times ``sigma`` / ``sigma_next`` (T,) or
+    per-sample (T, B), the log-probs of the samples at sampling time ``old_log_prob`` (T, B), and the model
+    outputs ``outputs`` (T, B, ...) where the rollout kept them (None otherwise)."""
+
+    x: Tensor
+    x_next: Tensor
+    sigma: Tensor
+    sigma_next: Tensor
+    old_log_prob: Tensor
+    outputs: Tensor | None = None
+
+
 KL_STD = ("flow_grpo", "step")  # which std the KL penalty divides by (GRPOStepLoss.kl_std)
 
 
@@ -238,6 +253,20 @@ class GRPOStepLoss:
             kind=kind,
             noise_level=noise_level,
             clip_range=clip_range,
+        )
+
+    @classmethod
+    def of(cls, steps: TrainedSteps, advantages: Tensor, **objective) -> GRPOStepLoss:
+        """The loss of ``steps`` (``TrainedSteps``) with ``advantages`` (B,) and the objective's keywords (kind,
+        noise_level, clip_range, ...; ``AlgorithmConfig.step_loss`` fills them from a config)."""
+        return cls(
+            x=steps.x,
+            x_next=steps.x_next,
+            sigma=steps.sigma,
+            sigma_next=steps.sigma_next,
+            old_log_prob=steps.old_log_prob,
+            advantages=advantages,
+            **objective,
         )
 
     def __call__(self, i: int, v: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from jagg.engine.grpo import TrainedSteps
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.strategies import Velocity
 from jagg.models import TextCond
@@ -33,6 +34,20 @@ class Rollout:
     timing: dict[str, float]  # time_sample_s, time_reward_s
     # the trainer's optimizer steps when sampled: the stored outputs are valid while that count is unchanged
     weights_version: int
+
+    def at(self, idx: slice, sigmas: Tensor, steps: Tensor | None = None) -> TrainedSteps:
+        """The trained steps of the samples ``idx`` (or ``steps`` (b, T), ascending, instead of theirs): inputs,
+        next latents, times from the schedule ``sigmas`` (S + 1,), old log-probs and stored outputs."""
+        steps = self.trained[idx] if steps is None else steps
+        traj = self.traj
+        return TrainedSteps(
+            x=at_steps(traj.latents, idx, steps),
+            x_next=at_steps(traj.latents, idx, steps, offset=1),
+            sigma=sigmas[steps.T],
+            sigma_next=sigmas[steps.T + 1],
+            old_log_prob=at_steps(traj.log_probs, idx, steps),
+            outputs=None if traj.outputs is None else at_steps(traj.outputs, idx, steps),
+        )
 
 
 def at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Tensor:

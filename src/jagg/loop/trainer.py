@@ -39,16 +39,16 @@ from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.control import degrade_gradients, fixed_direction
 from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages, per_reward_advantages
-from jagg.engine.knots import Knots
-from jagg.engine.routing import BackwardSetting, Routing, calibrate_knots, calibrate_routing
+from jagg.engine.routing import BackwardSetting
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
+from jagg.loop.calibration import measure_setting, record, restore
 from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.grids import save_grid
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_rewards, score_samples
-from jagg.loop.rollout import Rollout, at_steps, sample_micro_batches
+from jagg.loop.rollout import Rollout, sample_micro_batches
 from jagg.loop.trackers import Trackers
 from jagg.models import Backbone, Components, TextCond
 
@@ -69,11 +69,6 @@ class _Recorded:
         value, stats = self.loss.evaluate(i, v)
         self.stats.append(stats)
         return value
-
-
-def _schedule(given: Tensor | None, num_steps: int, shift: float) -> Tensor:
-    """The model source's sigmas, else the shifted-linear schedule of DanceGRPO (the world's)."""
-    return given if given is not None else shifted_linear_sigmas(num_steps, shift)
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -222,31 +217,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ update
     def grpo_loss(
-        self, ro: Rollout, steps: Tensor, idx: slice = slice(None), *, scale: float = 1.0
+        self, ro: Rollout, steps: Tensor | None = None, idx: slice = slice(None), *, scale: float = 1.0
     ) -> GRPOStepLoss:
-        """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps ``steps`` (b, T) (ascending).
-
-        ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the model inputs and times of the trained steps;
-        ``loss(i, v)`` is the scaled loss of the i-th; with ``algorithm.kl_beta > 0`` the frozen reference
-        model gives the KL term.
-        """
-        algorithm = self.cfg.algorithm
-        latents = ro.traj.latents
-        sigmas = self.sigmas.to(self.device)
-        return GRPOStepLoss(
-            x=at_steps(latents, idx, steps),
-            x_next=at_steps(latents, idx, steps, offset=1),
-            sigma=sigmas[steps.T],
-            sigma_next=sigmas[steps.T + 1],
-            old_log_prob=at_steps(ro.traj.log_probs, idx, steps),
-            advantages=ro.advantages[idx].to(self.device),
-            kind=algorithm.sde_kind,
-            noise_level=algorithm.noise_level,
-            clip_range=algorithm.clip_range,
-            kl_beta=algorithm.kl_beta if self.reference is not None else 0.0,
-            kl_std=algorithm.kl_std,
-            ref_velocity=self.velocity(ro.cond.select(idx), self.reference) if self.reference else None,
-            scale=scale,
+        """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps (or ``steps`` (b, T)):
+        ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the inputs and times, ``loss(i, v)`` the scaled loss
+        of the i-th step; with ``algorithm.kl_beta > 0`` the frozen reference model gives the KL term."""
+        trained = ro.at(idx, self.sigmas.to(self.device), steps)
+        ref = self.velocity(ro.cond.select(idx), self.reference) if self.reference else None
+        return self.cfg.algorithm.step_loss(
+            trained, ro.advantages[idx].to(self.device), scale=scale, ref_velocity=ref
         )
 
     def _micro_batches(self, ro: Rollout) -> list[slice]:
@@ -268,10 +247,10 @@ class Trainer:
         onpolicy_dev, grad_norms, skipped, stepped = 0.0, [], 0, 0
         self.optimizer.zero_grad(set_to_none=True)
         for k, idx in enumerate(batches):
-            steps = ro.trained[idx]  # (b, T)
-            loss = _Recorded(self.grpo_loss(ro, steps, idx, scale=1.0 / (train.grad_accum * steps.shape[1])))
-            on_rollout_weights = ro.weights_version == self.weights_version and ro.traj.outputs is not None
-            outputs = at_steps(ro.traj.outputs, idx, steps).to(self.device) if on_rollout_weights else None
+            steps = ro.at(idx, self.sigmas.to(self.device))  # the micro-batch's T trained steps
+            loss = _Recorded(self.grpo_loss(ro, idx=idx, scale=1.0 / (train.grad_accum * len(steps.x))))
+            on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
+            outputs = steps.outputs.to(self.device) if on_rollout_weights else None
             stats = self.backward.backward(self.velocity(ro.cond.select(idx)), loss, outputs)
             total = stats if total is None else total.merge(stats)
             step_stats += loss.stats
@@ -348,49 +327,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def calibrate(self, ro: Rollout) -> dict:
-        """Measure the routing on the rollout's first micro-batch and use it; gradients are left as they were.
-
-        Groups (``backward.jagg_frac=auto``, ``calibrate_routing``): the cosine of each group position's
-        ``backward.strategy`` gradient to its exact one (sharded dot products under FSDP2), the strategy where it
-        is at least ``backward.min_cosine``; with ``backward.group_size=auto`` the candidate W whose routed
-        update the cost model predicts cheapest. Knots (``backward.placement=auto``, ``calibrate_knots``): the
-        placement rule whose micro-batch gradient is closest to exact. Returns the metrics and the seconds.
-        """
-        backward, train = self.cfg.backward, self.cfg.train
+        """Measure the backward on the rollout's first micro-batch and use it (``jagg.loop.calibration``: the
+        routing of groups under ``backward.jagg_frac=auto``, the knots' placement under ``backward.placement=auto``);
+        gradients are left as they were. Returns the measurement's metrics and its seconds."""
         t0 = time.perf_counter()
-        idx = slice(0, train.train_batch_size)
-        loss = self.grpo_loss(ro, ro.trained[idx], idx, scale=1.0)
-        velocity = self.velocity(ro.cond.select(idx))
-        if backward.strategy == "knots":
-            measured = calibrate_knots(
-                velocity,
-                loss.x,
-                loss.sigma,
-                loss,
-                self.params,
-                count=backward.knots,
-                endpoints=backward.endpoints,
-            )
-            self.backward = backward.setting(measured.routing)
-            return measured.as_metrics() | {"time_calibrate_s": time.perf_counter() - t0}
-        calibration = calibrate_routing(
-            velocity,
-            loss.x,
-            loss.sigma,
-            loss,
+        idx = slice(0, self.cfg.train.train_batch_size)
+        self.backward, metrics = measure_setting(
+            self.cfg.backward,
+            self.velocity(ro.cond.select(idx)),
+            self.grpo_loss(ro, idx=idx, scale=1.0),
             self.params,
-            strategy=backward.strategy,
-            group_sizes=backward.candidate_group_sizes,
-            min_cosine=backward.min_cosine,
-            endpoints=backward.endpoints,
-            reuse_outputs=backward.reuse_rollout,
-            endpoint_signals=backward.endpoint_signals,
             micro_batches=len(self._micro_batches(ro)),
-            grad_accum=train.grad_accum,
+            grad_accum=self.cfg.train.grad_accum,
         )
-        self.backward = backward.setting(calibration.routing)
-        row = calibration.as_metrics(per_group_size=backward.group_size is None)
-        return row | {"time_calibrate_s": time.perf_counter() - t0}
+        return metrics | {"time_calibrate_s": time.perf_counter() - t0}
 
     def train_iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
@@ -429,16 +379,12 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
-        routing = None if self.backward is None else self.backward.routing
-        knots = isinstance(routing, Knots)
         progress = Progress(
             iteration=self.iteration,
             consecutive_skips=self.consecutive_skips,
             metrics=self.metrics,
             ema=self.ema,
-            routing=None if routing is None or knots or routing.measured is None else list(routing.measured),
-            group_size=None if routing is None or knots else routing.group_size,
-            placement=routing.placement if knots else None,
+            **record(self.backward),
         )
         save_checkpoint(
             self.run_dir,
@@ -452,7 +398,7 @@ class Trainer:
         self.checkpointed_at = self.iteration
 
     def load_checkpoint(self) -> None:
-        """Restore weights, optimizer, EMA, RNG states, counters, metrics and a measured routing from the run's
+        """Restore weights, optimizer, EMA, RNG states, counters, metrics and a measured backward from the run's
         newest checkpoint that verifies (each rank reads its shards; the checkpoint may come from another world
         size)."""
         progress, _ = resume_checkpoint(
@@ -461,16 +407,7 @@ class Trainer:
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
         self.metrics = progress.metrics
-        backward = self.cfg.backward
-        if backward.calibrated and backward.strategy == "knots" and progress.placement is not None:
-            self.backward = backward.setting(Knots(count=backward.knots, placement=progress.placement))
-        elif backward.calibrated and progress.routing is not None:
-            routing = Routing(
-                strategy=self.cfg.backward.strategy,
-                group_size=progress.group_size,
-                measured=tuple(progress.routing),
-            )
-            self.backward = self.cfg.backward.setting(routing)
+        self.backward = restore(self.cfg.backward, progress) or self.backward
         self.checkpointed_at = self.iteration
         self._write_metrics()
 
