@@ -272,6 +272,10 @@ class GRPOStepLoss:
     def __call__(self, i: int, v: Tensor) -> Tensor:
         return self.evaluate(i, v)[0]
 
+    def recording(self) -> RecordingLoss:
+        """This loss as a ``StepLoss`` that keeps the ``StepStats`` of every evaluation (the trainer's metrics)."""
+        return RecordingLoss(self)
+
     def evaluate(self, i: int, v: Tensor) -> tuple[Tensor, StepStats]:
         """``(scale * L_i, StepStats(L_i, PPOStats))`` for the model output ``v`` of the i-th trained step."""
         x, s, s_next = self.x[i], self.sigma[i], self.sigma_next[i]
@@ -294,3 +298,17 @@ class GRPOStepLoss:
             loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, std).mean()
         scaled = loss if self.scale == 1.0 else loss * self.scale
         return scaled, StepStats(loss.item(), stats)
+
+
+class RecordingLoss:
+    """A ``GRPOStepLoss`` that appends the ``StepStats`` of every evaluation to ``stats``, in call order; ``x`` and
+    ``sigma`` are the loss's, so a backward setting reads it like the loss itself."""
+
+    def __init__(self, loss: GRPOStepLoss) -> None:
+        self.loss, self.stats = loss, []
+        self.x, self.sigma = loss.x, loss.sigma
+
+    def __call__(self, i: int, v: Tensor) -> Tensor:
+        value, stats = self.loss.evaluate(i, v)
+        self.stats.append(stats)
+        return value

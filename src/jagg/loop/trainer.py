@@ -57,20 +57,6 @@ class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite updates; a final checkpoint has been written."""
 
 
-class _Recorded:
-    """A ``GRPOStepLoss`` as a ``StepLoss`` that keeps the statistics of every evaluation, in call order
-    (``x`` and ``sigma`` are the loss's)."""
-
-    def __init__(self, loss: GRPOStepLoss) -> None:
-        self.loss, self.stats = loss, []
-        self.x, self.sigma = loss.x, loss.sigma
-
-    def __call__(self, i: int, v: Tensor) -> Tensor:
-        value, stats = self.loss.evaluate(i, v)
-        self.stats.append(stats)
-        return value
-
-
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -248,7 +234,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for k, idx in enumerate(batches):
             steps = ro.at(idx, self.sigmas.to(self.device))  # the micro-batch's T trained steps
-            loss = _Recorded(self.grpo_loss(ro, idx=idx, scale=1.0 / (train.grad_accum * len(steps.x))))
+            loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (train.grad_accum * len(steps.x))).recording()
             on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
             outputs = steps.outputs.to(self.device) if on_rollout_weights else None
             stats = self.backward.backward(self.velocity(ro.cond.select(idx)), loss, outputs)
