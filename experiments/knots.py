@@ -291,6 +291,13 @@ def main(argv: list[str] | None = None) -> None:
         eta = ProgressETA(
             len(args.backbones) * (len(args.structures) * args.rollouts + args.iterations), "knots"
         )
+        # recorded before the runs: the commit the measured code came from, not the one at write time
+        meta = run_metadata(
+            command=command_line("experiments/knots.py", argv),
+            seed="rollout index",
+            config={k: v for k, v in vars(args).items() if k != "overrides"},
+            overrides=args.overrides,
+        )
         rows, timing, configs = [], [], {}
         for backbone in args.backbones:
             for structure in args.structures:
@@ -298,13 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows += new
             new, configs[f"{backbone}/time"] = time_full_trajectory(backbone, args, eta)
             timing += new
-        meta = run_metadata(
-            command=command_line("experiments/knots.py", argv),
-            seed="rollout index",
-            config={k: v for k, v in vars(args).items() if k != "overrides"},
-            overrides=args.overrides,
-            train_configs=configs,
-        )
+        meta["train_configs"] = configs
         write_table(timing, out.with_name("knots_time.csv"), meta)
         write_table(rows, out, meta)
     render(out, Path(args.figure))
