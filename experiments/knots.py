@@ -256,7 +256,8 @@ def render(csv: Path, figure: Path) -> None:
             ("knots_low_noise", "v-"),
             ("knots_auto", "*"),
         ]:
-            sel = g[g.rule == rule].groupby("backward_passes").cosine.mean()
+            # per pass count the best plan of the rule (mean over rollouts), as the summary table reads it
+            sel = g[g.rule == rule].groupby(["backward_passes", "plan"]).cosine.mean().groupby(level=0).max()
             ax.plot(sel.index, sel.values, style, label=rule, ms=4)
         ax.set_title(f"{backbone}, {structure} (T = {g['T'].iloc[0]})", fontsize=9)
         ax.set_xlabel("backward passes per sample")
