@@ -1,8 +1,8 @@
 """Benchmark: one group's backward, exact vs every JAGG endpoint mode, with and without stored outputs.
 
-For each backbone and W, the variants (``VARIANTS``) run interleaved (rotating order) on the same group and the
+For each backbone and W, the variants (``variants(W)``, backward settings) run interleaved (rotating order) on the same group and the
 median wall time is reported, with the speed-up predicted by pass counting (the cost model
-``jagg.engine.routing.group_cost``) from separately measured per-pass costs:
+``BackwardSetting.cost``) from separately measured per-pass costs:
     time = F_grad * forwards with grad + F_nograd * forwards without grad + B * backward passes + W * P
 (F_grad / F_nograd: forward of B samples with / without autograd, B: one B-sample graph's backward, P: the
 per-step proxy signal; a batched endpoint forward of 2B samples counts as 2 forward passes). Also reported:
@@ -24,9 +24,8 @@ import torch
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.profiling import SavedActivationMeter
-from jagg.engine.routing import group_cost
+from jagg.engine.routing import BackwardSetting, Routing
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.engine.strategies import group_backward
 from jagg.models import TextCond, build_tiny_backbone
 
 # A small but compute-bound size: ~0.6M parameters, 64 image tokens (16x16 latent of 16 channels).
@@ -40,21 +39,16 @@ BENCH_SIZES = {
     ),
     "qwenimage": dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, axes_dims_rope=(8, 12, 12)),
 }
-# (strategy, endpoint mode, stored outputs): the exact baseline, the paper-literal JAGG (joint, forwards every
-# step), and the other modes. The default of this repository is ("jagg", "batched", True).
-VARIANTS = [
-    ("exact", "", False),
-    ("jagg", "joint", False),
-    ("jagg", "joint", True),
-    ("jagg", "batched", False),
-    ("jagg", "batched", True),
-    ("jagg", "sequential", False),
-    ("jagg", "sequential", True),
-]
+# The exact baseline, the paper-literal JAGG (joint, forwards every step), and the other modes, with and without
+# stored outputs; one group of W. The default of this repository is JAGG batched + stored.
+MODES = [(mode, stored) for mode in ("joint", "batched", "sequential") for stored in (False, True)]
 
 
-def variant_name(v: tuple[str, str, bool]) -> str:
-    return "exact" if v[0] == "exact" else f"{v[0]}/{v[1]}{'+stored' if v[2] else ''}"
+def variants(w: int) -> list[BackwardSetting]:
+    """The compared settings of one group of ``w`` steps (labels: ``BackwardSetting.label``)."""
+    group = lambda strategy: Routing(strategy=strategy, group_size=w, jagg_frac=1.0)  # noqa: E731
+    exact = BackwardSetting(routing=group("exact"), reuse_outputs=False)
+    return [exact] + [BackwardSetting(routing=group("jagg"), endpoints=m, reuse_outputs=r) for m, r in MODES]
 
 
 def make_group(name: str, w: int, batch: int, size: int, seed: int):
@@ -117,31 +111,31 @@ def bench_one(name: str, w: int, repeats: int, batch: int, size: int, seed: int)
     with torch.no_grad():  # what the rollout keeps (untimed)
         outputs = torch.stack([velocity(latents[j], sigmas[j]) for j in range(w)])
 
-    def run(v):
-        strategy, endpoints, stored = v
-        kw = dict(endpoints=endpoints or "batched", outputs=outputs if stored else None)
-        return group_backward(velocity, latents, sigmas, step_loss, strategy, **kw)
+    settings = variants(w)
 
-    for v in VARIANTS:  # warm-up (allocator, lazy init)
+    def run(s: BackwardSetting):
+        return s.backward(velocity, step_loss, outputs)
+
+    for v in settings:  # warm-up (allocator, lazy init)
         run(v)
-    times = {v: [] for v in VARIANTS}
+    times = {v: [] for v in settings}
     stats, peak = {}, {}
     for r in range(repeats):
-        k = r % len(VARIANTS)
-        for v in VARIANTS[k:] + VARIANTS[:k]:
+        k = r % len(settings)
+        for v in settings[k:] + settings[:k]:
             bb.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             stats[v] = run(v)
             times[v].append(time.perf_counter() - t0)
-    for v in VARIANTS:
+    for v in settings:
         bb.zero_grad(set_to_none=True)
         with SavedActivationMeter() as meter:
             run(v)
         peak[v] = meter.peak_bytes
     c = per_pass_costs(bb, velocity, latents, sigmas, step_loss, repeats)
     ideal = {}
-    for v in VARIANTS:
-        cost = group_cost(w, v[0], v[1] or "batched", reuse_outputs=v[2])
+    for v in settings:
+        cost = v.cost(w, batch=latents.shape[1], stored=True)
         no_grad = cost.forward_passes - cost.forward_passes_with_grad
         ideal[v] = (
             cost.forward_passes_with_grad * c["f_grad"]
@@ -149,19 +143,19 @@ def bench_one(name: str, w: int, repeats: int, batch: int, size: int, seed: int)
             + cost.backward_passes * c["bwd"]
             + w * c["proxy"]
         )
-    exact = VARIANTS[0]
-    med = {v: statistics.median(times[v]) for v in VARIANTS}
+    exact = settings[0]
+    med = {v: statistics.median(times[v]) for v in settings}
     rows = []
-    for v in VARIANTS:
+    for v in settings:
         speedup, ideal_speedup = med[exact] / med[v], ideal[exact] / ideal[v]
         rows.append(
             dict(
                 backbone=name,
                 W=w,
-                variant=variant_name(v),
-                strategy=v[0],
-                endpoints=v[1],
-                stored_outputs=v[2],
+                variant=v.label,
+                strategy=v.routing.strategy,
+                endpoints="" if v.routing.strategy == "exact" else v.endpoints,
+                stored_outputs=v.reuse_outputs,
                 batch=batch,
                 latent=f"16x{size}x{size}",
                 params=sum(p.numel() for p in bb.parameters()),
@@ -199,7 +193,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         "",
         "`jagg/joint` = the paper's recipe (every step forwarded, two endpoint graphs, one joint backward);",
         "`batched` = one forward over both endpoints (2B samples); `sequential` = one graph alive at a time;",
-        "`+stored` = intermediate outputs from the rollout (no forward). Ideal = pass counting (`group_cost`)",
+        "`+stored` = intermediate outputs from the rollout (no forward). Ideal = pass counting (`BackwardSetting.cost`)",
         "with per-pass costs measured separately; passes are in units of one B-sample evaluation.",
         "",
         head,

@@ -17,7 +17,8 @@ def test_bench_quick_writes_counts_and_metadata(tmp_path):
     bench_group_backward.main(["--quick", "--out", str(out), "--backbones", "flux", "qwenimage"])
     df = pd.read_csv(out)
     assert set(df.backbone) == {"flux", "qwenimage"}
-    assert set(df.variant) == {bench_group_backward.variant_name(v) for v in bench_group_backward.VARIANTS}
+    assert set(df.variant) == {s.label for s in bench_group_backward.variants(2)}
+    assert set(df.variant) == {"exact", *(f"jagg/{m}{'+stored' * r}" for m, r in bench_group_backward.MODES)}
     rows = {r.variant: r for r in df[df.backbone == "flux"].itertuples()}
     w = int(rows["exact"].W)
     exact, paper, default = rows["exact"], rows["jagg/joint"], rows["jagg/batched+stored"]

@@ -236,6 +236,11 @@ class BackwardSetting:
         return self.endpoints + stored + ("+nograd_ends" if self.endpoint_signals == "nograd" else "") + rows
 
     @property
+    def label(self) -> str:
+        """``exact``, or the strategy and its mode, e.g. ``jagg/batched+stored`` (the routing left out)."""
+        return "exact" if self.routing.strategy == "exact" else f"{self.routing.strategy}/{self.mode}"
+
+    @property
     def key(self) -> str:
         """A short unique label, e.g. ``jagg/W3/f0.6/batched+stored`` or ``knots/K4/low_noise/batched+stored``."""
         return f"{self.routing.label}/{self.mode}"
