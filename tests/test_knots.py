@@ -246,3 +246,35 @@ def test_setting_backward_and_cost_for_knots_and_groups():
         assert (stats.backward_passes, stats.forward_passes) == (cost.backward_passes, cost.forward_passes)
     assert BackwardSetting(routing=Knots(count=4, placement="time")).key == "knots/K4/time/batched+stored"
     assert setting.cost(T).backward_passes == 2 * 2 + 3  # 2 JAGG groups of 3 (2 passes each) + 3 exact steps
+
+
+@pytest.mark.parametrize(
+    "config", ["configs/world/flux_dancegrpo_knots.yaml", "configs/world/qwenimage_dancegrpo_knots.yaml"]
+)
+def test_world_knots_configs_train_every_step_with_k_passes(config, tiny_cfg):
+    """The shipped every-step configs: all usable steps trained, K = 4 backward passes per sample."""
+    from helpers import build_trainer
+
+    cfg = tiny_cfg("sampling.num_steps=9", "train.iterations=1", config=config)
+    assert (cfg.backward.strategy, cfg.backward.knots, cfg.algorithm.timestep_fraction) == ("knots", 4, 1.0)
+    row = build_trainer(cfg).train_iteration(0)
+    assert row["backward_passes_per_sample"] == 4
+    assert row["forwards_skipped"] > 0  # the non-knot steps' signals come from the stored outputs
+
+
+def test_measured_placement_is_logged_and_restored_on_resume(tiny_cfg):
+    """placement=auto: the trainer measures the rules at iteration 0 (metrics: the rule kept, each rule's
+    cosine), checkpoints the choice, and a resumed run restores it without measuring again."""
+    from helpers import build_trainer
+
+    cfg = tiny_cfg(
+        "backward.strategy=knots", "backward.placement=auto", "backward.knots=3", "train.iterations=1"
+    )
+    trainer = build_trainer(cfg)
+    rows = trainer.fit()
+    assert rows[0]["placement"] in PLACEMENTS and set(rows[0]["placement_cosines"]) == set(PLACEMENTS)
+    chosen = trainer.backward.routing
+    again = build_trainer(cfg)
+    assert again.backward is None  # measured at run time
+    again.load_checkpoint()
+    assert again.backward.routing == chosen
