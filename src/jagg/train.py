@@ -50,11 +50,17 @@ class ConsoleHandler(logging.Handler):
 
 
 def configure_logging(level: int = logging.INFO) -> None:
-    """The ``jagg`` loggers print through one ``ConsoleHandler`` (installed once per process)."""
+    """The ``jagg`` loggers print through one ``ConsoleHandler`` (installed once per process); under torchrun
+    every line starts with ``[rank r/n]`` (torchrun's ``RANK`` / ``WORLD_SIZE``), so interleaved logs of a hang
+    say which rank said what."""
     root = logging.getLogger("jagg")
     root.setLevel(level)
     if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
-        root.addHandler(ConsoleHandler())
+        handler = ConsoleHandler()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            tag = f"[rank {os.environ.get('RANK', '?')}/{os.environ['WORLD_SIZE']}] "
+            handler.setFormatter(logging.Formatter(tag.replace("%", "%%") + "%(message)s"))
+        root.addHandler(handler)
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -116,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     from jagg.errors import ConfigError
     from jagg.loop import preflight
     from jagg.loop.checkpoint import find_checkpoint
+    from jagg.loop.node import prepare_node
 
     try:
         cfg = load_config(args.config, overrides)
         preflight.check_reward_names(cfg)
         preflight.check_prompt_sets(cfg)
+        prepare_node(cfg, dry_run=args.dry_run)  # report torch / driver / NCCL / GPUs; CUDA env before CUDA
         if args.dry_run:
             return _dry_run(cfg, args.world_size)
         preflight.check_device(cfg)
