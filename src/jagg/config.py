@@ -183,6 +183,8 @@ class OptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0  # 0 = no EMA
+    # fused AdamW (one kernel, no step temporaries) instead of torch's default foreach; jagg.loop.optimizer
+    fused: bool = False
 
 
 @dataclass(kw_only=True)

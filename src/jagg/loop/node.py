@@ -14,6 +14,7 @@ match, and the environment a CUDA run sets before CUDA initialises.
                 and the NCCL flight recorder (``TORCH_FR_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
                 ``TORCH_FR_DUMP_TEMP_FILE``: on a collective timeout every rank dumps its last collectives to
                 ``log.run_dir/nccl_trace_rank_<r>``), read when the process group starts.
+    optimizer   with ``optim.fused``, one fused AdamW step on the run's device (``jagg.loop.optimizer.check_fused``)
 
 The driver version comes from ``/proc/driver/nvidia/version`` (Linux) or ``nvidia-smi``, not from CUDA, so it is
 known exactly when CUDA cannot start. Nothing here downloads or installs anything.
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from jagg.config import Config
 from jagg.errors import ConfigError
+from jagg.loop.optimizer import check_fused
 
 log = logging.getLogger("jagg.node")
 
@@ -225,6 +227,7 @@ def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> 
 
     cuda = uses_cuda(cfg, facts)
     if not cuda and not dry_run:
+        check_fused(cfg, torch.device("cpu"))
         return None
     if cuda and not dry_run:
         if torch.cuda.is_initialized():  # pragma: no cover - the CLI calls this before anything touches CUDA
@@ -236,4 +239,8 @@ def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> 
         for line in node_report(facts):
             log.info(line)
     check_node(facts, cfg.train.device)
+    if not dry_run:  # the optimizer on the device it will run on (a dry run may plan for another machine)
+        check_fused(
+            cfg, torch.device("cuda" if facts.cuda_available and cfg.train.device != "cpu" else "cpu")
+        )
     return facts

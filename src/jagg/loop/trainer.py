@@ -45,6 +45,7 @@ from jagg.engine.strategies import GroupStats
 from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.grids import save_grid
+from jagg.loop.optimizer import build_optimizer
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_rewards, score_samples
 from jagg.loop.rollout import Rollout, at_steps, sample_micro_batches
@@ -99,9 +100,7 @@ class Trainer:
         )
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
         optim = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
-        )
+        self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
         self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
         # train.control_cosine (positive control): one direction per run, a function of the seed (resume-safe)
         control = cfg.train.control_cosine
