@@ -45,6 +45,7 @@ from jagg.engine.strategies import GroupStats
 from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.grids import save_grid
+from jagg.loop.heartbeat import PhaseWatch
 from jagg.loop.optimizer import build_optimizer
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_rewards, score_samples
@@ -132,6 +133,8 @@ class Trainer:
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
         names = cfg.log.report_to if self.dist.is_main else []  # log.report_to: fed where metrics.jsonl is
         self.trackers = Trackers(names, self.run_dir, cfg.to_dict())
+        # per-phase heartbeats / hang stacks of this rank while fit runs (jagg.loop.heartbeat)
+        self.watch = PhaseWatch(self.dist.rank, cfg.log.heartbeat_s, cfg.log.phase_timeout_s, self.run_dir)
 
     # ------------------------------------------------------------------ model calls
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -163,6 +166,7 @@ class Trainer:
         training iteration ``it`` by default; drivers take extra rollouts from their own named stream.
         """
         t_start = time.perf_counter()
+        self.watch.enter("rollout", it)
         train, algorithm = self.cfg.train, self.cfg.algorithm
         gen = generator(train.seed, stream, it)  # identical draws on every rank
         picks = torch.randint(len(self.comp.train_prompts), (train.prompts_per_iter,), generator=gen)
@@ -191,6 +195,7 @@ class Trainer:
         )
         trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()
+        self.watch.enter("reward", it)
         images = self.comp.decode(traj.final.float()).cpu()
         evals = self.eval_rewards if self.cfg.log.eval_rewards_on_train else {}  # else: at evaluations only
         rewards, scores = score_samples(images, prompts, self.train_reward, evals)
@@ -394,8 +399,10 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         backward, cal = self.cfg.backward, {}
         if backward.calibrated and (self.backward is None or it % backward.calibrate_every == 0):
+            self.watch.enter("calibrate", it)
             cal = self.calibrate(ro)  # reported as time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
+        self.watch.enter("update", it)
         upd = self.update(ro)
         t2 = time.perf_counter()
         row = {
@@ -425,6 +432,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
+        self.watch.enter("checkpoint", self.iteration)
         routing = None if self.backward is None else self.backward.routing
         progress = Progress(
             iteration=self.iteration,
@@ -477,6 +485,7 @@ class Trainer:
         log, train = self.cfg.log, self.cfg.train
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.watch.start()
         if self.iteration == 0 and log.eval_every:
             self._evaluate_and_log(0, {"iteration": 0})
         while self.iteration < train.iterations:
@@ -492,6 +501,7 @@ class Trainer:
                 progress(row)
             if self.consecutive_skips >= train.max_consecutive_skips:
                 self.save_checkpoint()
+                self.watch.stop()
                 raise TrainingAborted(
                     f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
                     f"(train.max_consecutive_skips={train.max_consecutive_skips}); "
@@ -501,10 +511,12 @@ class Trainer:
                 self.save_checkpoint()
         if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
             self.save_checkpoint()
+        self.watch.stop()
         self.trackers.close()
         return self.metrics
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
+        self.watch.enter("evaluate", it)
         ev, images, per_sample = self.evaluate(it)
         row.update(ev)
         self._log(row)
