@@ -143,7 +143,7 @@ def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> l
     transformer on the meta device, no weights), resident vs the transient peak (activations, a no-grad forward or the AdamW step)."""
     from jagg.config import load_config
     from jagg.engine.routing import trajectory_cost
-    from jagg.loop.plan import CUDA_RESERVE, GIB, memory_plan, meta_transformer, trained_steps_per_sample
+    from jagg.loop.plan import GIB, memory_plan, meta_transformer, trained_steps_per_sample
 
     rows = []
     for name in PAPER_CONFIGS:
@@ -168,7 +168,7 @@ def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> l
                     world_size=world_size,
                     resident_gib=sum(mp.gpu.values()) / GIB,
                     transient_gib=peak / GIB,
-                    reserve_gib=CUDA_RESERVE / GIB,
+                    reserve_gib=mp.reserve() / GIB,
                     total_gib=mp.total() / GIB,
                     graphs_alive=cost.graphs_alive,
                     fits_80gb=mp.fits(80),

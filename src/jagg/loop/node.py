@@ -211,6 +211,14 @@ def cuda_run_env(run_dir: str | Path, environ: MutableMapping[str, str] | None =
     return set_now
 
 
+def expandable_segments(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether a CUDA run started in ``environ`` allocates with expandable segments: the default
+    ``cuda_run_env`` sets, unless the user's own allocator setting says otherwise."""
+    env = os.environ if environ is None else environ
+    conf = env.get("PYTORCH_ALLOC_CONF", env.get("PYTORCH_CUDA_ALLOC_CONF"))
+    return conf is None or "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
 def uses_cuda(cfg: Config, facts: NodeFacts | None = None) -> bool:
     """Whether the run may use CUDA: ``train.device=cuda``, or ``auto`` on a machine with a driver."""
     device = cfg.train.device

@@ -12,7 +12,7 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   rank with ``model.shard_frozen_base: false``, when only the adapters are gathered), gradients,
                   AdamW moments, EMA, two unsharded blocks in
                   flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the gradients the
-                  ``joint`` endpoint mode holds, the KL reference copy
+                  ``joint`` endpoint mode and true CFG hold, the KL reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
                   ViT-H-14, CLIPScore ViT-L/14; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
@@ -23,8 +23,10 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   hidden unit per layer without (Korthikanti et al. 2022, SDPA attention); true CFG doubles
                   them. The no-grad forwards of rollout / evaluation are transient and not simultaneous
     transients    not at the same time, so the largest counts: the update's activations, a no-grad forward,
-                  the multi-tensor AdamW step's temporaries (~1 copy of the trained shards)
-    reserve       3 GiB for the CUDA context, NCCL and allocator fragmentation (assumed)
+                  the multi-tensor AdamW step's temporaries (~1 copy of the trained shards; none with
+                  ``optim.fused``)
+    reserve       the CUDA context and NCCL buffers (1.5 GiB) and the allocator's fragmentation (2% of the allocated
+                  peak with expandable_segments, which CUDA runs set by default, 10% without); both assumed
     host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
                   largest other model on the host while loading (the text encoders too when embeddings are
                   precomputed: loaded, used, freed); the in-memory prompt embeddings (the encoders return CPU
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jagg.config import Config
+from jagg.loop.node import expandable_segments
 
 # transformer/config.json of the paper's models (diffusers layout), for dry runs without the files.
 KNOWN_CONFIGS = {
@@ -345,7 +348,11 @@ AUX_MODELS = {  # name -> (description, published parameter count)
 }
 TEXT_ENCODERS = {"flux": ("t5_xxl", "clip_l_text"), "qwenimage": ("qwen25_vl_7b",)}
 GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
-CUDA_RESERVE = 3 * GIB  # CUDA context, NCCL buffers and allocator fragmentation (an assumption, not measured)
+# Assumptions, not measured (no GPU here): the CUDA context with lazy module loading, cuBLAS workspaces and NCCL's
+# communicator buffers on an 8-GPU node; and what the caching allocator reserves beyond what is allocated, as a
+# fraction of the allocated peak, with expandable_segments (the default of CUDA runs: jagg.loop.node) or without.
+CUDA_CONTEXT = 1.5 * GIB
+ALLOCATOR_SLACK = {True: 0.02, False: 0.10}
 HOST_BASELINE = 4 * GIB  # one rank's Python + torch + CUDA libraries on the host (measured ~0.8 GiB on CPU)
 ACT_BYTES_PER_TOKEN_HIDDEN = (
     34  # one transformer layer's saved activations, bf16, SDPA attention (Korthikanti+22)
@@ -383,14 +390,27 @@ class MemoryPlan:
     checkpointing: bool
     # the AdamW step's temporaries: after the backward, not at the same time as its activations
     step: float = 0.0
+    expandable_segments: bool = True  # the allocator setting the run will have (ALLOCATOR_SLACK)
 
     def transient(self, checkpointing: bool | None = None) -> float:
         """The largest of the phases that never overlap: update activations, a no-grad forward, the step."""
         ckpt = self.checkpointing if checkpointing is None else checkpointing
         return max(self.activations[ckpt], self.no_grad, self.step)
 
+    def allocated(self, checkpointing: bool | None = None) -> float:
+        """The allocated peak: every resident item plus the largest transient."""
+        return sum(self.gpu.values()) + self.transient(checkpointing)
+
+    def fragmentation(self, checkpointing: bool | None = None) -> float:
+        """What the allocator reserves beyond the allocated peak (``ALLOCATOR_SLACK``, assumed)."""
+        return ALLOCATOR_SLACK[self.expandable_segments] * self.allocated(checkpointing)
+
+    def reserve(self, checkpointing: bool | None = None) -> float:
+        """Beyond the allocated peak: the CUDA context (+ NCCL) and the allocator's fragmentation."""
+        return CUDA_CONTEXT + self.fragmentation(checkpointing)
+
     def total(self, checkpointing: bool | None = None) -> float:
-        return sum(self.gpu.values()) + self.transient(checkpointing) + CUDA_RESERVE
+        return self.allocated(checkpointing) + self.reserve(checkpointing)
 
     def fits(self, gpu_gb: int, checkpointing: bool | None = None) -> bool:
         return self.total(checkpointing) <= gpu_gb * 1e9
@@ -400,7 +420,8 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     """Bytes per rank of every resident model, gradients, optimizer state, activations, and host memory.
 
     ``graphs``: autograd graphs alive at once in the update (``trajectory_cost(...).graphs_alive``);
-    ``held_grad``: the ``joint`` endpoint mode's unsharded gradients held during its backward.
+    ``held_grad``: the ``joint`` endpoint mode's unsharded gradients held during its backward (true CFG holds
+    the same: counted once).
     """
     model = model if model is not None else meta_transformer(cfg)[0]
     model_cfg, train, sampling, data = cfg.model, cfg.train, cfg.sampling, cfg.data
@@ -422,9 +443,9 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     }
     if cfg.optim.ema_decay > 0:
         gpu["EMA (sharded)"] = n_train * master / r
-    step = (
-        n_train * 4 / r
-    )  # torch's multi-tensor AdamW: ~1 copy, transient (simulated: results/plan_check.md)
+    # torch's multi-tensor AdamW: ~1 copy of the trained shards, transient (simulated: results/plan_check.md);
+    # the fused kernel (optim.fused) has none
+    step = 0.0 if cfg.optim.fused else n_train * 4 / r
     n_block_train = max(
         (sum(x.numel() for x in blk.parameters() if x.requires_grad) for blk in blocks), default=0
     )
@@ -433,10 +454,15 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     # current + prefetched block
     gpu["unsharded blocks in flight"] = 2 * (n_block_train if replicated else n_block) * compute
     gpu["unsharded gradients of one block"] = n_block_train * (compute + 4)  # + fp32 reduce-scatter copy
-    if held_grad:
+    cfg_mult = 2 if model_cfg.backbone == "qwenimage" and model_cfg.true_cfg_scale > 1 else 1
+    held = [why for why, on in (("joint", held_grad), ("true CFG", cfg_mult > 1)) if on]
+    if held:
         # joint endpoints under FSDP2: the later graph's gradient for a unit waits unsharded until the earlier
-        # graph reaches that unit; summed over the backward that is up to every trainable parameter.
-        gpu["unsharded gradients held (joint)"] = n_train * compute
+        # graph reaches that unit; true CFG: the backward of one of the two transformer calls per velocity runs
+        # through every block before the other call's reaches it, and each block's unsharded gradient waits
+        # for that. Summed over the backward, up to every trainable parameter (one buffer per parameter:
+        # counted once when both apply).
+        gpu[f"unsharded gradients held ({' / '.join(held)})"] = n_train * compute
     if cfg.algorithm.kl_beta > 0:
         gpu["KL reference (unsharded copy)"] = n_all * compute
     pretrained = model_cfg.source == "pretrained"
@@ -464,7 +490,6 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         model_cfg.max_sequence_length if model_cfg.backbone == "flux" else 64
     )  # Flux pads T5 to the max; Qwen: typical prompt
     tokens = (sampling.latent_size // 2) ** 2 + txt
-    cfg_mult = 2 if model_cfg.backbone == "qwenimage" and model_cfg.true_cfg_scale > 1 else 1
     per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
     # the batched endpoint mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
     backward = cfg.backward
@@ -502,6 +527,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         host=host,
         checkpointing=model_cfg.gradient_checkpointing,
         step=step,
+        expandable_segments=expandable_segments(),
     )
 
 
@@ -566,8 +592,17 @@ def _memory(
         f"{'with' if ckpt else 'without'})",
     )
     p.add("no-grad forwards (rollout / eval)", f"{gib(mp.no_grad)} transient (not during the update)")
-    p.add("AdamW step temporaries (foreach)", f"{gib(mp.step)} transient (after the backward)")
-    p.add("CUDA context + allocator slack", f"{gib(CUDA_RESERVE)} (assumed)")
+    p.add(
+        f"AdamW step temporaries ({'fused' if cfg.optim.fused else 'foreach'})",
+        f"{gib(mp.step)} transient (after the backward)",
+    )
+    p.add("CUDA context + NCCL buffers", f"{gib(CUDA_CONTEXT)} (assumed)")
+    slack = ALLOCATOR_SLACK[mp.expandable_segments]
+    p.add(
+        "allocator fragmentation",
+        f"{gib(mp.fragmentation())} ({slack:.0%} of the allocated peak, assumed; expandable_segments "
+        + ("on, the CUDA runs' default)" if mp.expandable_segments else "OFF in PYTORCH_CUDA_ALLOC_CONF)"),
+    )
     p.add(
         "total per GPU",
         f"{gib(mp.total())} ({gib(mp.total(not ckpt))} {'without' if ckpt else 'with'} checkpointing)",
