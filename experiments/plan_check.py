@@ -51,7 +51,7 @@ from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.routing import trajectory_backward, trajectory_cost
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.loop.placement import apply_run_lora, parameter_dtypes, place_backbone
-from jagg.loop.plan import GIB, KNOWN_CONFIGS, memory_plan
+from jagg.loop.plan import CUDA_CONTEXT, GIB, KNOWN_CONFIGS, memory_plan
 from jagg.models import BACKBONES, TextCond
 from jagg.scale.distributed import DistInfo, cast_parameters
 
@@ -193,10 +193,11 @@ def meta_backbone(cfg: Config, depth: int, arch: dict | None = None):
 
 
 def materialise_plain_tensors(module: torch.nn.Module, device: torch.device) -> list[str]:
-    """Plain tensor attributes still on the meta device after placement (Qwen-Image's rotary tables
-    ``pos_freqs`` / ``neg_freqs`` are neither parameters nor buffers, so sharding from rank 0 never fills
-    them on the other ranks; the trainer's fix lands separately): fake tensors of the same shape here,
-    whose values fake mode never reads. Returns their names."""
+    """Plain tensor attributes still on the meta device after placement, filled with fake tensors of the same
+    shape (values fake mode never reads); returns their names. Qwen-Image's rotary tables ``pos_freqs`` /
+    ``neg_freqs`` are neither parameters nor buffers: ``shard_from_rank0`` recomputes them
+    (``jagg.scale.distributed.materialize_tensor_attributes``), so the report's count is expected to be 0; a
+    non-zero count means placement left a meta tensor that a real rank would fail on."""
     names = []
     for path, sub in module.named_modules():
         for attr, value in list(vars(sub).items()):
@@ -355,6 +356,7 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
         depth=depth,
         peak=by_kind,
         phase_peaks={k: v["Total"] for k, v in tracker.phase_peaks.items()},
+        phase_snapshots=dict(tracker.phase_peaks),  # per phase: the categories at that phase's peak
         seconds=time.perf_counter() - t0,
         scalar_reads=reads.count,
         patched_attributes=patched,
@@ -367,18 +369,45 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
 # categories that grow with depth (per-block shards, gradients, optimizer state, checkpointed block inputs);
 # the others are in flight (one or two blocks under FSDP2) and do not
 PER_BLOCK = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "BUFFER", "ACT")
+# per phase, what else grows with depth: the foreach AdamW step's temporaries (~1 copy of every trained shard);
+# with true CFG, the update's TEMP: one unsharded gradient per block waits for the other call's backward (the
+# tracker counts these accumulated gradients as TEMP, not UNSHARDED_GRAD; ``held_cfg_gradients``)
+PHASE_PER_BLOCK = {"update": (), "clip": (), "step": ("TEMP",)}
+CFG_PER_BLOCK = ("TEMP",)
 
 
-def extrapolate(runs: list[dict], full: int) -> dict[str, float]:
-    """The per-block categories (``PER_BLOCK``) linearly in depth through the two runs, evaluated at ``full``;
-    the in-flight ones as the larger of the two runs (which block's reduce-scatter is still in flight at the
-    peak can differ by one between depths: a straight line through that would grow by a block per block)."""
-    lo, hi = runs
+def per_block(cfg: Config, phase: str) -> tuple[str, ...]:
+    """The categories of ``phase`` that ``extrapolate`` takes as linear in depth for ``cfg``."""
+    return PER_BLOCK + PHASE_PER_BLOCK[phase] + (CFG_PER_BLOCK if true_cfg(cfg) and phase == "update" else ())
+
+
+def true_cfg(cfg: Config) -> bool:
+    """Qwen-Image with true CFG: two transformer calls per velocity."""
+    return cfg.model.backbone == "qwenimage" and cfg.model.true_cfg_scale > 1
+
+
+def held_cfg_gradients(cfg: Config, runs: list[dict]) -> float:
+    """With true CFG: the update's TEMP growth per block at its peak times the full depth, i.e. the unsharded
+    gradients held for the other call's backward (0 without CFG)."""
+    if not true_cfg(cfg):
+        return 0.0
+    lo, hi = (r["phase_snapshots"]["update"].get("TEMP", 0.0) for r in runs)
+    per_block = (hi - lo) / (runs[1]["depth"] - runs[0]["depth"])
+    return per_block * FULL_DEPTH[cfg.model.backbone]
+
+
+def extrapolate(runs: list[dict], full: int, linear=PER_BLOCK, key: str = "peak") -> dict[str, float]:
+    """The per-block categories (``linear``) linearly in depth through the two runs' ``key`` snapshot,
+    evaluated at ``full``; the in-flight ones as the larger of the two runs (which block's reduce-scatter is
+    still in flight at the peak can differ by one between depths: a straight line through that would grow by
+    a block per block)."""
+    lo, hi = (r[key] if key == "peak" else r["phase_snapshots"][key] for r in runs)
+    depths = [r["depth"] for r in runs]
     out = {}
-    for k in hi["peak"]:
-        a, b = lo["peak"].get(k, 0.0), hi["peak"][k]
-        if k in PER_BLOCK:
-            out[k] = a + (b - a) / (hi["depth"] - lo["depth"]) * (full - lo["depth"])
+    for k in hi:
+        a, b = lo.get(k, 0.0), hi[k]
+        if k in linear:
+            out[k] = a + (b - a) / (depths[1] - depths[0]) * (full - depths[0])
         elif k != "Total":
             out[k] = max(a, b)
     out["Total"] = sum(out.values())
@@ -522,48 +551,84 @@ def plan_terms(cfg: Config) -> dict[str, float]:
     )
     g = mp.gpu
     opt = sum(v for k, v in g.items() if k.startswith(("AdamW", "EMA")))
+    held = sum(v for k, v in g.items() if k.startswith("unsharded gradients held"))  # joint / true CFG
     return {
         "weights (sharded)": g["transformer weights (sharded)"] + g.get("frozen base (replicated)", 0.0),
         "gradients (sharded)": g["gradients (sharded)"],
         "AdamW moments (+ EMA)": opt,
         "unsharded blocks": g["unsharded blocks in flight"],
-        "unsharded block gradients": g["unsharded gradients of one block"]
-        + g.get("unsharded gradients held (joint)", 0.0),
+        "unsharded block gradients": g["unsharded gradients of one block"] + held,
         "activations": mp.activations[mp.checkpointing],
-        "plan total (transformer + update activations)": 0.0,
+        STEP_TERM: mp.step,
         "plan total per GPU (everything)": mp.total(),
+        "CUDA context + NCCL (assumed, not simulated)": CUDA_CONTEXT,
+        "allocator fragmentation (assumed, not simulated)": mp.fragmentation(),
     }
 
 
+STEP_TERM = "AdamW step temporaries"
+RESIDENT = ("weights (sharded)", "gradients (sharded)", "AdamW moments (+ EMA)")  # what the step phase holds
+UPDATE_TERMS = (*RESIDENT, "unsharded blocks", "unsharded block gradients", "activations")
+
+
+def grouped(snapshot: dict[str, float]) -> dict[str, float]:
+    """FSDPMemTracker categories summed into the plan's groups (``CATEGORIES``)."""
+    out: dict[str, float] = {}
+    for kind, value in snapshot.items():
+        if kind != "Total":
+            out[CATEGORIES.get(kind, kind)] = out.get(CATEGORIES.get(kind, kind), 0.0) + value
+    return out
+
+
+def phase_extrapolations(cfg: Config, runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Each phase's peak snapshot (update, clip, step) extrapolated to the full depth (``per_block``)."""
+    full = FULL_DEPTH[cfg.model.backbone]
+    phases = [p for p in PHASE_PER_BLOCK if all(p in r["phase_snapshots"] for r in runs)]
+    return {p: extrapolate(runs, full, per_block(cfg, p), key=p) for p in phases}
+
+
+def _row(name: str, term: str, simulated: float, plan: float) -> dict:
+    return dict(config=name, term=term, simulated_gib=simulated / GIB, plan_gib=plan / GIB)
+
+
 def config_rows(path: str) -> tuple[list[dict], dict]:
+    """Per term: the update's simulated categories at full depth against the plan's; the step's temporaries;
+    the update, step and overall peaks against the plan's transformer terms."""
     cfg = load_config(path)
     name = Path(path).stem
     runs = [simulate(cfg, d) for d in DEPTHS]
-    sim = extrapolate(runs, FULL_DEPTH[cfg.model.backbone])
-    grouped: dict[str, float] = {}
-    for kind, value in sim.items():
-        if kind != "Total":
-            grouped[CATEGORIES.get(kind, kind)] = grouped.get(CATEGORIES.get(kind, kind), 0.0) + value
+    phases = phase_extrapolations(cfg, runs)
+    update, step = grouped(phases["update"]), grouped(phases["step"])
+    held = held_cfg_gradients(cfg, runs)  # counted as TEMP by the tracker, as gradients by the plan
+    update["activations"] -= held
+    update["unsharded block gradients"] = update.get("unsharded block gradients", 0.0) + held
     plan = plan_terms(cfg)
-    covered = [k for k in plan if not k.startswith("plan total")]
-    plan["plan total (transformer + update activations)"] = sum(plan[k] for k in covered)
-    rows = [
-        dict(
-            config=name,
-            term=k,
-            simulated_gib=grouped.get(k, 0.0) / GIB,
-            plan_gib=plan.get(k, float("nan")) / GIB,
-        )
-        for k in [*covered, "inputs (latents, conditioning, stored outputs)"]
-    ]
+    rows = [_row(name, k, update.get(k, 0.0), plan[k]) for k in UPDATE_TERMS]
+    rows.append(_row(name, STEP_TERM, step.get("activations", 0.0), plan[STEP_TERM]))
     rows.append(
-        dict(
-            config=name,
-            term="peak (simulated) / plan total (transformer + update activations)",
-            simulated_gib=sim["Total"] / GIB,
-            plan_gib=plan["plan total (transformer + update activations)"] / GIB,
-        )
+        _row(name, "inputs (latents, conditioning, stored outputs)", update.get(INPUTS, 0.0), float("nan"))
     )
+    plan_update = sum(plan[k] for k in UPDATE_TERMS)
+    plan_step = sum(plan[k] for k in RESIDENT) + plan[STEP_TERM]
+    plan_peak = plan_update - plan["activations"] + max(plan["activations"], plan[STEP_TERM])
+    sim_update, sim_step = phases["update"]["Total"], phases["step"]["Total"]
+    rows += [
+        _row(
+            name, "update peak (simulated) / plan transformer + update activations", sim_update, plan_update
+        ),
+        _row(
+            name,
+            "optimizer step peak (simulated) / plan resident shards + step temporaries",
+            sim_step,
+            plan_step,
+        ),
+        _row(
+            name,
+            "peak of both (simulated) / plan transformer + larger transient",
+            max(sim_update, sim_step),
+            plan_peak,
+        ),
+    ]
     info = dict(
         config=name,
         seconds=sum(r["seconds"] for r in runs),
@@ -571,11 +636,17 @@ def config_rows(path: str) -> tuple[list[dict], dict]:
         patched=runs[0]["patched_attributes"],
         passes=(runs[0]["forward_passes"], runs[0]["backward_passes"], runs[0]["forwards_skipped"]),
         plan_total_gib=plan["plan total per GPU (everything)"] / GIB,
+        plan_context_gib=plan["CUDA context + NCCL (assumed, not simulated)"] / GIB,
+        plan_fragmentation_gib=plan["allocator fragmentation (assumed, not simulated)"] / GIB,
         device_check=device_check(cfg),
         depth_runs={r["depth"]: r["peak"]["Total"] / GIB for r in runs},
         phases={k: v / GIB for k, v in runs[-1]["phase_peaks"].items()},
+        full_depth_phases={k: v["Total"] / GIB for k, v in phases.items()},
     )
     return rows, info
+
+
+INPUTS = "inputs (latents, conditioning, stored outputs)"
 
 
 EXPLANATION = [
@@ -679,8 +750,12 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
             f"{len(info['patched'])}; peak at depth {list(info['depth_runs'])}: "
             + ", ".join(f"{v:.2f}" for v in info["depth_runs"].values())
             + f" GiB; fake-cuda device check: {info['device_check']}; plan total per GPU (everything): "
-            f"{info['plan_total_gib']:.1f} GiB; simulated peak by phase at depth {DEPTHS[-1]} (GiB): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in info["phases"].items()),
+            f"{info['plan_total_gib']:.1f} GiB, of which CUDA context + NCCL {info['plan_context_gib']:.1f} and "
+            f"allocator fragmentation {info['plan_fragmentation_gib']:.1f} (assumed, not simulated); "
+            f"simulated peak by phase at depth {DEPTHS[-1]} (GiB): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in info["phases"].items())
+            + "; at full depth: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in info["full_depth_phases"].items()),
             "",
             "| term | simulated GiB | plan GiB |",
             "|---|---|---|",
