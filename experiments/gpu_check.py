@@ -1,7 +1,7 @@
 """``make gpu-check``: what one lent GPU can tell in one run, in stages with time budgets, into one JSON.
 
 For the day a GPU is lent (one GPU, ~10 minutes, no weights or downloads). Every stage builds random-init models
-of the real classes and configs (``jagg.loop.plan.KNOWN_CONFIGS``, the hub configs of the VAE and reward
+of the real classes and configs (``jagg.scale.architectures.KNOWN_CONFIGS``, the hub configs of the VAE and reward
 models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage still
 runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts only
 if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
@@ -62,8 +62,8 @@ from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.routing import Routing, trajectory_backward
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import ENDPOINT_MODES, group_backward
-from jagg.loop.plan import KNOWN_CONFIGS, VAE_SCALE
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
+from jagg.scale.architectures import KNOWN_CONFIGS, VAE_SCALE
 from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
@@ -767,7 +767,7 @@ def _reward_models(ctx: Context) -> dict[str, Callable[[], object]]:
     import open_clip
     import transformers as tf
 
-    from jagg.loop import plan
+    from jagg.scale import architectures as arch
     from jagg.scale.rewards import CLIPScoreReward, HPSv2Reward, PickScoreReward, clip_bpe_tokenizer
 
     kw = dict(device=ctx.device, dtype=ctx.dtype)
@@ -793,10 +793,10 @@ def _reward_models(ctx: Context) -> dict[str, Callable[[], object]]:
     return {
         "hpsv2": hps,
         "pickscore": lambda: PickScoreReward.from_model(
-            hf_clip(plan._CLIP_H_TEXT, plan._CLIP_H_VISION, 1024), clip_bpe_tokenizer(), **kw
+            hf_clip(arch.CLIP_H_TEXT, arch.CLIP_H_VISION, 1024), clip_bpe_tokenizer(), **kw
         ),
         "clipscore": lambda: CLIPScoreReward.from_model(
-            hf_clip(plan._CLIP_L_TEXT, plan._CLIP_L_VISION, 768), clip_bpe_tokenizer(), **kw
+            hf_clip(arch.CLIP_L_TEXT, arch.CLIP_L_VISION, 768), clip_bpe_tokenizer(), **kw
         ),
     }
 
@@ -805,10 +805,10 @@ def stage_vae_rewards(ctx: Context, deadline: float) -> dict:
     """The FLUX.1-dev VAE (random init) decoding a 90x90 latent to 720 px, then each reward model scoring it."""
     from diffusers import AutoencoderKL
 
-    from jagg.loop import plan
+    from jagg.scale import architectures as arch
 
     with torch.device(ctx.device):
-        vae = AutoencoderKL(**(_TINY_VAE if ctx.tiny else plan._FLUX_VAE)).to(ctx.dtype).eval()
+        vae = AutoencoderKL(**(_TINY_VAE if ctx.tiny else arch.FLUX_VAE)).to(ctx.dtype).eval()
     latent = 8 if ctx.tiny else 720 // VAE_SCALE
     z = torch.randn(1, 16, latent, latent, generator=torch.Generator().manual_seed(ctx.seed)).to(
         ctx.device, ctx.dtype

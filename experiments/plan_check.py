@@ -1,6 +1,6 @@
 """``make plan-check``: a simulated 8-GPU node on the CPU, one real-size update per paper config, next to the plan.
 
-For each ``configs/paper/*.yaml``: the published architecture (``jagg.loop.plan.KNOWN_CONFIGS``) is placed by the
+For each ``configs/paper/*.yaml``: the published architecture (``jagg.scale.architectures.KNOWN_CONFIGS``) is placed by the
 trainer's own code (``jagg.loop.placement``: LoRA, gradient checkpointing, fp32 master weights and bf16 frozen
 base, FSDP2 ``fully_shard`` per block with the bf16 / fp32-reduce policy) under fake tensors
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no data) as rank 1 of a fake
@@ -50,9 +50,10 @@ from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.routing import trajectory_backward, trajectory_cost
 from jagg.engine.sde import shifted_linear_sigmas
+from jagg.loop.memory_model import CUDA_CONTEXT, GIB, memory_plan
 from jagg.loop.placement import apply_run_lora, parameter_dtypes, place_backbone
-from jagg.loop.plan import CUDA_CONTEXT, GIB, KNOWN_CONFIGS, memory_plan
 from jagg.models import BACKBONES, TextCond
+from jagg.scale.architectures import KNOWN_CONFIGS
 from jagg.scale.distributed import DistInfo, cast_parameters
 
 WORLD_SIZE = 8
@@ -61,7 +62,7 @@ SIM_RANK = 1  # a rank without the loaded weights (rank 0's GPU holds the same)
 DEPTHS = (3, 4)  # reduced depths (units: Flux 1 double + 2 single blocks; Qwen-Image 1 block)
 FULL_DEPTH = {"flux": 19, "qwenimage": 60}
 OUT = "results/plan_check.csv"
-# FSDPMemTracker categories -> the plan's groups (jagg.loop.plan.memory_plan)
+# FSDPMemTracker categories -> the plan's groups (jagg.loop.memory_model.memory_plan)
 CATEGORIES = {
     "SHARDED_PARAM": "weights (sharded)",
     "SHARDED_GRAD": "gradients (sharded)",
@@ -535,7 +536,7 @@ def device_check(cfg: Config) -> str:
 def plan_terms(cfg: Config) -> dict[str, float]:
     """The plan's GPU terms (``memory_plan``) grouped like ``CATEGORIES`` (transformer and activations only)."""
     backward = cfg.backward
-    from jagg.loop.plan import trained_steps_per_sample
+    from jagg.loop.pass_plan import trained_steps_per_sample
 
     cost = trajectory_cost(
         backward.planned_setting().routing.plans(trained_steps_per_sample(cfg)),
@@ -728,7 +729,7 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
         "extrapolated to the full depth: per-block categories linearly, in-flight ones as the larger of the two",
         "runs (`extrapolate`; see experiments/plan_check.py for what is not",
         "simulated: weight loading, rollout / eval forwards, text encoders, VAE, rewards, CUDA context).",
-        "`plan` = `jagg.loop.plan.memory_plan`'s terms for the same things. Simulated `activations` = the",
+        "`plan` = `jagg.loop.memory_model.memory_plan`'s terms for the same things. Simulated `activations` = the",
         "tracker's ACT + TEMP; the AdamW step's temporaries are a transient after the backward (the plan's",
         "`step`, not in these totals; the simulated peak of each phase is listed).",
         "",

@@ -186,7 +186,7 @@ def test_error_line_is_one_line():
 
 def test_real_reward_architectures_build_offline_on_meta():
     """The CUDA path's reward models (hub architectures, no weights) build and match the published sizes."""
-    from jagg.loop.plan import AUX_MODELS
+    from jagg.scale.architectures import AUX_MODELS
 
     ctx = gpu_check.Context(device=torch.device("meta"), tiny=False, log=lambda _: None)
     for name, build in gpu_check._reward_models(ctx).items():

@@ -7,19 +7,19 @@ import pytest
 
 from jagg.config import load_config
 from jagg.engine.routing import trajectory_cost
-from jagg.loop.plan import (
+from jagg.loop.dry_run import build_plan
+from jagg.loop.memory_model import (
     ACT_BYTES_PER_TOKEN_HIDDEN,
     GIB,
     HOST_BASELINE,
     PROMPT_LRU,
-    aux_params,
-    build_plan,
     disk_plan,
     embedding_bytes,
     memory_plan,
     meta_transformer,
-    trained_steps_per_sample,
 )
+from jagg.loop.pass_plan import trained_steps_per_sample
+from jagg.scale.architectures import aux_params
 
 QWEN_DANCE = "configs/paper/qwenimage_dancegrpo.yaml"
 FLUX_DANCE = "configs/paper/flux_dancegrpo.yaml"
@@ -124,7 +124,7 @@ def test_fused_adamw_has_no_step_temporaries():
 def test_context_and_allocator_are_their_own_terms(monkeypatch):
     """CUDA context + NCCL (assumed 1.5 GiB) and the allocator's fragmentation (2% of the allocated peak with
     expandable_segments, the CUDA runs' default; 10% with the user's own setting without it)."""
-    from jagg.loop.plan import ALLOCATOR_SLACK, CUDA_CONTEXT
+    from jagg.loop.memory_model import ALLOCATOR_SLACK, CUDA_CONTEXT
 
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(key, raising=False)

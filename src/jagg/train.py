@@ -265,9 +265,9 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
 
 
 def _dry_run(cfg, world_size: int) -> int:
-    """Validate against ``world_size`` and print the plan (``jagg.loop.plan``); no weights read, nothing written."""
+    """Validate against ``world_size`` and print the plan (``jagg.loop.dry_run``); no weights read, nothing written."""
     from jagg.config import validate_world_size
-    from jagg.loop.plan import build_plan
+    from jagg.loop.dry_run import build_plan
 
     if world_size < 1:
         _fail(f"--world-size must be >= 1, got {world_size}")
