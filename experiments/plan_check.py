@@ -370,9 +370,11 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
 # categories that grow with depth (per-block shards, gradients, optimizer state, checkpointed block inputs);
 # the others are in flight (one or two blocks under FSDP2) and do not
 PER_BLOCK = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "BUFFER", "ACT")
-# per phase, what else grows with depth: the foreach AdamW step's temporaries (~1 copy of every trained shard);
-# with true CFG, the update's TEMP: one unsharded gradient per block waits for the other call's backward (the
-# tracker counts these accumulated gradients as TEMP, not UNSHARDED_GRAD; ``held_cfg_gradients``)
+# per phase, what else grows with depth. The foreach AdamW step's temporaries (~1 copy of every trained shard)
+# are counted as OPT by the tracker (allocated inside the optimizer step), already per block; the step's
+# temporaries are its OPT minus the update's (``step_temporaries``). With true CFG, the update's TEMP: one
+# unsharded gradient per block waits for the other call's backward (counted as TEMP, not UNSHARDED_GRAD;
+# ``held_cfg_gradients``).
 PHASE_PER_BLOCK = {"update": (), "clip": (), "step": ("TEMP",)}
 CFG_PER_BLOCK = ("TEMP",)
 
@@ -605,7 +607,8 @@ def config_rows(path: str) -> tuple[list[dict], dict]:
     update["unsharded block gradients"] = update.get("unsharded block gradients", 0.0) + held
     plan = plan_terms(cfg)
     rows = [_row(name, k, update.get(k, 0.0), plan[k]) for k in UPDATE_TERMS]
-    rows.append(_row(name, STEP_TERM, step.get("activations", 0.0), plan[STEP_TERM]))
+    temporaries = phases["step"].get("OPT", 0.0) - phases["update"].get("OPT", 0.0)
+    rows.append(_row(name, STEP_TERM, temporaries + step.get("activations", 0.0), plan[STEP_TERM]))
     rows.append(
         _row(name, "inputs (latents, conditioning, stored outputs)", update.get(INPUTS, 0.0), float("nan"))
     )
@@ -683,6 +686,26 @@ EXPLANATION = [
     "10.85 GiB (differences 1.219, 1.219: linear). The plan was also wrong once: it added the foreach AdamW",
     "step's temporaries (~1 copy of the trained shards) to the update's peak; the simulated step phase peaks",
     "well below the update (listed per config), so the plan now counts them as a transient (`MemoryPlan.step`).",
+    "",
+    "## What the node simulation missed until issue 30, and what the plan now counts",
+    "",
+    "- **The optimizer step at full depth.** Each phase (update, clip, step) is now extrapolated from its own",
+    "  peak snapshot. At 3-4 blocks the update peaks highest, but the foreach AdamW step grows with every",
+    "  block: its temporaries (~1 fp32 copy of the trained shards) are counted as OPT by the tracker, so the",
+    "  step's temporaries are its OPT minus the update's. For Qwen-Image full fine-tuning the step phase",
+    "  then peaks above the update at full depth (the `optimizer step peak` row); the plan counts the",
+    "  temporaries as a transient (`AdamW step temporaries`, 0 with `optim.fused`).",
+    "- **True CFG's held gradients.** Qwen-Image with `true_cfg_scale > 1` calls the transformer twice per",
+    "  velocity; one call's backward runs through every block before the other's reaches it, so each block",
+    "  holds its unsharded bf16 gradient meanwhile. The tracker counts these as TEMP (not UNSHARDED_GRAD):",
+    "  measured while writing this check, `simulate(load_config('configs/paper/qwenimage_dancegrpo.yaml',",
+    "  ['model.true_cfg_scale=4.0']), d)` for d = 3, 4 gives update-peak TEMP 1.694 and 2.327 GiB, +0.633 GiB",
+    "  per block = one Qwen-Image block (340M parameters) in bf16; x 60 blocks = 38.0 GiB, as the plan's",
+    "  `unsharded gradients held (true CFG)` (38.0). For the LoRA config (`qwenimage_flowgrpo_fast`) the",
+    "  same term is ~0.8 GiB; the driver moves TEMP's per-block growth into `unsharded block gradients`.",
+    "- **Not simulated, assumed in the plan:** the CUDA context + NCCL buffers (1.5 GiB) and the allocator's",
+    "  fragmentation (2% of the allocated peak with `expandable_segments`, the default of CUDA runs; 10%",
+    "  without), listed per config below.",
     "",
     "## Where plan and simulation still differ (not tuned away)",
     "",
