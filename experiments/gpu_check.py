@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads
-from jagg.config import AlgorithmConfig
+from jagg.config import AlgorithmConfig, Config, load_config
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.routing import Routing, trajectory_backward
@@ -69,15 +69,40 @@ from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
 GPU_OUT = "results/gpu/gpu_check.json"
 CPU_OUT = "runs/gpu_check/gpu_check.json"  # runs/ is git-ignored
-# DanceGRPO's trajectory (configs/paper/flux_dancegrpo.yaml): 16 steps, eta 0.3, shift 3, 60% of the first 15.
-NUM_STEPS, ETA, SHIFT, TIMESTEP_FRACTION, CLIP = 16, 0.3, 3.0, 0.6, 1e-4
-GROUP_SIZE, JAGG_FRAC = 3, 0.6
-LORA_RANK, LORA_ALPHA = 64, 128
-RESOLUTIONS = {"flux": (720,), "qwenimage": (720, 512)}  # px: DanceGRPO (both), Flow-GRPO Qwen-Image (512)
-TEXT_TOKENS = {
-    "flux": 512,
-    "qwenimage": 128,
-}  # Flux: T5 padded to 512 (DanceGRPO); Qwen-Image: unpadded prompt
+PAPER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper"
+
+
+def paper_config(name: str) -> Config:
+    """``configs/paper/<name>.yaml``, the source of every paper setting this check uses."""
+    return load_config(PAPER_CONFIGS / f"{name}.yaml")
+
+
+def image_px(cfg: Config) -> int:
+    return cfg.sampling.latent_size * VAE_SCALE
+
+
+# DanceGRPO's trajectory (flux_dancegrpo.yaml): 16 steps, eta 0.3, shift 3, 60% of the first 15, W = 3, 0.6 routed.
+_DANCE = paper_config("flux_dancegrpo")
+NUM_STEPS, SHIFT = _DANCE.sampling.num_steps, _DANCE.sampling.shift
+ETA, TIMESTEP_FRACTION, CLIP = (
+    _DANCE.algorithm.noise_level,
+    _DANCE.algorithm.timestep_fraction,
+    _DANCE.algorithm.clip_range,
+)
+GROUP_SIZE, JAGG_FRAC = _DANCE.backward.group_size, _DANCE.backward.jagg_frac
+_FAST = paper_config("flux_flowgrpo_fast")  # Flow-GRPO-Fast's LoRA (r64 / alpha 128)
+LORA_RANK, LORA_ALPHA = _FAST.model.lora_rank, _FAST.model.lora_alpha
+# px: DanceGRPO (both backbones, 720), Flow-GRPO-Fast Qwen-Image (512)
+RESOLUTIONS = {
+    "flux": (image_px(_DANCE),),
+    "qwenimage": (
+        image_px(paper_config("qwenimage_dancegrpo")),
+        image_px(paper_config("qwenimage_flowgrpo_fast")),
+    ),
+}
+# Flux: T5 padded to model.max_sequence_length (512); Qwen-Image: an unpadded prompt (a measurement choice: no
+# config fixes a prompt's length)
+TEXT_TOKENS = {"flux": _DANCE.model.max_sequence_length, "qwenimage": 128}
 TINY_LATENT = {720: 8, 512: 4}  # CPU stand-ins for 90x90 / 64x64 latents
 TINY_TEXT_TOKENS = 8
 # (strategy, endpoint mode, stored outputs); exact ignores the mode and the outputs.
