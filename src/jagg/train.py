@@ -8,12 +8,15 @@
     --resume auto         the same when a checkpoint exists, else start fresh (preemptible clusters: a retry
                           loop passes it on every attempt)
     --overwrite           replace an existing run directory (not with --resume)
-    --dry-run             validate the config and print the plan (steps, groups, passes, memory); no weights, no writes
+    --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
+                          plan (steps, groups, passes, memory); no weights, no writes
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
 Invalid configs (unknown keys, bad values, YAML syntax, unknown reward or prompt-set names, train.device=cuda
-without CUDA, a resume that contradicts run.json) exit with status 2 and one line naming the key, before the
-model code is imported and before anything is written.
+without CUDA, a driver older than torch's CUDA build needs, a resume that contradicts run.json) exit with status
+2 and one line naming the key, before the model code is imported and before anything is written. A run that may
+use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL flight recorder unless they are set
+(``jagg.loop.node``); the checkpoints' weights are checked with ``python -m jagg.scale.weights_check``.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
