@@ -50,7 +50,7 @@ def clean_env(monkeypatch):
 
 
 def _mock(monkeypatch, facts: NodeFacts) -> None:
-    monkeypatch.setattr(node, "node_facts", lambda: facts)
+    monkeypatch.setattr(node, "node_facts", lambda gpus=True: facts)
     monkeypatch.setattr(node, "driver_version", lambda: facts.driver)
 
 
@@ -136,6 +136,18 @@ def test_cpu_run_looks_at_nothing(tmp_path, clean_env):
     cfg = load_config(WORLD, [*TINY_RUN, f"log.run_dir={tmp_path}"])
     assert node.prepare_node(cfg, dry_run=False) is None
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_only_rank_0_asks_for_the_gpus(clean_env, monkeypatch):
+    """Under torchrun the other ranks touch no GPU before the process group sets their device."""
+    asked: list[bool] = []
+    monkeypatch.setattr(node, "node_facts", lambda gpus=True: asked.append(gpus) or GOOD)
+    monkeypatch.setattr(node, "driver_version", lambda: GOOD.driver)
+    cfg = load_config(PAPER)
+    for rank in ("0", "3"):
+        monkeypatch.setenv("RANK", rank)
+        node.prepare_node(cfg, dry_run=True)
+    assert asked == [True, False]
 
 
 def test_cuda_env_keeps_what_the_user_set(tmp_path):

@@ -130,17 +130,18 @@ def _is_number(s: str) -> bool:
     return True
 
 
-def node_facts() -> NodeFacts:
-    """This machine's facts (initialises CUDA when it is available: call after ``cuda_run_env``)."""
+def node_facts(gpus: bool = True) -> NodeFacts:
+    """This machine's facts. ``gpus``: also each GPU's name and memory (this initialises CUDA when it is
+    available: call after ``cuda_run_env``; under torchrun only rank 0 asks, the report's rank)."""
     import torch
 
-    available = torch.cuda.is_available()
+    available = torch.cuda.is_available()  # a device count, no CUDA context
     return NodeFacts(
         torch_version=torch.__version__,
         cuda_build=torch.version.cuda,
         driver=driver_version(),
         nccl=_nccl_version(),
-        gpus=_gpus(available),
+        gpus=_gpus(available) if gpus else (),
         cuda_available=available,
     )
 
@@ -242,13 +243,14 @@ def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> 
             log.warning("CUDA was initialised before the allocator setting could be applied")
         for key, value in cuda_run_env(cfg.log.run_dir).items():
             log.debug(f"node: set {key}={value}")
-    facts = facts or node_facts()
-    if int(os.environ.get("RANK", "0")) == 0:
+    main = int(os.environ.get("RANK", "0")) == 0
+    facts = facts or node_facts(gpus=main)
+    if main:
         for line in node_report(facts):
             log.info(line)
     check_node(facts, cfg.train.device)
-    if not dry_run:  # the optimizer on the device it will run on (a dry run may plan for another machine)
-        check_fused(
-            cfg, torch.device("cuda" if facts.cuda_available and cfg.train.device != "cpu" else "cpu")
-        )
+    if not dry_run:  # the optimizer on this rank's own GPU (a dry run may plan for another machine)
+        on_gpu = facts.cuda_available and cfg.train.device != "cpu"
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        check_fused(cfg, local if on_gpu else torch.device("cpu"))
     return facts
