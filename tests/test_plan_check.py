@@ -45,6 +45,13 @@ def test_plan_within_15_percent_of_the_simulated_node(plan_check, path: str) -> 
     assert max(runs[-1]["phase_peaks"], key=runs[-1]["phase_peaks"].get) == "update"
     for term, kinds in TERMS.items():
         simulated = sum(sim.get(k, 0.0) for k in kinds)
+        if term == "weights (sharded)" and not cfg.model.shard_frozen_base:
+            # the replicated frozen base is a plain parameter FSDP2 ignores; the tracker counts it as ACT
+            # (results/plan_check.md: flux_flowgrpo_fast 0.08 GiB weights, 26.7 GiB activations), so the
+            # weights are held to 15% together with the activations
+            simulated += sim.get("ACT", 0.0) + sim.get("TEMP", 0.0)
+            assert plan[term] + plan["activations"] == pytest.approx(simulated, rel=TOLERANCE), term
+            continue
         assert plan[term] == pytest.approx(simulated, rel=TOLERANCE), term
     # the foreach step's temporaries (OPT inside the step minus the update's), extrapolated to full depth
     temporaries = phases["step"]["OPT"] - phases["update"]["OPT"]
