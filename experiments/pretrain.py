@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from jagg.common import git_sha
+from jagg.common import command_line, git_sha
 from jagg.world import World, default_cache_dir, load_pretrained
 from jagg.world.build import (
     EVAL_SEED,
@@ -96,6 +96,10 @@ def write_report(
     rewards = world_rewards(cache)
     data = {
         "git_sha": git_sha(),
+        "command": command_line("experiments/pretrain.py"),
+        "seeds": {
+            n: m["seed"] for n, m in manifests.items()
+        },  # one per artefact (jagg.world.pretrained JUDGE_TRAIN / FLOW_TRAIN)
         "environment": environment(),
         "make_pretrain_seconds_this_run": build_seconds,
         "train_seconds_total": sum(m["train_seconds"] for m in manifests.values()),

@@ -7,7 +7,9 @@ The figure puts the held-out sample grid of the first evaluation (iteration 0, t
 one of the last evaluation (same prompts, same fixed noise, ODE sampling), a prompt per row, every tile
 underlined green / red by the ``attr`` metric when it was evaluated; the markdown file gets the eval
 numbers per evaluation iteration, cumulative training wall time, a paired per-sample before/after comparison
-(mean change, its standard error, sign test), the command, git SHA and hardware.
+(mean change, its standard error, sign test), the command, git SHA and hardware; beside it ``<name>.meta.json``
+records the training run's run.json (command, seed, config, git SHA, versions, hardware, resumes) and this
+report's own command and SHA.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from jagg.common import atomic_write_text
+from jagg.common import atomic_write_text, command_line, run_metadata
 from jagg.loop.grids import GRID_COLS, GRID_PAD, GRID_ZOOM, grid_cell
 
 
@@ -174,6 +176,17 @@ def markdown(run: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def provenance(run: Path, argv: list[str] | None) -> dict:
+    """The metadata file of a report: this report's command, SHA, versions and hardware, the training run's
+    seed, and its run.json in full (the run directory itself is not committed)."""
+    training = json.loads((run / "run.json").read_text())
+    return run_metadata(
+        command=command_line("experiments/world_rl_report.py", argv),
+        seed=training.get("seed"),
+        training_run=training,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", default="runs/world/flux_dancegrpo")
@@ -186,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(run)
     if args.markdown:
         atomic_write_text(args.markdown, text)
+        meta = json.dumps(provenance(run, argv), indent=2, default=str) + "\n"
+        atomic_write_text(Path(args.markdown).with_suffix(".meta.json"), meta)
     print(text)
 
 

@@ -33,6 +33,11 @@ TINY = [*TINY_RUN, "sampling.num_steps=4"]
         ("model.gradient_checkpointing=3", "model.gradient_checkpointing: expected bool"),
         ("algorithm.name=ppo", "algorithm.name must be one of"),
         ("reward.weights={hps: 1.0}", "reward.weights: unknown reward 'hps'"),
+        ("optim.lr=.inf", "optim.lr must be a finite number, got inf"),
+        ("optim.lr=nan", "optim.lr must be a finite number, got 'nan'"),
+        ("optim.weight_decay=-.inf", "optim.weight_decay must be a finite number"),
+        ("train.seed=100000000000000", "train.seed must be in [0, 4294967295]"),
+        ("train.seed=-1", "train.seed must be in [0, 4294967295]"),
     ],
 )
 def test_bad_values_exit_2_and_write_nothing(tmp_path, capsys, override, names):
@@ -262,16 +267,64 @@ def test_resume_compares_config_and_keeps_run_json(tmp_path, capsys):
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2, 3]
 
 
-def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path, capsys):
+def test_resume_auto_starts_fresh_only_where_nothing_is_lost(tmp_path, capsys):
     run_dir = tmp_path / "run"
     cli = ["--config", WORLD, *TINY, f"log.run_dir={run_dir}", "--resume", "auto"]
     assert main(cli) == 0  # nothing there yet: a fresh run
     assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
     assert main([*cli, "train.iterations=2"]) == 0  # a checkpoint now: resumed
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2] and len(_meta(run_dir)["resumes"]) == 1
-    shutil.rmtree(run_dir / "checkpoint")  # preempted before its first checkpoint: run.json and metrics only
+    shutil.rmtree(run_dir / "checkpoint")  # lost: metrics rows remain, and auto does not start over them
+    assert "holds 2 metrics rows but no checkpoint" in _fails(capsys, cli)
+    assert [r["iteration"] for r in _rows(run_dir)] == [1, 2]
+    (run_dir / "metrics.jsonl").unlink()  # preempted before its first row: run.json only, nothing to lose
     assert main(cli) == 0
     assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
-    shutil.rmtree(run_dir / "checkpoint")
-    (run_dir / "run.json").unlink()  # someone else's directory
-    assert "is not a run directory" in _fails(capsys, cli)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("someone else's directory")
+    assert "is not a run directory" in _fails(capsys, [*cli, f"log.run_dir={other}"])
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+# --------------------------------------------------------------------------- issue 29: inputs checked before anything runs
+def test_inherit_cycle_is_one_line(tmp_path, capsys):
+    (tmp_path / "a.yaml").write_text("inherit: b.yaml\ntrain: {iterations: 2}\n")
+    (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
+    err = _fails(capsys, ["--config", str(tmp_path / "a.yaml"), f"log.run_dir={tmp_path / 'run'}"])
+    assert f"inherit: cycle {tmp_path / 'a.yaml'} -> {tmp_path / 'b.yaml'} -> {tmp_path / 'a.yaml'}" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_or_blank_prompt_file_fails_before_the_model_code(tmp_path):
+    """Read before any weight loads (minutes at paper scale); a fresh interpreter shows what was imported."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("  \n\t\n")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a cat"\n')
+    code = "import sys\nfrom jagg.train import main\n"
+    for name in ("empty.txt", "blank.txt", "broken.jsonl"):
+        code += (
+            f"try:\n    main(['--config', 'configs/paper/flux_dancegrpo.yaml', 'log.run_dir={tmp_path / 'run'}',"
+            f" 'data.eval_prompts={tmp_path / name}'])\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+        )
+    code += (
+        "print('heavy', sorted(m for m in ('diffusers', 'transformers', 'open_clip') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.count("exit 2") == 3 and "heavy []" in out.stdout, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 3, out.stderr
+    assert f"data.eval_prompts: prompt file {tmp_path / 'empty.txt'} holds no prompt" in lines[0]
+    assert f"data.eval_prompts: prompt file {tmp_path / 'blank.txt'} holds no prompt" in lines[1]
+    assert f"data.eval_prompts: prompt file {tmp_path / 'broken.jsonl'} cannot be read" in lines[2]
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_prints_no_misleading_warning():
+    """open_clip's "No pretrained weights loaded ... initialized randomly" (the plan builds HPSv2's
+    architecture on the meta device) is not shown, and no line is printed twice."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "jagg.train", "--config", "configs/paper/flux_dancegrpo.yaml", "--dry-run"]
+    out = subprocess.run([*cmd, "--world-size", "8"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "memory per rank" in out.stdout
+    assert out.stderr == "", out.stderr

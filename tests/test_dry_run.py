@@ -11,14 +11,16 @@ import torch
 from jagg.config import load_config
 from jagg.train import main
 
-# The four paper recipes in this repository's reading; the JAGG authors' own recipe is tested on its own below.
+# The six paper recipes in this repository's reading (MixGRPO's window is one group: jagg_frac 1.0); the JAGG
+# authors' own recipe is tested on its own below.
 AUTHORS = "configs/paper/qwenimage_dancegrpo_authors.yaml"
 PAPER = sorted(p for p in glob.glob("configs/paper/*_*.yaml") if p != AUTHORS)
 
 
-def test_all_four_paper_configs_exist():
+def test_all_six_paper_configs_exist():
     names = {p.split("/")[-1] for p in PAPER}
-    assert names == {f"{b}_{a}.yaml" for b in ("flux", "qwenimage") for a in ("dancegrpo", "flowgrpo_fast")}
+    algorithms = ("dancegrpo", "flowgrpo_fast", "mixgrpo")
+    assert names == {f"{b}_{a}.yaml" for b in ("flux", "qwenimage") for a in algorithms}
 
 
 @pytest.mark.parametrize("config", PAPER)
@@ -35,7 +37,7 @@ def test_dry_run_prints_plan_offline(tmp_path, capsys, monkeypatch, config):
         "group 0",
     ):
         assert text in out
-    assert f"W={cfg.backward.group_size}, jagg_frac=0.6" in out
+    assert f"W={cfg.backward.group_size}, jagg_frac={cfg.backward.jagg_frac}" in out
     assert "-> jagg" in out and "over 8" in out
     assert not run_dir.exists()  # a dry run writes nothing
     # the memory plan counts every resident model and says per GPU size whether the run fits
@@ -149,16 +151,17 @@ PRECOMPUTED = ("data.precompute_embeddings=true", "data.embedding_cache=cache/em
 @pytest.mark.parametrize("config", PAPER)
 def test_memory_plan_verdicts_for_8_gpus(config):
     """Every paper config, as configured, fits 8 x 80 GB and 8 x 141 GB (none fits 80 GB without gradient
-    checkpointing). Qwen-Image DanceGRPO fits only because its config precomputes the prompt embeddings to a
-    disk cache (the text encoder freed): with the text encoder kept (full fine-tuning of 20.4B parameters +
-    Qwen2.5-VL-7B on every GPU) it would exceed 80 GB."""
+    checkpointing). Qwen-Image DanceGRPO and MixGRPO fit only because their configs precompute the prompt
+    embeddings to a disk cache (the text encoder freed): with the text encoder kept (full fine-tuning of 20.4B
+    parameters + Qwen2.5-VL-7B on every GPU) they would exceed 80 GB."""
     mp = _plan(config)
     assert mp.fits(141) and mp.fits(80)
     assert not mp.fits(80, checkpointing=False)
     precomputed = _plan(config, *PRECOMPUTED)
     assert precomputed.fits(80)
     kept = _plan(config, "data.precompute_embeddings=false")
-    assert kept.fits(80) == ("qwenimage_dancegrpo" not in config)
+    full_qwen = config.endswith(("qwenimage_dancegrpo.yaml", "qwenimage_mixgrpo.yaml"))
+    assert kept.fits(80) == (not full_qwen)
     assert sum(kept.gpu.values()) - sum(precomputed.gpu.values()) > 8 * 2**30  # T5-XXL / Qwen2.5-VL freed
 
 

@@ -229,6 +229,9 @@ def test_world_rl_report_pairs_first_and_last_evaluation(tmp_path):
     text = md.read_text()
     assert "eval_00002 vs eval_00000" in text and "| jpeg |" in text
     assert (tmp_path / "grid.png").is_file()
+    meta = json.loads((tmp_path / "report.meta.json").read_text())  # the provenance beside the table
+    assert meta["command"].startswith("python experiments/world_rl_report.py --run") and meta["seed"] == 0
+    assert meta["training_run"]["config"]["log"]["run_dir"] == str(run) and "git_sha" in meta
 
 
 def test_sign_test_is_the_exact_binomial_tail():
@@ -365,3 +368,21 @@ def test_curves_holm_adjusts_the_secondary_metrics_of_an_arm():
     from jagg.stats import holm
 
     assert [r["worse_t_adj"] for r in secondary] == holm([r["worse_t"] for r in secondary])
+
+
+def test_world_results_record_their_provenance():
+    """results/world.json and every world_rl report carry the command, seed(s) and git SHA that made them."""
+    root = Path(__file__).resolve().parents[1]
+    world = json.loads((root / "results" / "world.json").read_text())
+    assert world["command"] == "python experiments/pretrain.py" and len(world["git_sha"]) == 40
+    assert world["seeds"] == {name: a["seed"] for name, a in world["artefacts"].items()}
+    reports = sorted((root / "results").glob("world_rl*.md"))
+    assert len(reports) >= 6
+    for md in reports:
+        meta = json.loads(md.with_suffix(".meta.json").read_text())
+        if md.stem == "world_rl":  # the written summary: its sources are the reports
+            assert all((root / p).is_file() for p in meta["sources"].values())
+            continue
+        assert meta["command"].startswith("python experiments/world_rl_report.py --run ")
+        assert isinstance(meta["seed"], int) and meta["git_sha"] in md.read_text()
+        assert meta["training_run"]["argv"] in md.read_text()

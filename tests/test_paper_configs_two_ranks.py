@@ -125,13 +125,15 @@ def test_meta_built_qwenimage_gets_the_rotary_tables_of_a_real_build():
 
 
 def test_every_paper_config_is_found():
-    """The four recipes of the paper and the JAGG authors' Qwen-Image recipe, both backbones."""
+    """The four recipes of the paper, MixGRPO and the JAGG authors' Qwen-Image recipe, both backbones."""
     assert CONFIGS == [
         "flux_dancegrpo",
         "flux_flowgrpo_fast",
+        "flux_mixgrpo",
         "qwenimage_dancegrpo",
         "qwenimage_dancegrpo_authors",
         "qwenimage_flowgrpo_fast",
+        "qwenimage_mixgrpo",
     ]
 
 

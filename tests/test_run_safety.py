@@ -5,12 +5,14 @@ evaluation, fp32 rotary tables under bf16 FSDP2 and verified checkpoints (issue 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from jagg.config import TINY_OVERRIDES, load_config
 from jagg.errors import ConfigError
+from jagg.loop.rundir import REPO_ROOT as ROOT
 from jagg.train import main
 
 TINY = [*TINY_OVERRIDES, "train.iterations=1", "train.prompts_per_iter=1", "train.images_per_prompt=2"]
@@ -279,16 +281,18 @@ def test_corrupt_checkpoint_is_one_line_exit_2(tmp_path, capsys, name, how, says
     assert "--overwrite" in err and "log.keep_checkpoints=2" in err  # what to do
 
 
-def test_unverified_checkpoint_read_error_is_one_line(tmp_path, capsys):
-    """A checkpoint without a manifest (written before it existed): the reader's error, as one line."""
+def test_checkpoint_without_manifest_is_refused(tmp_path, capsys):
+    """Deleting the manifest does not switch verification off: a flipped byte is not loaded unverified."""
     assert main(_cli(tmp_path)) == 0
     ckpt = tmp_path / "run" / "checkpoint"
     (ckpt / "manifest.json").unlink()
-    _damage(ckpt / "__0_0.distcp", "truncate")
+    _damage(ckpt / "__0_0.distcp", "flip")
+    run_json = (tmp_path / "run" / "run.json").read_text()
     capsys.readouterr()
     assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"checkpoint {ckpt} cannot be read" in err
+    assert len(err.splitlines()) == 1 and f"checkpoint {ckpt} has no manifest.json" in err
+    assert (tmp_path / "run" / "run.json").read_text() == run_json  # the failed resume recorded nothing
 
 
 def _rows(run_dir) -> list[dict]:
@@ -312,3 +316,368 @@ def test_keep_two_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
     # with the default (keep 1) there is nothing to fall back to
     assert main(_cli(tmp_path / "c", "log.checkpoint_every=1", "train.iterations=2")) == 0
     assert sorted(p.name for p in (tmp_path / "c" / "run").glob("checkpoint*")) == ["checkpoint"]
+
+
+# --------------------------------------------------------------------------- issue 29: a run directory loses nothing
+def _tree(root) -> dict[str, str]:
+    """Every path under ``root`` with its bytes' hash (directories as "dir"): what a refusal must leave as it is."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _marked(path):
+    """A directory that carries this project's run marker (what --overwrite otherwise accepts)."""
+    from jagg.loop.rundir import write_marker
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_marker(path)
+    (path / "keep.txt").write_text("must survive")
+    return path
+
+
+@pytest.mark.parametrize("case", ["cwd", "ancestor", "repository", "home", "runs", "foreign"])
+def test_overwrite_refuses_anything_but_a_run_directory(tmp_path, monkeypatch, capsys, case):
+    scratch = tmp_path / "scratch"
+    runs = scratch / "runs"
+    _marked(runs / "a")  # a run one level down: "runs" itself is no run directory
+    cwd = _marked(scratch / "work")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(_marked(scratch / "home")))
+    _marked(scratch / "repo" / ".git")
+    (scratch / "foreign").mkdir()
+    (scratch / "foreign" / "notes.txt").write_text("someone else's")
+    target = {
+        "cwd": ".",
+        "ancestor": str(scratch),
+        "repository": str(scratch / "repo"),
+        "home": str(scratch / "home"),
+        "runs": str(runs),
+        "foreign": str(scratch / "foreign"),
+    }[case]
+    why = {
+        "cwd": "working directory",
+        "ancestor": "working directory or one of its ancestors",
+        "repository": "git repository's root",
+        "home": "home directory",
+        "runs": "not a run directory of this project",
+        "foreign": "not a run directory of this project",
+    }[case]
+    before = _tree(scratch)
+    capsys.readouterr()
+    argv = [a.replace("configs/", f"{ROOT}/configs/") for a in _cli(tmp_path, "--overwrite")]
+    assert _exit_code([*argv, f"log.run_dir={target}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite refuses to delete" in err and why in err, err
+    assert _tree(scratch) == before  # nothing deleted, no lock left behind
+
+
+def test_without_overwrite_a_foreign_directory_is_not_offered_to_it(tmp_path, capsys):
+    foreign = tmp_path / "run"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone else's")
+    assert _exit_code(_cli(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a run directory of this project" in err and "--overwrite" not in err
+
+
+def test_overwrite_replaces_a_run_directory(tmp_path):
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+    (run / "stale.txt").write_text("from the old run")
+    assert main(_cli(tmp_path, "--overwrite")) == 0
+    assert not (run / "stale.txt").exists() and (run / ".jagg_run").is_file()
+    assert len(_rows(run)) == 1 and not (run / ".lock").exists()  # released on exit
+
+
+HOLD = (  # a process that holds a run directory's lock until killed, as a live training does
+    "import sys, time\nfrom jagg.loop.rundir import RunDirLock\n"
+    "RunDirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n"
+)
+
+
+def test_resume_auto_against_a_live_run_exits_2_naming_it_and_a_killed_holder_is_stale(tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    live = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert live.stdout.readline().strip() == "locked"
+        before = _tree(run)
+        capsys.readouterr()
+        assert _exit_code(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"is in use by another training run (pid {live.pid} on" in err
+        assert _tree(run) == before  # joined nothing, wrote nothing
+    finally:
+        live.send_signal(signal.SIGKILL)  # kill -9: the lock file stays, its flock goes with the process
+        live.wait()
+    assert (run / ".lock").is_file()
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 0  # a stale lock: taken over
+    assert [r["iteration"] for r in _rows(run)] == [1, 2] and not (run / ".lock").exists()
+
+
+def test_two_trainings_started_at_once_one_runs_one_exits_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "jagg.train",
+        *_cli(tmp_path, "train.iterations=3", "log.checkpoint_every=1"),
+    ]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    ]
+    procs.append(
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    )
+    outs = [p.communicate(timeout=300) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], outs
+    loser = next(err for p, (_, err) in zip(procs, outs, strict=True) if p.returncode == 2).strip()
+    assert len(loser.splitlines()) == 1, loser
+    # at once: the loser meets the lock; later than the winner's end: a finished run it may not replace
+    assert "is in use by another training run (pid" in loser or "already exists" in loser, loser
+    assert [r["iteration"] for r in _rows(tmp_path / "run")] == [1, 2, 3]  # one writer's rows, in order
+
+
+def two_rank_lock(rank: int, out_dir: str) -> None:
+    """Both ranks get rank 0's refusal of a locked directory; in a free one rank 0 alone holds the lock, and
+    another process (rank 1 stands in for it) cannot take it meanwhile."""
+    import torch.distributed as dist
+
+    from dist_harness import save_rank_result
+    from jagg.distributed import DistInfo
+    from jagg.errors import ConfigError
+    from jagg.loop.rundir import RunDirLock, hold
+
+    out, info, result = Path(out_dir), DistInfo.current(), {}
+    try:
+        with hold(out / "busy", info):
+            result["busy"] = "entered"
+    except ConfigError as err:
+        result["busy"] = str(err)
+    with hold(out / "free", info) as lock:
+        result["holds"] = lock is not None
+        dist.barrier()
+        if rank == 1:
+            try:
+                RunDirLock(out / "free").acquire()
+                result["second"] = "acquired"
+            except ConfigError as err:
+                result["second"] = str(err)
+        dist.barrier()
+    save_rank_result(out_dir, rank, result)
+
+
+def test_lock_across_ranks(tmp_path):
+    import os
+
+    from dist_harness import rank_results, run_ranks
+    from jagg.loop.rundir import RunDirLock
+
+    busy = RunDirLock(tmp_path / "busy")
+    busy.acquire()  # this process is the other training
+    try:
+        run_ranks("test_run_safety:two_rank_lock", 2, tmp_path, timeout=300)
+    finally:
+        busy.release()
+    r0, r1 = rank_results(tmp_path, 2)
+    assert r0["busy"] == r1["busy"] and f"in use by another training run (pid {os.getpid()} on" in r0["busy"]
+    assert (r0["holds"], r1["holds"]) == (True, False)
+    assert "in use by another training run" in r1["second"]
+    assert (
+        not (tmp_path / "free").exists() and not (tmp_path / "busy").exists()
+    )  # released, created dirs gone
+
+
+def test_resume_auto_reports_an_incomplete_checkpoint_and_discards_nothing(tmp_path, capsys):
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+    (run / "checkpoint" / ".metadata").unlink()
+    before = _tree(run)
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        len(err.splitlines()) == 1
+        and f"checkpoint {run / 'checkpoint'} is incomplete (.metadata missing)" in err
+    )
+    assert _tree(run) == before  # not restarted from iteration 0 over the run
+
+
+def test_an_incomplete_checkpoint_falls_back_to_an_intact_previous_one(tmp_path):
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    assert main(_cli(tmp_path, *keep, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    (run / "checkpoint" / ".metadata").unlink()
+    with pytest.warns(
+        UserWarning, match=r"incomplete \(.metadata missing\).*checkpoint.prev \(iteration 1\)"
+    ):
+        assert main(_cli(tmp_path, *keep, "train.iterations=3", "--resume=auto")) == 0
+    assert [r["iteration"] for r in _rows(run)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "read-only"])
+def test_unusable_run_dir_is_one_line_before_the_model(tmp_path, monkeypatch, capsys, case):
+    import errno
+    import os
+
+    import jagg.loop.components as components
+
+    (tmp_path / "file").write_text("not a directory")
+    run_dir = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run"}.get(
+        case, tmp_path / "ro"
+    )
+    if case == "read-only":  # root ignores chmod: the lock file's creation fails as on a read-only directory
+        run_dir.mkdir()
+        real_open = os.open
+
+        def read_only(path, *args, **kw):
+            if str(path).startswith(str(run_dir)):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_open(path, *args, **kw)
+
+        monkeypatch.setattr(os, "open", read_only)
+    monkeypatch.setattr(components, "build_components", lambda cfg: pytest.fail("built the model first"))
+    before = _tree(tmp_path)
+    assert _exit_code([*_cli(tmp_path), f"log.run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    says = {
+        "a file": "is a file, not a directory",
+        "under a file": f"lies under {tmp_path / 'file'}, which is a file",
+    }
+    assert len(err.splitlines()) == 1 and says.get(case, "is not writable (Permission denied)") in err, err
+    assert _tree(tmp_path) == before
+
+
+def _fake_disk(monkeypatch, free: int) -> None:
+    import shutil
+
+    import jagg.loop.checkpoint as ckpt
+
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=free))
+
+
+def test_free_space_is_checked_before_a_save(tmp_path, monkeypatch, capsys):
+    _fake_disk(monkeypatch, free=1000)
+    assert _exit_code(_cli(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    run = tmp_path / "run"
+    assert len(err.splitlines()) == 1 and f"not enough disk space for checkpoint {run / 'checkpoint'}" in err
+    assert "1000 B free" in err and "needed" in err
+    assert not list(run.glob("checkpoint*"))  # nothing started
+
+
+def test_disk_full_while_saving_is_one_line_and_the_next_start_cleans_up(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    assert main(_cli(tmp_path, "log.checkpoint_every=1")) == 0
+    run = tmp_path / "run"
+
+    def full(state, checkpoint_id, **kw):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full)
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2", "log.checkpoint_every=1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"disk full while writing checkpoint {run / 'checkpoint'}" in err
+    assert " free on " in err and " needed" in err
+    assert not (run / "checkpoint.tmp").exists()  # the partial save is gone
+    monkeypatch.undo()
+    (run / "checkpoint.tmp").mkdir()  # what a kill -9 during a save leaves
+    (run / "checkpoint.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    (run / ".run.json.abc123.tmp").write_text("{")  # and during an atomic write
+    assert main(_cli(tmp_path, "--resume", "train.iterations=2", "log.checkpoint_every=1")) == 0
+    assert not (run / "checkpoint.tmp").exists() and not list(run.glob(".*.tmp"))
+    assert [r["iteration"] for r in _rows(run)] == [1, 2]
+
+
+def test_a_moved_run_directory_resumes(tmp_path):
+    import shutil
+
+    assert main(_cli(tmp_path / "a")) == 0
+    shutil.move(tmp_path / "a" / "run", tmp_path / "b")
+    assert (
+        main([*_cli(tmp_path / "b", "--resume", "train.iterations=2"), f"log.run_dir={tmp_path / 'b'}"]) == 0
+    )
+    meta = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert meta["resumes"][0]["config_changes"]["log.run_dir"] == [
+        str(tmp_path / "a" / "run"),
+        str(tmp_path / "b"),
+    ]
+    assert [r["iteration"] for r in _rows(tmp_path / "b")] == [1, 2]
+
+
+def test_disk_full_in_any_write_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import jagg.loop.trainer as trainer_module
+
+    assert main(_cli(tmp_path)) == 0
+    run = tmp_path / "run"
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(trainer_module, "atomic_write_text", full)  # the resume rewrites metrics.jsonl
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"disk full while writing {run / 'metrics.jsonl'}" in err
+    assert " free on " in err
+
+
+@pytest.mark.parametrize("holder", ["dead", "live", "other host"])
+def test_lock_without_flock_checks_the_recorded_pid_and_host(tmp_path, monkeypatch, holder):
+    """Where the filesystem has no flock, the holder's record decides: a dead pid on this host is stale, a live
+    one or one on another host (which cannot be checked from here) holds the directory."""
+    import errno
+    import fcntl
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from jagg.loop import rundir
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = {"dead": int(dead.stdout), "live": os.getppid(), "other host": os.getppid()}[holder]
+    host = "elsewhere.invalid" if holder == "other host" else socket.gethostname()
+    (tmp_path / ".lock").write_text(
+        json.dumps({"pid": pid, "start": rundir._process_start(pid), "host": host})
+    )
+    lock = rundir.RunDirLock(tmp_path)
+    if holder == "dead":
+        lock.acquire()
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+        lock.release()
+        assert not (tmp_path / ".lock").exists()
+    else:
+        with pytest.raises(ConfigError, match=f"in use by another training run \\(pid {pid} on {host}"):
+            lock.acquire()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import yaml
 
 from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
 from jagg.engine.grpo import KL_STD
+from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
 from jagg.errors import ConfigError
@@ -35,6 +37,9 @@ from jagg.rewards import EVAL_ONLY
 BACKBONE_NAMES = ("flux", "qwenimage")
 # log.report_to: the experiment trackers of ``jagg.loop.trackers`` (imported there only when named).
 TRACKER_NAMES = ("tensorboard", "wandb")
+# train.seed's largest value: jagg.common.generator seeds with seed * 1_000_003 + offsets, which must stay
+# inside torch's 64-bit seed range (the usual 32-bit seeds leave ample room)
+MAX_SEED = 2**32 - 1
 
 # The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
 # config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
@@ -86,7 +91,7 @@ class SamplingConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo
+    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo | mixgrpo
     sde_kind: str = "dance"  # dance | flow_grpo | cps
     noise_level: float = 0.3  # eta (dance) or a (flow_grpo, cps)
     timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
@@ -100,6 +105,24 @@ class AlgorithmConfig:
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
     # Flow-GRPO-Fast: the window start is drawn uniformly in [lo, hi - size], so the window lies in [lo, hi)
     sde_window_range: list[int] = field(default_factory=lambda: [0, 3])
+    # MixGRPO (jagg.engine.algorithms.MixGRPO; Tencent-Hunyuan/MixGRPO's argument names): a window of group_size
+    # consecutive SDE steps (the SDE window, not backward.group_size = W), ODE elsewhere, moved with the training
+    # iteration by sample_strategy: progressive | random | decay | exp_decay (MIX_SCHEDULES)
+    group_size: int = 4
+    sample_strategy: str = "progressive"
+    iters_per_group: int = 25  # progressive: iterations at each window position
+    prog_overlap_step: int = 1  # progressive: steps the window moves (their --prog_overlap off = group_size)
+    max_iters_per_group: int = 10  # decay: iterations at start 0, decaying linearly to ...
+    min_iters_per_group: int = 1  # ... this at the last position
+    exp_decay_thre_timestep: int = 13  # exp_decay: iters_per_group exp(-k relu(start - thre)) iterations
+    exp_decay_k: float = 0.1
+    # MixGRPO-Flash: after the window, none (Euler ODE on the run's schedule) | dpmsolver++ (deterministic
+    # DPM-Solver++ of dpm_solver_order, midpoint | heun, on int((S - last window step) * ratio) schedule points;
+    # needs sampling.schedule=shift and sample_strategy=progressive)
+    dpm_algorithm_type: str = "none"
+    dpm_post_compress_ratio: float = 0.4
+    dpm_solver_order: int = 2
+    dpm_solver_type: str = "midpoint"
     init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
@@ -118,7 +141,8 @@ def _auto(default, allowed: str):
 
 @dataclass(kw_only=True)
 class BackwardConfig:
-    strategy: str = "jagg"  # exact | jagg | endpoints | uniform | jagg_index (alpha_j = j / (W - 1))
+    # exact | jagg | endpoints | uniform | jagg_index (alpha_j = j / (W - 1)) | knots (shared knots, below)
+    strategy: str = "jagg"
     # W; None (YAML `auto`): chosen from `group_sizes` at each calibration (see below)
     group_size: int | None = _auto(3, "an integer >= 2 or 'auto'")
     # leading fraction of groups on `strategy`; None (YAML `auto`): routed by measured cosines (see below)
@@ -132,10 +156,20 @@ class BackwardConfig:
     reuse_rollout: bool = (
         True  # intermediate signals from the rollout's outputs while the weights are the rollout's
     )
+    # strategy knots: K shared knots over each micro-batch's trained steps (jagg.engine.knots), placed by a rule
+    # (index | time | low_noise) or measured (YAML `auto`: the rule whose gradient is closest to exact, measured
+    # at iteration 0 and every calibrate_every iterations)
+    knots: int = 4
+    placement: str | None = _auto("low_noise", f"one of {[*PLACEMENTS, 'auto']}")
+    # at most this many rows (samples x knots) per stacked knot forward, for memory; null: a whole block at once
+    max_rows: int | None = None
 
     @property
     def calibrated(self) -> bool:
-        """Whether the trainer measures cosines at run time (jagg_frac auto; group_size may be auto too)."""
+        """Whether the trainer measures cosines at run time (jagg_frac auto, group_size may be auto too;
+        knots: placement auto)."""
+        if self.strategy == "knots":
+            return self.placement is None
         return self.strategy != "exact" and self.jagg_frac is None
 
     @property
@@ -148,6 +182,8 @@ class BackwardConfig:
         decides). The exact strategy with jagg_frac=auto routes nothing, so it is fixed too."""
         if self.calibrated:
             return None
+        if self.strategy == "knots":
+            return self.setting(Knots(count=self.knots, placement=self.placement))
         routing = Routing(
             strategy=self.strategy,
             group_size=self.candidate_group_sizes[0],
@@ -157,7 +193,10 @@ class BackwardConfig:
 
     def planned_setting(self) -> BackwardSetting:
         """The backward a plan without measurements assumes (``--dry-run``, the memory figures, plan-check):
-        the fixed setting, or under ``auto`` the largest candidate W with every group routed to the strategy."""
+        the fixed setting, or under ``auto`` the largest candidate W with every group routed to the strategy
+        (knots: K knots, placed low_noise; the cost does not depend on where)."""
+        if self.strategy == "knots":
+            return self.setting(Knots(count=self.knots, placement=self.placement or "low_noise"))
         routing = Routing(
             strategy=self.strategy,
             group_size=max(self.candidate_group_sizes),
@@ -165,13 +204,14 @@ class BackwardConfig:
         )
         return self.setting(routing)
 
-    def setting(self, routing: Routing) -> BackwardSetting:
-        """``routing`` with this config's endpoint mode, stored-output rule and endpoint-signal source."""
+    def setting(self, routing: Routing | Knots) -> BackwardSetting:
+        """``routing`` with this config's endpoint mode, stored-output rule, endpoint-signal source and row bound."""
         return BackwardSetting(
             routing=routing,
             endpoints=self.endpoints,
             reuse_outputs=self.reuse_rollout,
             endpoint_signals=self.endpoint_signals,
+            max_rows=self.max_rows,
         )
 
 
@@ -282,16 +322,22 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Read a YAML config, resolving ``inherit:`` chains (paths relative to the including file)."""
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML config, resolving ``inherit:`` chains (paths relative to the including file); a file that
+    inherits from itself, directly or through others, is a ``ConfigError`` naming the cycle."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: file {str(path)!r} does not exist")
+    if path.resolve() in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, path.resolve()))
+        raise ConfigError(f"config: inherit: cycle {cycle}")
     data = _safe_load(path.read_text(), f"config: {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must be a mapping")
     parent = data.pop("inherit", None)
-    return _merge(load_yaml(path.parent / parent), data) if parent else data
+    if parent is not None and not isinstance(parent, str):
+        raise ConfigError(f"config: {path}: inherit must be a file name, got {parent!r}")
+    return _merge(load_yaml(path.parent / parent, (*_chain, path.resolve())), data) if parent else data
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -358,13 +404,15 @@ def _coerce(key: str, tp, value):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         _, vt = typing.get_args(tp)
         return {str(k): _coerce(f"{key}.{k}", vt, v) for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if tp is float and not isinstance(value, bool) and isinstance(value, int | float | str):
+        try:  # int -> float; PyYAML reads "1e-3" (no dot) as a string
+            number = float(value)
+        except (ValueError, OverflowError):
+            number = None
+        if number is not None and not math.isfinite(number):  # .inf / nan pass every `x > 0` check
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        if number is not None:
+            return number
     if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
     if not isinstance(value, tp):
@@ -554,6 +602,11 @@ def _validate_algorithm(
         f"got {algorithm.name!r}",
     )
     ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
+    _require(
+        algorithm.name != "mixgrpo" or algorithm.dpm_algorithm_type == "none" or sampling.schedule == "shift",
+        f"algorithm.dpm_algorithm_type={algorithm.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "
+        f"schedule after the window: needs sampling.schedule=shift, got {sampling.schedule!r}",
+    )
 
 
 def _validate_backward(backward: BackwardConfig) -> None:
@@ -572,6 +625,18 @@ def _validate_backward(backward: BackwardConfig) -> None:
             validate_routing(w, frac, backward.strategy, backward.endpoints, backward.endpoint_signals)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _require(
+        isinstance(backward.knots, int) and backward.knots >= 2,
+        f"backward.knots must be an integer >= 2, got {backward.knots!r}",
+    )
+    _require(
+        backward.placement is None or backward.placement in PLACEMENTS,
+        f"backward.placement must be one of {[*PLACEMENTS, 'auto']}, got {backward.placement!r}",
+    )
+    _require(
+        backward.max_rows is None or backward.max_rows >= 1,
+        f"backward.max_rows must be an integer >= 1 or null, got {backward.max_rows!r}",
+    )
     _require(
         -1.0 <= backward.min_cosine <= 1.0,
         f"backward.min_cosine must be in [-1, 1], got {backward.min_cosine}",
@@ -597,6 +662,10 @@ def _validate_train(train: TrainConfig) -> None:
     _require(
         train.control_cosine is None or 0 < train.control_cosine <= 1,
         f"train.control_cosine must be null or in (0, 1], got {train.control_cosine}",
+    )
+    _require(
+        0 <= train.seed <= MAX_SEED,
+        f"train.seed must be in [0, {MAX_SEED}] (it seeds torch generators), got {train.seed}",
     )
     for key in (
         "iterations",

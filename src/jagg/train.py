@@ -5,18 +5,23 @@
     --resume              continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded);
                           the config must equal run.json's (train.iterations may grow) unless
                           --allow-config-change; run.json is kept and the resume recorded in it
-    --resume auto         the same when a checkpoint exists, else start fresh (preemptible clusters: a retry
-                          loop passes it on every attempt)
-    --overwrite           replace an existing run directory (not with --resume)
+    --resume auto         the same when a checkpoint exists, else start fresh where nothing is lost (preemptible
+                          clusters: a retry loop passes it on every attempt); an incomplete checkpoint or metrics
+                          rows without a checkpoint are an error, never a silent restart
+    --overwrite           replace a run directory of this project (one holding its .jagg_run marker, or empty;
+                          never the working directory, a repository root or the home directory); not with
+                          --resume
     --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
                           plan (steps, groups, passes, memory); no weights, no writes
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
 Invalid configs (unknown keys, bad values, YAML syntax, unknown reward or prompt-set names, train.device=cuda
 without CUDA, a driver older than torch's CUDA build needs, a resume that contradicts run.json) exit with status
-2 and one line naming the key, before the model code is imported and before anything is written. A run that may
-use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL flight recorder unless they are set
-(``jagg.loop.node``); the checkpoints' weights are checked with ``python -m jagg.scale.weights_check``.
+2 and one line naming the key, before the model code is imported and before anything is written. One run writes
+to a run directory at a time: rank 0 locks it (log.run_dir/.lock) before writing, and a second run there exits 2
+naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL
+flight recorder unless they are set (``jagg.loop.node``); the checkpoints' weights are checked with
+``python -m jagg.scale.weights_check``.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
@@ -136,56 +141,74 @@ def main(argv: list[str] | None = None) -> int:
             return _dry_run(cfg, args.world_size)
         preflight.check_device(cfg)
         preflight.check_trackers(cfg)
-        ckpt = find_checkpoint(cfg.log.run_dir)
         if args.export:
-            return _export(cfg, Path(args.export), ckpt, args)
-        start = preflight.start_run_dir(cfg, ckpt, args.resume, args.overwrite, args.allow_config_change)
+            return _export(cfg, Path(args.export), find_checkpoint(cfg.log.run_dir), args)
     except ConfigError as err:
         _fail(str(err))
-    return _train(cfg, start, argv_used)
+    return _train(cfg, args, argv_used)
 
 
-def _train(cfg, start, argv_used: list[str]) -> int:
-    """Build the components (the heavy imports start here), write run.json on rank 0, fit."""
+def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
+    """Join the process group, lock log.run_dir (rank 0, before anything is written), decide fresh / resume
+    under the lock, then run; every refusal is one line from rank 0 and exit 2 on every rank."""
     from jagg.common import set_threads
 
     set_threads(1)
-    from jagg.config import validate_world_size
     from jagg.distributed import DistInfo, init_distributed
+    from jagg.errors import ConfigError
+    from jagg.loop import preflight, rundir
+
+    init_distributed(timeout_s=cfg.train.dist_timeout_s)
+    info = DistInfo.current()
+    try:
+        with rundir.hold(cfg.log.run_dir, info):
+            start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+            return _run(cfg, start, argv_used, info)
+    except ConfigError as err:
+        _fail_once(info, str(err))
+
+
+def _fail_once(info, msg: str, code: int = 2) -> None:
+    """The same error on every rank: one line from rank 0, the exit status on all."""
+    if info.is_main:
+        log.error(msg)
+    raise SystemExit(code)
+
+
+def _run(cfg, start, argv_used: list[str], info) -> int:
+    """Build the components (the heavy imports start here), prepare the directory and write run.json on rank 0
+    (a resume records itself only once its checkpoint has loaded), fit."""
+    from jagg.config import validate_world_size
     from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
     from jagg.loop.components import build_components  # the registries: world, diffusers
     from jagg.loop.trainer import Trainer, TrainingAborted
 
     run_dir = Path(cfg.log.run_dir)
-    init_distributed(timeout_s=cfg.train.dist_timeout_s)
-    info = DistInfo.current()
     info.barrier()  # every rank has checked run_dir before rank 0 touches it
     try:
         validate_world_size(cfg, info.world_size)
         comp = build_components(cfg)
     except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
         _fail(str(err))
-    if info.is_main:
-        if start.wipe:
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
-    info.barrier()
-
-    trainer = Trainer(cfg, comp, run_dir)
-    if start.resume:
-        try:
-            trainer.load_checkpoint()
-        except CheckpointError as err:  # the same on every rank; one line from rank 0
-            if info.is_main:
-                _fail(str(err))
-            raise SystemExit(2) from None
-        if info.is_main:
-            log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
     try:
+        if info.is_main:
+            _prepare_run_dir(run_dir, start)
+            if not start.resume:
+                _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
+        info.barrier()
+        trainer = Trainer(cfg, comp, run_dir)
+        if start.resume:
+            trainer.load_checkpoint()
+            if info.is_main:
+                _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
+                log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
         trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
     except TrainingAborted as err:
         _fail(str(err), code=3)
+    except CheckpointError as err:  # the same on every rank (a collective decided it)
+        _fail_once(info, str(err))
+    except OSError as err:  # a write failed: read-only, disk full, quota
+        _fail(_write_error(err, run_dir))
     if info.is_main:
         log.info(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {trainer.checkpoint_path}/")
     del trainer, comp  # the sharded model and its gloo / NCCL work objects go before the process group
@@ -193,8 +216,35 @@ def _train(cfg, start, argv_used: list[str]) -> int:
     return 0
 
 
+def _prepare_run_dir(run_dir: Path, start) -> None:
+    """Rank 0, holding the lock: empty the directory for --overwrite, remove what a killed save left, mark it."""
+    from jagg.loop import rundir
+
+    if start.wipe:
+        rundir.wipe(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for path in rundir.clean_stale(run_dir):
+        log.info(f"removed {path}, left by an interrupted save")
+    if not (run_dir / rundir.MARKER).is_file():
+        rundir.write_marker(run_dir)
+
+
+def _write_error(err: OSError, run_dir: Path) -> str:
+    """One line for a failed write, with the free space when the disk is full."""
+    import errno
+
+    from jagg.loop.checkpoint import format_bytes
+
+    where = err.filename or run_dir
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = format_bytes(shutil.disk_usage(run_dir).free) if run_dir.exists() else "?"
+        return f"disk full while writing {where}: {free} free on {run_dir}; free some space and resume with --resume"
+    return f"cannot write {where}: {err.strerror or err}"
+
+
 def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int) -> None:
-    """A fresh run writes run.json; a resumed one keeps it and appends what this attempt changed."""
+    """A fresh run writes run.json; a resumed one (after its checkpoint loaded) keeps it and appends what this
+    attempt changed."""
     from jagg.common import atomic_write_text, git_sha, run_metadata
 
     path = run_dir / "run.json"

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from jagg.engine.strategies import StepLoss, Velocity, exact_at_two, group_backward
+from jagg.engine.strategies import (
+    Interpolation,
+    StepLoss,
+    Velocity,
+    exact_at_two,
+    group_backward,
+    interpolated_backward,
+)
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,38 @@ def group_gradient_cosines(
         for p, grad in zip(params, saved, strict=True):
             p.grad = grad
     return out
+
+
+def plan_gradient_cosines(
+    velocity: Velocity,
+    latents: Tensor,
+    sigmas: Tensor,
+    step_loss: StepLoss,
+    params: Sequence[torch.nn.Parameter],
+    plans: dict[str, Interpolation],
+    *,
+    endpoints: str = "batched",
+) -> dict[str, tuple[float, float]]:
+    """Per named plan of the T steps: (cosine, relative error) of its whole gradient to the exact one (the
+    identity plan, every step a plain step), over ``params`` (sharded dot products under FSDP2). ``.grad`` of
+    ``params`` is left as it was."""
+    params = list(params)
+    sharded = any(hasattr(p, "to_local") for p in params)
+    saved = [p.grad for p in params]
+    identity = Interpolation.identity(latents.shape[0])
+    grads = {}
+    try:
+        for name, plan in {"": identity, **plans}.items():
+            for p in params:
+                p.grad = None
+            interpolated_backward(
+                velocity, latents, sigmas, step_loss, plan, endpoints=endpoints, endpoint_signals="graph"
+            )
+            grads[name] = _local_grads(params)
+    finally:
+        for p, grad in zip(params, saved, strict=True):
+            p.grad = grad
+    return {name: _compare(grads[name], grads[""], sharded) for name in plans}
 
 
 def route_by_cosine(cosines: Sequence[GroupCosine], min_cosine: float, strategy: str = "jagg") -> list[bool]:

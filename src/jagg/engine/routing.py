@@ -22,17 +22,32 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from jagg.engine.diagnostics import GroupCosine, group_gradient_cosines, route_by_cosine
+from jagg.engine.diagnostics import (
+    GroupCosine,
+    group_gradient_cosines,
+    plan_gradient_cosines,
+    route_by_cosine,
+)
+from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.strategies import (
-    AGGREGATION_WEIGHTS,
     ENDPOINT_MODES,
     ENDPOINT_SIGNALS,
     STRATEGIES,
     GroupStats,
+    Interpolation,
     StepLoss,
     Velocity,
-    group_backward,
+    group_interpolation,
+    interpolated_backward,
 )
+
+# ``backward.strategy``: the group strategies (one weight matrix per group of W) and shared knots.
+BACKWARD_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "knots")
+
+
+def nominal_sigmas(num_steps: int) -> Tensor:
+    """Decreasing times standing in for a schedule where only the plan's structure matters (the cost model)."""
+    return torch.linspace(1.0, 0.1, num_steps, dtype=torch.float64)
 
 
 # --------------------------------------------------------------------------- groups and their strategies
@@ -56,10 +71,10 @@ def validate_routing(
         raise ValueError(f"backward.group_size must be an integer >= 2, got {group_size!r}")
     if not 0.0 <= float(jagg_frac) <= 1.0:
         raise ValueError(f"backward.jagg_frac must be in [0, 1], got {jagg_frac!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"backward.strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy not in BACKWARD_STRATEGIES:
+        raise ValueError(f"backward.strategy must be one of {BACKWARD_STRATEGIES}, got {strategy!r}")
     if endpoints not in ENDPOINT_MODES:
-        raise ValueError(f"backward.endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
+        raise ValueError(f"backward.endpoints must be one of {tuple(ENDPOINT_MODES)}, got {endpoints!r}")
     if endpoint_signals not in ENDPOINT_SIGNALS:
         raise ValueError(
             f"backward.endpoint_signals must be one of {ENDPOINT_SIGNALS}, got {endpoint_signals!r}"
@@ -97,6 +112,8 @@ class Routing:
 
     Fixed: the leading ``jagg_frac`` of the groups (``backward.jagg_frac``). Measured (``measured`` given, one
     bool per group position, from ``calibrate_routing``): the groups marked true; ``jagg_frac`` is unused.
+    As a plan (``interpolation``) a routed group is a (W, 2) block onto its endpoints and an exact group is one
+    plain step per step: routing is one rule for placing knots, ``Knots`` (``jagg.engine.knots``) the other.
     """
 
     strategy: str
@@ -106,47 +123,115 @@ class Routing:
 
     def __post_init__(self) -> None:
         validate_routing(self.group_size, self.jagg_frac, self.strategy)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"Routing cuts groups for {STRATEGIES}; knots are routed by Knots")
 
     def plans(self, num_steps: int) -> list[GroupPlan]:
         """The groups of ``num_steps`` trained steps and the strategy of each (``plan_groups``)."""
         return plan_groups(num_steps, self.group_size, self.jagg_frac, self.strategy, self.measured)
+
+    def interpolation(self, sigma: Tensor) -> Interpolation:
+        """The plan of T steps at times ``sigma`` (T,) or (T, B): the groups' blocks, stacked."""
+        return plans_interpolation(self.plans(sigma.shape[0]), torch.as_tensor(sigma), self.strategy)
 
     @property
     def frac_label(self) -> str:
         """``jagg_frac`` as the config writes it: a number, or ``auto`` for a measured routing."""
         return "auto" if self.measured is not None else f"{self.jagg_frac:g}"
 
+    @property
+    def label(self) -> str:
+        """e.g. ``jagg/W3/f0.6`` (the part of ``BackwardSetting.key`` before the mode)."""
+        return f"{self.strategy}/W{self.group_size}/f{self.frac_label}"
+
+
+def plans_interpolation(plans: Sequence[GroupPlan], sigma: Tensor, name: str) -> Interpolation:
+    """Consecutive groups (``plan_groups``) as one block-diagonal plan over the T steps at times ``sigma``."""
+    covered = [i for plan in plans for i in plan.steps]
+    if covered != list(range(sigma.shape[0])):
+        raise ValueError(
+            f"plans must cover the {sigma.shape[0]} trained steps once each, in order, got {covered}"
+        )
+    parts = [group_interpolation(p.strategy, sigma[list(p.steps)]) for p in plans]
+    return Interpolation.stack(parts, name)
+
 
 @dataclass(frozen=True, kw_only=True)
 class BackwardSetting:
-    """Everything an update needs about its backward: the routing of each micro-batch's groups, the endpoint
-    mode of an aggregated group (``ENDPOINT_MODES``), whether stored rollout outputs may replace forwards
-    (``backward.reuse_rollout``; the loop decides when they are valid) and where the endpoints' own signals
-    come from (``ENDPOINT_SIGNALS``, ``backward.endpoint_signals``)."""
+    """Everything an update needs about its backward, bound once: the routing that places each micro-batch's
+    knots (``Routing`` of groups or shared ``Knots``), how each block's knot graphs run (``ENDPOINT_MODES``,
+    ``backward.endpoints``; ``backward.max_rows`` rows at most per stacked forward), whether stored rollout
+    outputs may replace forwards (``backward.reuse_rollout``; the loop decides when they are valid) and where
+    the knots' own signals come from (``ENDPOINT_SIGNALS``, ``backward.endpoint_signals``)."""
 
-    routing: Routing
+    routing: Routing | Knots
     endpoints: str = "batched"
     reuse_outputs: bool = True
     endpoint_signals: str = "graph"
+    max_rows: int | None = None
 
     def __post_init__(self) -> None:
         r = self.routing
-        validate_routing(r.group_size, r.jagg_frac, r.strategy, self.endpoints, self.endpoint_signals)
+        size = r.group_size if isinstance(r, Routing) else 2
+        validate_routing(
+            size, getattr(r, "jagg_frac", 1.0), r.strategy, self.endpoints, self.endpoint_signals
+        )
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"backward.max_rows must be a positive integer or null, got {self.max_rows!r}")
+
+    def backward(self, velocity: Velocity, loss: StepLoss, outputs: Tensor | None = None) -> GroupStats:
+        """ADD the micro-batch's gradient to ``.grad``: ``loss`` is the per-step loss of its T trained steps
+        (``loss.x`` (T, B, ...), ``loss.sigma`` (T,) or (T, B), ``loss(i, v)``; e.g. ``GRPOStepLoss``);
+        ``outputs`` (T, B, ...) the stored outputs at the current weights, read when ``reuse_outputs``."""
+        return interpolated_backward(
+            velocity,
+            loss.x,
+            loss.sigma,
+            loss,
+            self.routing.interpolation(loss.sigma),
+            endpoints=self.endpoints,
+            endpoint_signals=self.endpoint_signals,
+            outputs=outputs if self.reuse_outputs else None,
+            max_rows=self.max_rows,
+        )
+
+    def cost(self, num_steps: int, *, batch: int = 1, stored: bool = False) -> GroupCost:
+        """The predicted counts of ``backward`` on a micro-batch of ``batch`` samples with ``num_steps``
+        trained steps (``stored``: its outputs are read)."""
+        return plan_cost(
+            self.routing.interpolation(nominal_sigmas(num_steps)),
+            endpoints=self.endpoints,
+            reuse_outputs=stored and self.reuse_outputs,
+            endpoint_signals=self.endpoint_signals,
+            max_rows=self.max_rows,
+            batch=batch,
+        )
+
+    def update_cost(
+        self, num_steps: int, *, micro_batches: int, grad_accum: int, batch: int = 1
+    ) -> GroupCost:
+        """One update: ``micro_batches`` micro-batches and an optimizer step every ``grad_accum``. Stored
+        outputs are valid only at the rollout's weights, so only the micro-batches before the first optimizer
+        step (the first ``min(grad_accum, micro_batches)``) read them."""
+        stored = min(grad_accum, micro_batches) if self.reuse_outputs else 0
+        costs = [self.cost(num_steps, batch=batch, stored=k < stored) for k in range(micro_batches)]
+        return functools.reduce(operator.add, costs)
 
     @property
     def mode(self) -> str:
-        """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused and
-        "+nograd_ends" when the endpoints' signals come from forwards without autograd."""
+        """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused,
+        "+nograd_ends" when the knots' signals come from forwards without autograd and "+rows<n>" under
+        ``max_rows``."""
         if self.routing.strategy == "exact":
             return "-"
         stored = "+stored" if self.reuse_outputs else ""
-        return self.endpoints + stored + ("+nograd_ends" if self.endpoint_signals == "nograd" else "")
+        rows = f"+rows{self.max_rows}" if self.max_rows is not None else ""
+        return self.endpoints + stored + ("+nograd_ends" if self.endpoint_signals == "nograd" else "") + rows
 
     @property
     def key(self) -> str:
-        """A short unique label, e.g. ``jagg/W3/f0.6/batched+stored``."""
-        r = self.routing
-        return f"{r.strategy}/W{r.group_size}/f{r.frac_label}/{self.mode}"
+        """A short unique label, e.g. ``jagg/W3/f0.6/batched+stored`` or ``knots/K4/low_noise/batched+stored``."""
+        return f"{self.routing.label}/{self.mode}"
 
 
 def trajectory_backward(
@@ -160,37 +245,31 @@ def trajectory_backward(
     outputs: Tensor | None = None,
     endpoint_signals: str = "graph",
 ) -> GroupStats:
-    """Backward over all T trained steps of a trajectory, one ``group_backward`` per plan (e.g.
-    ``Routing.plans(T)``).
+    """Backward over all T trained steps cut into the groups ``plans`` (e.g. ``Routing.plans(T)``): their
+    block-diagonal plan (``plans_interpolation``) through ``interpolated_backward``.
 
     ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) must be sorted by time (sigma decreasing);
-    ``step_loss(i, v)`` takes the index i into the T trained steps. ``endpoints``, ``endpoint_signals`` and
-    ``outputs`` (T, B, ...) are passed to ``group_backward`` for each group.
+    ``step_loss(i, v)`` takes the index i into the T trained steps.
     """
-    covered = sorted(i for plan in plans for i in plan.steps)
-    if covered != list(range(latents.shape[0])):
-        raise ValueError(f"plans must cover the {latents.shape[0]} trained steps once each, got {covered}")
-    total = None
-    for plan in plans:
-        idx = list(plan.steps)
-        stats = group_backward(
-            velocity,
-            latents[idx],
-            torch.as_tensor(sigmas)[idx],
-            lambda j, v, idx=idx: step_loss(idx[j], v),
-            plan.strategy,
-            endpoints=endpoints,
-            outputs=None if outputs is None else outputs[idx],
-            endpoint_signals=endpoint_signals,
-        )
-        total = stats if total is None else total.merge(stats)
-    return total
+    sigmas = torch.as_tensor(sigmas)
+    names = {p.strategy for p in plans} - {"exact"}
+    plan = plans_interpolation(plans, sigmas, names.pop() if len(names) == 1 else "exact")
+    return interpolated_backward(
+        velocity,
+        latents,
+        sigmas,
+        step_loss,
+        plan,
+        endpoints=endpoints,
+        endpoint_signals=endpoint_signals,
+        outputs=outputs,
+    )
 
 
 # --------------------------------------------------------------------------- cost model
 @dataclass(frozen=True, kw_only=True)
 class GroupCost:
-    """Predicted work of one group (the counts ``GroupStats`` measures), plus memory and FSDP2 traffic.
+    """Predicted work of a backward (the counts ``GroupStats`` measures), plus memory and FSDP2 traffic.
 
     Passes are in units of one model evaluation on the micro-batch. ``graphs_alive`` is the peak number of
     B-sample autograd graphs held at once (saved activations; the exact baseline holds 1). ``all_gathers`` /
@@ -209,7 +288,7 @@ class GroupCost:
     reduce_scatters: int
 
     def __add__(self, other: GroupCost) -> GroupCost:
-        """Groups run one after another: counts add up, the activation peak is the larger one."""
+        """Backwards run one after another: counts add up, the activation peak is the larger one."""
         total = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
         total["graphs_alive"] = max(self.graphs_alive, other.graphs_alive)
         return GroupCost(**total)
@@ -219,20 +298,68 @@ class GroupCost:
         return self.forward_passes * forward + self.backward_passes * backward
 
 
-def _exact_cost(size: int) -> GroupCost:
-    """W forwards with autograd and W backwards, one graph alive at a time; 2 all-gathers per step."""
+_PLAIN_STEP = GroupCost(
+    forward_passes=1,
+    forward_passes_with_grad=1,
+    forward_calls=1,
+    forwards_skipped=0,
+    backward_passes=1,
+    backward_graphs=1,
+    backward_calls=1,
+    graphs_alive=1,
+    all_gathers=2,
+    reduce_scatters=1,
+)
+
+
+def _block_cost(
+    plan: Interpolation, block: tuple[int, ...], mode, nograd: bool, reuse: bool, chunk: int
+) -> GroupCost:
+    """What ``interpolated_backward`` does for one block, counted the same way without running it."""
+    if plan.is_plain(block):
+        return _PLAIN_STEP
+    knots = {plan.knots[k] for k in block}
+    detached = {j for j in plan.feeding(block) if nograd or j not in knots}
+    chunks = [block[i : i + chunk] for i in range(0, len(block), chunk)]
+    for c, part in enumerate(chunks):  # a later chunk's knot needed first: its signal without the graph
+        later = {plan.knots[k] for rest in chunks[c + 1 :] for k in rest}
+        detached |= later.intersection(plan.feeding(part))
+    fwd = 0 if reuse else len(detached)
+    n = len(block)
+    grad_calls = len(chunks) if mode.stacked else n
+    graphs = len(chunks) if mode.stacked else n
     return GroupCost(
-        forward_passes=size,
-        forward_passes_with_grad=size,
-        forward_calls=size,
-        forwards_skipped=0,
-        backward_passes=size,
-        backward_graphs=size,
-        backward_calls=size,
-        graphs_alive=1,
-        all_gathers=2 * size,
-        reduce_scatters=size,
+        forward_passes=fwd + n,
+        forward_passes_with_grad=n,
+        forward_calls=fwd + grad_calls,
+        forwards_skipped=len(detached) if reuse else 0,
+        backward_passes=n,
+        backward_graphs=graphs,
+        backward_calls=len(chunks),
+        graphs_alive=max(len(p) for p in chunks),
+        all_gathers=fwd + grad_calls + graphs,
+        reduce_scatters=len(chunks),
     )
+
+
+def plan_cost(
+    plan: Interpolation,
+    *,
+    endpoints: str,
+    reuse_outputs: bool,
+    endpoint_signals: str,
+    max_rows: int | None = None,
+    batch: int = 1,
+) -> GroupCost:
+    """The counts ``interpolated_backward`` reports for ``plan`` (tested equal), without running it: per block
+    the detached forwards (signals not taken from a knot graph; none with stored outputs), one forward with
+    autograd and one backward pass per knot, in calls and graphs as the mode chunks them."""
+    mode = ENDPOINT_MODES[endpoints]
+    costs = []
+    for block in plan.blocks:
+        size = mode.chunk or (max(1, max_rows // batch) if mode.stacked and max_rows else len(block))
+        costs.append(_block_cost(plan, block, mode, endpoint_signals == "nograd", reuse_outputs, size))
+    return functools.reduce(operator.add, costs)
 
 
 def group_cost(
@@ -242,37 +369,12 @@ def group_cost(
     reuse_outputs: bool = False,
     endpoint_signals: str = "graph",
 ) -> GroupCost:
-    """The counts ``group_backward`` reports for a group of ``size`` steps (tested equal), without running it.
-
-    ``reuse_outputs``: intermediate outputs come from the rollout (``group_backward(..., outputs=...)``).
-    Two endpoint forwards with autograd and two backward passes always; the detached forwards are the
-    intermediate steps with a non-zero weight row (plus the last step in sequential mode when it feeds g_0),
-    and with ``endpoint_signals="nograd"`` every step with a non-zero row, endpoints included (W + 2 forwards
-    per group, as the authors' code).
-    """
+    """The counts ``group_backward`` reports for a group of ``size`` steps (tested equal), without running it:
+    ``plan_cost`` of the group's plan (``reuse_outputs``: its outputs come from the rollout)."""
     validate_routing(max(size, 2), 0.0, strategy, endpoints, endpoint_signals)
-    if strategy == "exact" or size == 1:
-        return _exact_cost(size)
-    weights = AGGREGATION_WEIGHTS[strategy](torch.linspace(1.0, 0.1, size, dtype=torch.float64))
-    if endpoint_signals == "nograd":  # every signal from its own forward without autograd
-        detached = sum(bool((weights[j] != 0).any()) for j in range(size))
-    else:
-        mid = sum(bool((weights[j] != 0).any()) for j in range(1, size - 1))  # intermediate signals needed
-        early_last = endpoints == "sequential" and bool(weights[-1, 0] != 0)  # s_{W-1} before its graph
-        detached = mid + early_last  # outputs needed without autograd
-    fwd = 0 if reuse_outputs else detached
-    graphs, calls = {"batched": (1, 1), "joint": (2, 1), "sequential": (2, 2)}[endpoints]
-    return GroupCost(
-        forward_passes=fwd + 2,
-        forward_passes_with_grad=2,
-        forward_calls=fwd + (1 if endpoints == "batched" else 2),
-        forwards_skipped=detached if reuse_outputs else 0,
-        backward_passes=2,
-        backward_graphs=graphs,
-        backward_calls=calls,
-        graphs_alive=1 if endpoints == "sequential" else 2,
-        all_gathers=fwd + (2 if endpoints == "batched" else 4),
-        reduce_scatters=calls,
+    plan = group_interpolation(strategy, nominal_sigmas(size))
+    return plan_cost(
+        plan, endpoints=endpoints, reuse_outputs=reuse_outputs, endpoint_signals=endpoint_signals
     )
 
 
@@ -283,9 +385,13 @@ def trajectory_cost(
     reuse_outputs: bool = False,
     endpoint_signals: str = "graph",
 ) -> GroupCost:
-    """``group_cost`` summed over ``plans`` (what ``trajectory_backward`` does with them)."""
-    costs = [group_cost(len(p.steps), p.strategy, endpoints, reuse_outputs, endpoint_signals) for p in plans]
-    return functools.reduce(operator.add, costs)
+    """``plan_cost`` of the groups ``plans`` (what ``trajectory_backward`` does with them)."""
+    num_steps = sum(len(p.steps) for p in plans)
+    names = {p.strategy for p in plans} - {"exact"}
+    plan = plans_interpolation(plans, nominal_sigmas(num_steps), names.pop() if len(names) == 1 else "exact")
+    return plan_cost(
+        plan, endpoints=endpoints, reuse_outputs=reuse_outputs, endpoint_signals=endpoint_signals
+    )
 
 
 def update_cost(
@@ -297,9 +403,9 @@ def update_cost(
     grad_accum: int,
     endpoint_signals: str = "graph",
 ) -> GroupCost:
-    """The cost of one update: ``micro_batches`` micro-batches with these plans and an optimizer step every
-    ``grad_accum``. Stored outputs are valid only at the rollout's weights, so with ``reuse_outputs`` only the
-    micro-batches before the first optimizer step (the first ``min(grad_accum, micro_batches)``) read them."""
+    """The cost of one update with the groups ``plans`` (``BackwardSetting.update_cost`` for a ``Routing``):
+    ``micro_batches`` micro-batches and an optimizer step every ``grad_accum``; stored outputs are read only
+    before the first optimizer step."""
     stored = min(grad_accum, micro_batches) if reuse_outputs else 0
     costs = [
         trajectory_cost(
@@ -406,3 +512,41 @@ def calibrate_routing(
         candidates[w] = CandidateRouting(cosines=tuple(cosines), routing=routing, predicted_cost=cost.time())
     best = min(candidates, key=lambda w: (candidates[w].predicted_cost, w))
     return Calibration(chosen=candidates[best], candidates=candidates)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KnotsCalibration:
+    """What ``calibrate_knots`` measured: the cosine of each placement rule's micro-batch gradient to the exact
+    one, and the rule kept (the highest cosine; ties: the first in ``PLACEMENTS``)."""
+
+    chosen: Knots
+    cosines: dict[str, float]
+
+    @property
+    def routing(self) -> Knots:
+        return self.chosen
+
+    def as_metrics(self) -> dict:
+        return {"placement": self.chosen.placement, "placement_cosines": dict(self.cosines)}
+
+
+def calibrate_knots(
+    velocity: Velocity,
+    latents: Tensor,
+    sigmas: Tensor,
+    step_loss: StepLoss,
+    params: Sequence[torch.nn.Parameter],
+    *,
+    count: int,
+    endpoints: str = "batched",
+) -> KnotsCalibration:
+    """The measured placement (``backward.placement: auto``) on one micro-batch: every rule of ``PLACEMENTS``
+    with ``count`` knots, its gradient's cosine to the exact one (``plan_gradient_cosines``: T + |rules| K
+    backward passes), and the best kept. ``.grad`` of ``params`` is left as it was."""
+    sigmas = torch.as_tensor(sigmas)
+    rules = {name: Knots(count=count, placement=name) for name in PLACEMENTS}
+    plans = {name: k.interpolation(sigmas) for name, k in rules.items()}
+    measured = plan_gradient_cosines(velocity, latents, sigmas, step_loss, params, plans, endpoints=endpoints)
+    cosines = {name: cos for name, (cos, _) in measured.items()}
+    best = max(rules, key=lambda name: cosines[name])  # max keeps the first of equal cosines
+    return KnotsCalibration(chosen=rules[best], cosines=cosines)

@@ -2,7 +2,8 @@
 
 Each step uses ``jagg.engine.sde.sde_step_with_logprob`` with its own kind ("ode" for deterministic steps, an SDE
 kind where the algorithm explores), so DanceGRPO (SDE but the last step), Flow-GRPO-Fast (an SDE window,
-ODE elsewhere) and evaluation (all ODE) are one function with different ``kinds``.
+ODE elsewhere) and evaluation (all ODE) are one function with different ``kinds``. The deterministic multistep
+DPM-Solver++ kinds (``DPM_KINDS``, MixGRPO-Flash after its window) read the previous step's x0 prediction.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from jagg.engine.sde import sde_step_with_logprob
+from jagg.engine.sde import DPM_KINDS, dpm_solver_pp_step, sde_step_with_logprob
 from jagg.engine.strategies import Velocity
 
 
@@ -43,7 +44,7 @@ class Trajectory:
 
     @property
     def sde_steps(self) -> list[int]:
-        return [i for i, k in enumerate(self.kinds) if k != "ode"]
+        return [i for i, k in enumerate(self.kinds) if k != "ode" and k not in DPM_KINDS]
 
 
 @torch.no_grad()
@@ -66,10 +67,24 @@ def sample_trajectory(
         raise ValueError(f"need one kind per step ({n_steps}), got {len(kinds)}")
     x = noise
     latents, log_probs, outputs = [x], [], []
+    x0_prev = None  # the previous step's x0 prediction (the DPM-Solver++ kinds' multistep state)
+    multistep = any(k in DPM_KINDS for k in kinds)
     for i in range(n_steps):
         v = velocity(x, sigmas[i])
         if keep_outputs:
             outputs.append(v)
+        if kinds[i] in DPM_KINDS:  # deterministic, never trained: log-prob 0 as for ODE steps
+            wide = torch.promote_types(x.dtype, torch.float32)
+            xw, x0 = x.to(wide), (x.to(wide) - sigmas[i] * v.to(wide))
+            x = dpm_solver_pp_step(
+                xw, x0, sigmas[i], sigmas[i + 1], kind=kinds[i], x0_prev=x0_prev, sigma_prev=sigmas[i - 1]
+            ).to(noise.dtype)
+            x0_prev = x0
+            latents.append(x)
+            log_probs.append(torch.zeros(x.shape[0], dtype=wide, device=x.device))
+            continue
+        if multistep:
+            x0_prev = x.to(torch.promote_types(x.dtype, torch.float32)) - sigmas[i] * v
         kw = dict(kind=kinds[i], noise_level=noise_level)
         step = sde_step_with_logprob(x, v, sigmas[i], sigmas[i + 1], generator=generator, **kw)
         x_next = step.prev_sample.to(noise.dtype)

@@ -166,3 +166,41 @@ def sde_step_with_logprob(
     else:
         log_prob = gaussian_log_prob(prev_sample, mean, std)
     return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std, std_dev_t=std_dev_t)
+
+
+# --------------------------------------------------------------------------- DPM-Solver++ (MixGRPO-Flash)
+# Deterministic multistep DPM-Solver++ steps on the rectified-flow path (alpha = 1 - sigma), the kinds MixGRPO-Flash
+# samples with after its SDE window (jagg.engine.algorithms.MixGRPO): first order (DDIM), second order with the
+# midpoint or Heun correction. Tencent-Hunyuan/MixGRPO fastvideo/utils/sampling_utils.py :
+# dpm_solver_first_order_update / multistep_dpm_solver_second_order_update (dpm_algorithm_type "dpmsolver++",
+# sde_solver False). They need the previous step's x0 prediction, so ``sample_trajectory`` runs them.
+DPM_KINDS: tuple[str, ...] = ("dpm1", "dpm2_midpoint", "dpm2_heun")
+
+
+def _dpm_lambda(sigma: Tensor) -> Tensor:
+    """log(alpha / sigma) with alpha = 1 - sigma: -inf at sigma = 1, +inf at sigma = 0 (both handled below)."""
+    return torch.log(1 - sigma) - torch.log(sigma)
+
+
+def dpm_solver_pp_step(
+    x: Tensor, x0: Tensor, sigma: Tensor, sigma_next: Tensor, *, kind: str, x0_prev=None, sigma_prev=None
+) -> Tensor:
+    """One deterministic DPM-Solver++ step from ``sigma`` to ``sigma_next`` (``kind`` in ``DPM_KINDS``).
+
+    ``x0`` = x - sigma v is this step's data prediction, ``x0_prev`` / ``sigma_prev`` the previous step's (second
+    order only). The last step to sigma = 0 returns x0 (h = inf); a previous point at sigma = 1 (lambda = -inf)
+    makes the second-order term vanish, as in the reference's float arithmetic.
+    """
+    if kind not in DPM_KINDS:
+        raise ValueError(f"kind must be one of {DPM_KINDS}, got {kind!r}")
+    lam, lam_next = _dpm_lambda(sigma), _dpm_lambda(sigma_next)
+    h = lam_next - lam
+    alpha_next = 1 - sigma_next
+    out = (sigma_next / sigma) * x - (alpha_next * (torch.exp(-h) - 1.0)) * x0
+    if kind == "dpm1":
+        return out
+    r0 = (lam - _dpm_lambda(sigma_prev)) / h
+    d1 = (1.0 / r0) * (x0 - x0_prev)
+    if kind == "dpm2_midpoint":
+        return out - 0.5 * (alpha_next * (torch.exp(-h) - 1.0)) * d1
+    return out + (alpha_next * ((torch.exp(-h) - 1.0) / h + 1.0)) * d1

@@ -18,7 +18,7 @@ Steps whose row is all zeros need no forward at all, so the endpoints ablation a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -178,52 +178,131 @@ def exact_at_two(strategy: str) -> bool:
     return all(torch.equal(rule(sigmas), eye) for sigmas in pairs)
 
 
-# --------------------------------------------------------------------------- strategies
-ENDPOINT_MODES: tuple[str, ...] = ("batched", "joint", "sequential")
-"""How the two endpoint backward passes of an aggregated group run (same gradient, different cost):
+# --------------------------------------------------------------------------- the backward as one matrix
+@dataclass(frozen=True)
+class GraphMode:
+    """How the knot graphs of one block are built and back-propagated (same gradient, different cost).
 
-    batched     both endpoints in ONE forward over the concatenated batch [z_0; z_{W-1}] (2B samples, per-sample
-                t, conditioning tiled), one graph, one backward with the upstream [g_0; g_1]. Under FSDP2 each
-                unit is gathered once in forward and once in backward and reduce-scattered once. (default)
-    joint       the paper's recipe: two forwards with autograd, one ``autograd.backward([v_0, v_{W-1}], [g_0, g_1])``.
-                Two graphs alive; under FSDP2 each unit is gathered twice in backward and the later graph's
-                gradient waits unsharded until the earlier graph reaches the unit.
-    sequential  one graph alive at a time: forward v_0, backward(g_0), free; forward v_{W-1}, backward(g_1).
-                Peak saved activations equal the exact baseline's; two reduce-scatters per unit under FSDP2.
+    ``stacked``: the knots of a chunk run in ONE forward over their stacked rows (per-sample t, conditioning
+    tiled), else one forward per knot. ``chunk``: knots per chunk, each chunk's graphs back-propagated in one
+    call before the next chunk's forward (None: the whole block, or ``max_rows`` rows where that is given).
+    """
+
+    stacked: bool
+    chunk: int | None
+
+
+ENDPOINT_MODES: dict[str, GraphMode] = {
+    "batched": GraphMode(stacked=True, chunk=None),
+    "joint": GraphMode(stacked=False, chunk=None),
+    "sequential": GraphMode(stacked=True, chunk=1),
+}
+"""How a block's knot backward runs (``backward.endpoints``; for a JAGG group the knots are its two endpoints):
+
+    batched     the block's knots in ONE forward over their stacked rows [z_k0; z_k1; ...] (per-sample t,
+                conditioning tiled), one graph, one backward (chunks of ``backward.max_rows`` rows where set).
+                Under FSDP2 each unit is gathered once in forward and once in backward and reduce-scattered
+                once per chunk. (default)
+    joint       the paper's recipe: one forward with autograd per knot, one ``autograd.backward`` over all of
+                them. K graphs alive; under FSDP2 each unit is gathered K times in backward.
+    sequential  one knot graph alive at a time: forward, backward, free. Peak saved activations equal the exact
+                baseline's; one reduce-scatter per knot under FSDP2.
 """
 
 ENDPOINT_SIGNALS: tuple[str, ...] = ("graph", "nograd")
-"""Where the two endpoints' own signals s_0, s_{W-1} come from (same gradient, different forward count):
+"""Where the knots' own signals come from (same gradient, different forward count):
 
-    graph   from the endpoint forwards that build the graphs (W forwards per group without stored outputs).
+    graph   from the knot forwards that build the graphs (for a JAGG group: W forwards without stored outputs).
     nograd  as the JAGG authors' code computes them (SchumiDing/eff_grpo ae14d64, ``grpo_group_backward``):
-            every step's signal from its own forward without autograd, endpoints included, then both endpoints
-            forwarded again with autograd for the backward: W + 2 forwards per group.
+            every step's signal from its own forward without autograd, knots included, then the knots
+            forwarded again with autograd for the backward (W + 2 forwards per JAGG group).
 """
 
 
-def _check_group(latents: Tensor, sigmas: Tensor) -> None:
-    w = latents.shape[0]
-    if sigmas.shape[0] != w or sigmas.ndim not in (1, 2):
-        raise ValueError(f"sigmas must have shape (W,) or (W, B) with W = {w}, got {tuple(sigmas.shape)}")
+@dataclass(frozen=True)
+class Interpolation:
+    """The backward of T time-sorted trained steps as one matrix: the gradient
+
+        sum_k J_{knots[k]}^T g_k,    g_k = sum_j weights[j, k] s_j,    s_j = dL_j / dv_j,
+
+    approximates (or, where the weights say so, equals) the exact  sum_j J_j^T s_j. Exact is the identity; a
+    JAGG group is a (W, 2) block; knots are hat functions of t (``jagg.engine.knots``).
+
+    knots: (K,) positions of the knot steps among the T steps, ascending.
+    weights: (T, K) or per-sample (T, K, B), float64. A step whose row is zero needs no signal (no forward).
+    blocks: knot indices back-propagated together (one pass of ``ENDPOINT_MODES``), in order, covering 0..K-1
+        once. A block of one knot fed only by its own step with weight 1 is a plain step: forward, loss,
+        backward, exactly as DanceGRPO / Flow-GRPO train (it never reads stored outputs).
+    name: the strategy, for the stats.
+    """
+
+    knots: tuple[int, ...]
+    weights: Tensor
+    blocks: tuple[tuple[int, ...], ...]
+    name: str
+
+    def __post_init__(self) -> None:
+        t, k = self.weights.shape[:2]
+        if len(self.knots) != k or list(self.knots) != sorted(set(self.knots)) or min(self.knots) < 0:
+            raise ValueError(f"knots must be {k} ascending distinct step positions, got {self.knots}")
+        if max(self.knots) >= t or sorted(i for b in self.blocks for i in b) != list(range(k)):
+            raise ValueError(
+                f"blocks {self.blocks} must cover the {k} knots once, and knots lie in 0..{t - 1}"
+            )
+
+    @property
+    def num_steps(self) -> int:
+        return self.weights.shape[0]
+
+    def feeding(self, block: Sequence[int]) -> list[int]:
+        """The steps whose signal reaches a knot of ``block`` (non-zero weight for some sample)."""
+        used = (self.weights[:, list(block)] != 0).flatten(1).any(dim=1)
+        return [j for j in range(self.num_steps) if bool(used[j])]
+
+    def is_plain(self, block: Sequence[int]) -> bool:
+        """A one-knot block fed by its own step alone with weight 1: an ordinary per-step backward."""
+        if len(block) != 1:
+            return False
+        j = self.knots[block[0]]
+        return self.feeding(block) == [j] and bool((self.weights[j, block[0]] == 1).all())
+
+    @classmethod
+    def identity(cls, num_steps: int, name: str = "exact") -> Interpolation:
+        """The exact per-step backward: every step a knot of its own, one block per step."""
+        eye = torch.eye(num_steps, dtype=torch.float64)
+        return cls(tuple(range(num_steps)), eye, tuple((k,) for k in range(num_steps)), name)
+
+    @classmethod
+    def group(cls, weights: Tensor, name: str) -> Interpolation:
+        """One group of W steps whose (W, 2[, B]) weights map every signal onto its two endpoints."""
+        return cls((0, weights.shape[0] - 1), weights, ((0, 1),), name)
+
+    @classmethod
+    def stack(cls, parts: Sequence[Interpolation], name: str) -> Interpolation:
+        """Block-diagonal: ``parts`` cover consecutive runs of steps (a trajectory cut into groups)."""
+        t = sum(p.num_steps for p in parts)
+        k = sum(len(p.knots) for p in parts)
+        per_sample = [p.weights.shape[2:] for p in parts if p.weights.ndim == 3]
+        tail = per_sample[0] if per_sample else ()
+        weights = torch.zeros(t, k, *tail, dtype=torch.float64)
+        knots, blocks, j0, k0 = [], [], 0, 0
+        for p in parts:
+            w = p.weights if p.weights.ndim == len(tail) + 2 else p.weights.view(*p.weights.shape, 1)
+            weights[j0 : j0 + p.num_steps, k0 : k0 + len(p.knots)] = w
+            knots += [j0 + i for i in p.knots]
+            blocks += [tuple(k0 + i for i in b) for b in p.blocks]
+            j0, k0 = j0 + p.num_steps, k0 + len(p.knots)
+        return cls(tuple(knots), weights, tuple(blocks), name)
+
+
+def _check_steps(latents: Tensor, sigmas: Tensor) -> None:
+    t = latents.shape[0]
+    if sigmas.shape[0] != t or sigmas.ndim not in (1, 2):
+        raise ValueError(f"sigmas must have shape (T,) or (T, B) with T = {t}, got {tuple(sigmas.shape)}")
     if sigmas.ndim == 2 and sigmas.shape[1] != latents.shape[1]:
         raise ValueError(f"per-sample sigmas {tuple(sigmas.shape)} do not match batch {latents.shape[1]}")
-    if w > 1 and not bool((sigmas[1:] < sigmas[:-1]).all()):
+    if t > 1 and not bool((sigmas[1:] < sigmas[:-1]).all()):
         raise ValueError("sigmas must be strictly decreasing within a group (t_0 > ... > t_{W-1})")
-
-
-def exact_backward(velocity: Velocity, latents: Tensor, sigmas: Tensor, step_loss: StepLoss) -> GroupStats:
-    """Baseline: for every step one forward with autograd and one backward (DanceGRPO / Flow-GRPO)."""
-    t_fwd, t_bwd = _Timer(), _Timer()
-    losses = []
-    for j in range(latents.shape[0]):
-        with t_fwd:
-            v = velocity(latents[j], sigmas[j])
-        loss = step_loss(j, v)
-        with t_bwd:
-            torch.autograd.backward(loss)
-        losses.append(loss.item())
-    return GroupStats.exact(losses, time_forward_s=t_fwd.total, time_backward_s=t_bwd.total)
 
 
 def _signal(step_loss: StepLoss, j: int, v: Tensor) -> tuple[float, Tensor]:
@@ -235,126 +314,191 @@ def _signal(step_loss: StepLoss, j: int, v: Tensor) -> tuple[float, Tensor]:
     return loss.item(), s_j
 
 
-def _aggregate(weights: Tensor, signals: dict[int, Tensor], k: int) -> Tensor:
-    """g_k = sum_j w[j, k] s_j in step order; per-sample weights (B,) broadcast over each sample's elements."""
-    total = None
-    for j in sorted(signals):
-        s_j = signals[j]
-        w_jk = weights[j, k].to(s_j.dtype)
-        if w_jk.ndim == 1:  # per-sample alpha: (B,) -> (B, 1, ...)
-            w_jk = w_jk.view(-1, *([1] * (s_j.ndim - 1)))
-        total = w_jk * s_j if total is None else total + w_jk * s_j
-    return total
-
-
 def _per_sample(t: Tensor, b: int) -> Tensor:
     return t.expand(b) if t.ndim == 0 else t
 
 
-def aggregated_backward(
+class _Run:
+    """One ``interpolated_backward``: the signals computed so far, the counts and the timers."""
+
+    def __init__(self, velocity, latents, sigmas, step_loss, outputs, plan: Interpolation) -> None:
+        self.velocity, self.latents, self.sigmas, self.step_loss = velocity, latents, sigmas, step_loss
+        self.outputs, self.plan = outputs, plan
+        self.losses: dict[int, float] = {}
+        self.signals: dict[int, Tensor] = {}
+        self.n = dict(fwd=0, fwd_grad=0, calls=0, skipped=0, bwd=0, graphs=0, bwd_calls=0)
+        self.t_fwd, self.t_bwd = _Timer(), _Timer()
+
+    def forward(self, z: Tensor, t: Tensor, grad: bool, passes: int = 1) -> Tensor:
+        with self.t_fwd, torch.set_grad_enabled(grad):
+            v = self.velocity(z, t)
+        self.n["fwd"] += passes
+        self.n["fwd_grad"] += passes * grad
+        self.n["calls"] += 1
+        return v
+
+    def backward(self, tensors: list[Tensor], grads: list[Tensor], passes: int) -> None:
+        with self.t_bwd:
+            torch.autograd.backward(tensors, [g.to(t.dtype) for g, t in zip(grads, tensors)])
+        self.n["bwd"] += passes
+        self.n["graphs"] += len(tensors)
+        self.n["bwd_calls"] += 1
+
+    def signal(self, j: int, v: Tensor | None = None) -> None:
+        """s_j, once per step: from the stored outputs when given (the rollout's own numbers, so on-policy
+        ratios stay exactly 1), else from ``v``, else from a forward without autograd."""
+        if j in self.signals:
+            return
+        if self.outputs is not None:
+            self.n["skipped"] += v is None
+            v = self.outputs[j]
+        elif v is None:
+            v = self.forward(self.latents[j], self.sigmas[j], grad=False)
+        self.losses[j], self.signals[j] = _signal(self.step_loss, j, v)
+
+    def knot_signal(self, k: int) -> Tensor:
+        """g_k = sum_j w[j, k] s_j in step order; per-sample weights (B,) broadcast over each sample's elements."""
+        total = None
+        for j in sorted(self.signals):
+            w_jk = self.plan.weights[j, k]
+            if not bool((w_jk != 0).any()):
+                continue
+            s_j = self.signals[j]
+            w_jk = w_jk.to(s_j.dtype)
+            if w_jk.ndim == 1:  # per-sample weight: (B,) -> (B, 1, ...)
+                w_jk = w_jk.view(-1, *([1] * (s_j.ndim - 1)))
+            total = w_jk * s_j if total is None else total + w_jk * s_j
+        return total
+
+    def plain_step(self, j: int) -> None:
+        """Forward with autograd, the step's loss, its backward (the exact baseline)."""
+        v = self.forward(self.latents[j], self.sigmas[j], grad=True)
+        loss = self.step_loss(j, v)
+        self.backward([loss], [torch.ones_like(loss)], passes=1)
+        self.losses[j] = loss.item()
+
+    def block(
+        self, block: Sequence[int], mode: GraphMode, endpoint_signals: str, max_rows: int | None
+    ) -> None:
+        """The knot backward of one block: signals, knot signals, the knots' forwards with autograd, backward."""
+        plan = self.plan
+        if plan.is_plain(block):
+            self.plain_step(plan.knots[block[0]])
+            return
+        knots = {plan.knots[k] for k in block}
+        for j in plan.feeding(block):  # signals that need no graph: every one under "nograd"
+            if endpoint_signals == "nograd" or j not in knots:
+                self.signal(j)
+        b = self.latents.shape[1]
+        size = mode.chunk or (max(1, max_rows // b) if mode.stacked and max_rows else len(block))
+        chunks = [tuple(block[i : i + size]) for i in range(0, len(block), size)]
+        for c, chunk in enumerate(chunks):
+            later = {plan.knots[k] for rest in chunks[c + 1 :] for k in rest}
+            for j in later.intersection(
+                plan.feeding(chunk)
+            ):  # a later knot's signal, needed before its graph
+                self.signal(j)
+            outs = self._knot_forwards(chunk, mode.stacked)
+            grads = [torch.cat([self.knot_signal(k) for k in ks]) for ks, _ in outs]
+            self.backward([v for _, v in outs], grads, passes=len(chunk))
+
+    def _knot_forwards(self, chunk: tuple[int, ...], stacked: bool) -> list[tuple[tuple[int, ...], Tensor]]:
+        """The chunk's knot outputs with autograd: one forward over the stacked rows [z_k0; z_k1; ...] (per-sample
+        t), or one forward per knot; each knot's own signal from its output. Returns (knots, output) pairs."""
+        steps = [self.plan.knots[k] for k in chunk]
+        b = self.latents.shape[1]
+        if stacked and len(chunk) > 1:
+            z = torch.cat([self.latents[j] for j in steps])  # (n B, ...)
+            t = torch.cat([_per_sample(self.sigmas[j], b) for j in steps])  # (n B,)
+            v = self.forward(z, t, grad=True, passes=len(chunk))
+            for i, j in enumerate(steps):
+                self.signal(j, v[i * b : (i + 1) * b])
+            return [(chunk, v)]
+        outs = []
+        for k, j in zip(chunk, steps):
+            v = self.forward(self.latents[j], self.sigmas[j], grad=True)
+            self.signal(j, v)
+            outs.append(((k,), v))
+        return outs
+
+    def stats(self, endpoints: str) -> GroupStats:
+        plain = all(self.plan.is_plain(b) for b in self.plan.blocks)
+        step_losses = [self.losses[j] for j in sorted(self.losses)]
+        n = self.n
+        return GroupStats(
+            strategy="exact" if plain else self.plan.name,
+            group_size=self.plan.num_steps,
+            loss=sum(step_losses),
+            step_losses=step_losses,
+            forward_passes=n["fwd"],
+            forward_passes_with_grad=n["fwd_grad"],
+            forward_calls=n["calls"],
+            backward_passes=n["bwd"],
+            backward_graphs=n["graphs"],
+            backward_calls=n["bwd_calls"],
+            forwards_skipped=n["skipped"],
+            time_forward_s=self.t_fwd.total,
+            time_backward_s=self.t_bwd.total,
+            endpoints="" if plain else endpoints,
+        )
+
+
+def interpolated_backward(
     velocity: Velocity,
     latents: Tensor,
     sigmas: Tensor,
     step_loss: StepLoss,
-    weights: Tensor,
-    name: str,
+    plan: Interpolation,
     *,
-    endpoints: str = "batched",
+    endpoints: str,
+    endpoint_signals: str,
     outputs: Tensor | None = None,
-    endpoint_signals: str = "graph",
+    max_rows: int | None = None,
 ) -> GroupStats:
-    """Two-endpoint backward with per-step signals mapped onto the endpoints by ``weights`` (W, 2[, B]).
+    """ADD  sum_k J_{knots[k]}^T g_k  (``Interpolation``) for T time-sorted steps to the parameters' ``.grad``.
 
-    1. s_j = dL_j/dv_j for every step whose weight row is non-zero, through a detached proxy of v_j (only the
-       light SDE / PPO math is differentiated). With ``outputs`` every v_j is the stored one (intermediate
-       steps need no model forward; the endpoint forwards only provide the graphs), else intermediate v_j
-       come from forwards without autograd and endpoint v_j from the endpoint forwards.
-    2. g_0 = sum_j w[j, 0] s_j,  g_1 = sum_j w[j, 1] s_j.
-    3. Backward g_0 through v_0 and g_1 through v_{W-1}, as ``endpoints`` says (``ENDPOINT_MODES``).
-    Each step's ``step_loss`` is evaluated exactly once. ``endpoint_signals="nograd"`` (``ENDPOINT_SIGNALS``)
-    takes the endpoints' signals in step 1 too, from their own forwards without autograd.
+    Args:
+        velocity: ``velocity(z, t)``, differentiable in the trained parameters; z (B, ...), t scalar or (B,).
+            Stacked knot forwards call it on n B rows with per-sample t; it must tile its conditioning
+            (``Backbone.velocity`` does).
+        latents: (T, B, ...) the stored model inputs of the steps; sigmas: (T,) or (T, B), strictly decreasing.
+        step_loss: ``step_loss(j, v_j)`` -> scalar loss of step j as a function of its model output.
+        plan: the knots, the (T, K[, B]) weights and the blocks.
+        endpoints: a key of ``ENDPOINT_MODES``: how each block's knot graphs run.
+        endpoint_signals: one of ``ENDPOINT_SIGNALS``.
+        outputs: optional (T, B, ...) model outputs at these inputs under the CURRENT parameters (the rollout's,
+            before the first optimizer step): every signal then comes from them and non-knot steps need no
+            forward. Plain steps ignore them (they differentiate their own forward).
+        max_rows: at most this many rows per stacked forward (``backward.max_rows``; None: a whole block).
+    Each step's ``step_loss`` is evaluated exactly once; blocks run in order.
     """
     if endpoints not in ENDPOINT_MODES:
-        raise ValueError(f"endpoints must be one of {ENDPOINT_MODES}, got {endpoints!r}")
+        raise ValueError(f"endpoints must be one of {tuple(ENDPOINT_MODES)}, got {endpoints!r}")
     if endpoint_signals not in ENDPOINT_SIGNALS:
         raise ValueError(f"endpoint_signals must be one of {ENDPOINT_SIGNALS}, got {endpoint_signals!r}")
-    w, b = latents.shape[0], latents.shape[1]
-    last = w - 1
-    t_fwd, t_bwd = _Timer(), _Timer()
-    n = dict(fwd=0, fwd_grad=0, calls=0, skipped=0)
-    losses: dict[int, float] = {}
-    signals: dict[int, Tensor] = {}
+    sigmas = torch.as_tensor(sigmas)
+    _check_steps(latents, sigmas)
+    if plan.num_steps != latents.shape[0]:
+        raise ValueError(f"the plan has {plan.num_steps} steps, the latents {latents.shape[0]}")
+    if outputs is not None and outputs.shape != latents.shape:
+        raise ValueError(
+            f"outputs must have the latents' shape {tuple(latents.shape)}, got {tuple(outputs.shape)}"
+        )
+    run = _Run(velocity, latents, sigmas, step_loss, outputs, plan)
+    for block in plan.blocks:
+        run.block(block, ENDPOINT_MODES[endpoints], endpoint_signals, max_rows)
+    return run.stats(endpoints)
 
-    def forward(z: Tensor, t: Tensor, grad: bool, passes: int = 1) -> Tensor:
-        with t_fwd, torch.set_grad_enabled(grad):
-            v = velocity(z, t)
-        n["fwd"] += passes
-        n["fwd_grad"] += passes * grad
-        n["calls"] += 1
-        return v
 
-    def detached_output(j: int) -> Tensor:
-        if outputs is not None:
-            n["skipped"] += 1
-            return outputs[j]
-        return forward(latents[j], sigmas[j], grad=False)
-
-    def signal(j: int, v: Tensor) -> None:
-        """s_j from ``outputs`` when given (the rollout's own numbers: on-policy ratios stay exactly 1),
-        else from ``v``; computed once per step."""
-        if j not in signals:
-            losses[j], signals[j] = _signal(step_loss, j, outputs[j] if outputs is not None else v)
-
-    def backward(tensors: list[Tensor], grads: list[Tensor]) -> None:
-        with t_bwd:
-            torch.autograd.backward(tensors, [g.to(t.dtype) for g, t in zip(grads, tensors)])
-
-    detached_steps = range(w) if endpoint_signals == "nograd" else range(1, last)
-    for j in detached_steps:
-        if bool((weights[j] != 0).any()):
-            signal(j, detached_output(j))
-    if endpoints == "batched":
-        z = torch.cat([latents[0], latents[last]])  # (2B, ...)
-        t = torch.cat([_per_sample(sigmas[0], b), _per_sample(sigmas[last], b)])  # (2B,)
-        v = forward(z, t, grad=True, passes=2)
-        signal(0, v[:b])
-        signal(last, v[b:])
-        backward([v], [torch.cat([_aggregate(weights, signals, 0), _aggregate(weights, signals, 1)])])
-        graphs, calls = 1, 1
-    elif endpoints == "joint":
-        v_0 = forward(latents[0], sigmas[0], grad=True)
-        signal(0, v_0)
-        v_1 = forward(latents[last], sigmas[last], grad=True)
-        signal(last, v_1)
-        backward([v_0, v_1], [_aggregate(weights, signals, 0), _aggregate(weights, signals, 1)])
-        graphs, calls = 2, 1
-    else:  # sequential
-        if last not in signals and bool((weights[last, 0] != 0).any()):  # g_0 needs s_{W-1} first
-            signal(last, detached_output(last))
-        v_0 = forward(latents[0], sigmas[0], grad=True)
-        signal(0, v_0)
-        backward([v_0], [_aggregate(weights, signals, 0)])
-        del v_0  # its graph is freed before the second endpoint's forward
-        v_1 = forward(latents[last], sigmas[last], grad=True)
-        signal(last, v_1)
-        backward([v_1], [_aggregate(weights, signals, 1)])
-        graphs, calls = 2, 2
-    step_losses = [losses[j] for j in sorted(losses)]
-    return GroupStats(
-        strategy=name,
-        group_size=w,
-        loss=sum(step_losses),
-        step_losses=step_losses,
-        forward_passes=n["fwd"],
-        forward_passes_with_grad=n["fwd_grad"],
-        forward_calls=n["calls"],
-        backward_passes=2,
-        backward_graphs=graphs,
-        backward_calls=calls,
-        forwards_skipped=n["skipped"],
-        time_forward_s=t_fwd.total,
-        time_backward_s=t_bwd.total,
-        endpoints=endpoints,
+def group_interpolation(strategy: str, sigmas: Tensor) -> Interpolation:
+    """One group of W steps as a plan: the identity for exact (and for a single step), else the strategy's
+    (W, 2[, B]) weight rule onto the two endpoints (``AGGREGATION_WEIGHTS``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "exact" or sigmas.shape[0] == 1:
+        return Interpolation.identity(sigmas.shape[0])
+    return Interpolation.group(
+        AGGREGATION_WEIGHTS[strategy](torch.as_tensor(sigmas).to(torch.float64)), strategy
     )
 
 
@@ -369,43 +513,22 @@ def group_backward(
     outputs: Tensor | None = None,
     endpoint_signals: str = "graph",
 ) -> GroupStats:
-    """ADD the (approximate) gradient of sum_j L_j over one group to the parameters' ``.grad``.
+    """ADD the (approximate) gradient of sum_j L_j over one group of W steps to the parameters' ``.grad``.
 
-    Args:
-        velocity: ``velocity(z, t)``, differentiable in the trained parameters; z (B, ...), t scalar or (B,).
-            With ``endpoints="batched"`` it is called once on 2B rows (the two endpoints' latents stacked,
-            per-sample t) and must tile its conditioning (``Backbone.velocity`` does).
-        latents: (W, B, ...) the stored model inputs of the group's W steps.
-        sigmas: (W,) or per-sample (W, B) times, strictly decreasing along the group.
-        step_loss: ``step_loss(j, v_j)`` -> scalar loss of step j as a function of its model output.
-        strategy: one of ``STRATEGIES``. A group of one step is always exact.
-        endpoints: one of ``ENDPOINT_MODES`` (aggregated strategies only): how the endpoint backward runs.
-        outputs: optional (W, B, ...) model outputs at these inputs under the CURRENT parameters (e.g. the
-            rollout's, before the first optimizer step): intermediate signals then need no model forward.
-            Ignored by the exact strategy, which always differentiates its own forwards.
-        endpoint_signals: one of ``ENDPOINT_SIGNALS`` (aggregated strategies only): whether the endpoints'
-            own signals come from the graph-building forwards or, as the authors' code does, from extra
-            forwards without autograd.
+    The one-group case of ``interpolated_backward`` (``group_interpolation``): exact runs W plain steps (it
+    never reads ``outputs``); an aggregated strategy back-propagates its two endpoints. Args as there, with
+    ``strategy`` one of ``STRATEGIES`` (a group of one step is always exact).
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     sigmas = torch.as_tensor(sigmas)
-    _check_group(latents, sigmas)
-    if outputs is not None and outputs.shape != latents.shape:
-        raise ValueError(
-            f"outputs must have the latents' shape {tuple(latents.shape)}, got {tuple(outputs.shape)}"
-        )
-    if strategy == "exact" or latents.shape[0] == 1:
-        return exact_backward(velocity, latents, sigmas, step_loss)
-    weights = AGGREGATION_WEIGHTS[strategy](sigmas.to(torch.float64))
-    return aggregated_backward(
+    _check_steps(latents, sigmas)
+    plan = group_interpolation(strategy, sigmas)
+    return interpolated_backward(
         velocity,
         latents,
         sigmas,
         step_loss,
-        weights,
-        strategy,
+        plan,
         endpoints=endpoints,
-        outputs=outputs,
         endpoint_signals=endpoint_signals,
+        outputs=outputs,
     )

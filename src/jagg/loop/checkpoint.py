@@ -22,11 +22,18 @@ Restoring also restores the RNG states, which makes a resumed run equal the unin
 Verified: after writing, ``manifest.json`` records every file's size and SHA-256 (each rank hashes its
 share of the files, in parallel: a shard is hashed right after it is written, from the page cache); loading
 checks every size and, again split over the ranks, every hash before reading anything, and a mismatch is a
-``CheckpointError`` naming the file (the CLI prints it as one line, exit 2). Checkpoints written before the
-manifest existed load unverified. ``log.keep_checkpoints: 2`` keeps the previous checkpoint as
+``CheckpointError`` naming the file (the CLI prints it as one line, exit 2). A checkpoint without its manifest,
+or with a file the manifest does not list, is refused: deleting the manifest must not switch verification
+off. One without ``.metadata`` or ``progress.pt`` is incomplete, an error as well (not "no checkpoint").
+``log.keep_checkpoints: 2`` keeps the previous checkpoint as
 ``checkpoint.prev/`` (removed when the next save starts, so a save never needs more than two copies on
 disk); resuming falls back to it automatically, with a warning, when the newest one fails verification (the
 lost iterations are redone exactly: iteration ``it`` depends only on the seed and the restored state).
+
+Disk space: a save writes the new checkpoint while the previous one is still on disk (that is what makes it
+atomic), so it needs one more checkpoint's worth of free space, more than its tensors' bytes; it checks that
+before it writes anything, and a full disk during the write is one ``CheckpointError`` that names the free and
+the needed space (the partial ``checkpoint.tmp/`` is removed, and the next run start removes one a kill left).
 
 The optimizer is saved once it has stepped (its state exists); saving before that writes the weights only,
 because building an AdamW state dict of a fresh optimizer would take a zero step and change the live run.
@@ -34,6 +41,7 @@ because building an AdamW state dict of a fresh optimizer would take a zero step
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import pickle
@@ -66,6 +74,7 @@ class Progress:
     ema: list[torch.Tensor] | None
     routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
     group_size: int | None = None  # backward.group_size=auto: the last calibrated W
+    placement: str | None = None  # backward.placement=auto (knots): the last measured placement rule
 
 
 @contextmanager
@@ -80,22 +89,31 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINT
 
 
-def _complete(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / PROGRESS).is_file()
+def _missing(path: Path) -> list[str]:
+    """The files every finished checkpoint holds that ``path`` lacks (DCP's ``.metadata``, ``progress.pt``)."""
+    return [n for n in (".metadata", PROGRESS) if not (path / n).is_file()]
 
 
 def checkpoint_candidates(run_dir: str | Path) -> list[Path]:
-    """The run's complete checkpoint directories, newest first: ``checkpoint/``, a ``checkpoint.old/`` left by
-    a save interrupted between its two renames, the previous one kept by ``log.keep_checkpoints: 2``."""
+    """The run's checkpoint directories, complete or not, newest first: ``checkpoint/``, a ``checkpoint.old/``
+    left by a save interrupted between its two renames, the previous one kept by ``log.keep_checkpoints: 2``.
+    (``checkpoint.tmp/`` is a save in progress or an interrupted one, never a checkpoint.)"""
     final = checkpoint_dir(run_dir)
     paths = (final, final.with_name(CHECKPOINT + ".old"), final.with_name(CHECKPOINT + ".prev"))
-    return [p for p in paths if _complete(p)]
+    return [p for p in paths if p.is_dir()]
 
 
 def find_checkpoint(run_dir: str | Path) -> Path | None:
     """The run's newest complete checkpoint directory (``checkpoint_candidates``), or None."""
-    found = checkpoint_candidates(run_dir)
-    return found[0] if found else None
+    return next((p for p in checkpoint_candidates(run_dir) if not _missing(p)), None)
+
+
+def incomplete_message(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (one line with what to do), or None when it is."""
+    missing = _missing(path)
+    if not missing:
+        return None
+    return f"checkpoint {path} is incomplete ({' and '.join(missing)} missing); {_advice(path)}"
 
 
 # --------------------------------------------------------------------------- verification
@@ -133,18 +151,35 @@ def _advice(path: Path) -> str:
     )
 
 
-def verify_checkpoint(path: str | Path, dist: DistInfo) -> None:
-    """Check every file of a checkpoint against its ``manifest.json`` (sizes, then SHA-256 split over the
-    ranks; a collective). Raises ``CheckpointError`` naming the first bad file; no manifest: nothing checked."""
-    path = Path(path)
+def _read_manifest(path: Path) -> dict:
+    """The manifest's ``{name: {"bytes", "sha256"}}``; ``CheckpointError`` when it is missing or corrupt, or
+    leaves out a file the checkpoint holds (verification cannot be skipped by deleting or editing it)."""
     if not (path / MANIFEST).is_file():
-        return
+        raise CheckpointError(
+            f"checkpoint {path} has no {MANIFEST}, so its files cannot be verified; {_advice(path)}"
+        )
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(
             f"checkpoint file {path / MANIFEST} is corrupt ({err}); {_advice(path)}"
         ) from None
+    unlisted = sorted(p.name for p in path.iterdir() if p.name != MANIFEST and p.name not in files)
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint file {path / unlisted[0]} is not in {path / MANIFEST}, so it cannot be verified; "
+            + _advice(path)
+        )
+    return files
+
+
+def verify_checkpoint(path: str | Path, dist: DistInfo) -> None:
+    """Check every file of a checkpoint against its ``manifest.json`` (sizes, then SHA-256 split over the
+    ranks; a collective). Raises ``CheckpointError`` naming the first bad file, or the missing manifest."""
+    path = Path(path)
+    if message := incomplete_message(path):
+        raise CheckpointError(message)
+    files = _read_manifest(path)
     for name, want in sorted(files.items()):
         f = path / name
         size = f.stat().st_size if f.is_file() else None
@@ -188,6 +223,53 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ema: list[
     return state
 
 
+def format_bytes(n: float) -> str:
+    """``512 B``, ``3.2 MiB``, ``1.50 GiB``: a size in a one-line message."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _tensor_bytes(tree) -> int:
+    """Bytes of every tensor in a (nested) state dict held by this rank (a DTensor counts its local shard)."""
+    total, stack = 0, [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.Tensor):
+            local = x.to_local() if hasattr(x, "to_local") else x
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _space(directory: Path, state: dict, progress: Progress, dist: DistInfo) -> tuple[float, float, bool]:
+    """(free bytes, bytes the save needs, short on any rank): the same answer on every rank (a collective).
+    Needed: every rank's shards, plus progress.pt (its metrics rows and RNG states) and a 5% margin."""
+    local = _tensor_bytes(state)
+    extra = len(json.dumps(progress.metrics, default=str)) + 2**20 if dist.is_main else 0
+    needed = dist.reduce_scalars({"b": 1.05 * (local + extra)}, op="sum")["b"]
+    free = float(shutil.disk_usage(directory).free)
+    short = dist.reduce_scalars({"short": float(free < needed)}, op="max")["short"] > 0
+    return free, needed, short
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """An ENOSPC anywhere in the error, its causes or, for DCP's ``CheckpointException``, its ranks' failures."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict) and any(_is_disk_full(f[0]) for f in failures.values()):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
 def save_checkpoint(
     run_dir: str | Path,
     *,
@@ -199,48 +281,84 @@ def save_checkpoint(
     keep: int = 1,
 ) -> Path:
     """Atomically write ``run_dir/checkpoint/`` with its manifest (module docstring); ``keep=2`` keeps the
-    previous one as ``checkpoint.prev/``. A collective: every rank calls it."""
-    import torch.distributed.checkpoint as dcp
-
+    previous one as ``checkpoint.prev/``. A collective: every rank calls it. ``CheckpointError`` when the
+    disk has not the space it needs (checked first) or fills up while it writes."""
     final = checkpoint_dir(run_dir)
-    tmp, old = final.with_name(CHECKPOINT + ".tmp"), final.with_name(CHECKPOINT + ".old")
-    prev = final.with_name(CHECKPOINT + ".prev")
+    tmp, prev = final.with_name(CHECKPOINT + ".tmp"), final.with_name(CHECKPOINT + ".prev")
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         if keep < 2 or final.exists():  # the one before the newest goes (never the only complete one)
             shutil.rmtree(prev, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
     stepped = bool(optimizer.state)  # the same on every rank (steps are global decisions)
     state = _state(model, optimizer if stepped else None, progress.ema)
+    free, needed, short = _space(final.parent, state, progress, dist)
+    if short:
+        raise CheckpointError(
+            f"not enough disk space for checkpoint {final}: {format_bytes(free)} free on {final.parent}, "
+            f"{format_bytes(needed)} needed (the previous checkpoint stays until the new one is complete); "
+            "free some space and resume with --resume"
+        )
+    full = False
+    try:
+        _write(tmp, state, progress, config, dist, stepped)
+    except (OSError, RuntimeError) as err:  # DCP's CheckpointException is a RuntimeError
+        if not _is_disk_full(err):
+            raise
+        full = True
+    if dist.reduce_scalars({"full": float(full)}, op="max")["full"] > 0:  # rank 0 alone may have hit it
+        if dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = format_bytes(shutil.disk_usage(final.parent).free)
+        raise CheckpointError(
+            f"disk full while writing checkpoint {final}: {free} free on {final.parent}, "
+            f"{format_bytes(needed)} needed; free some space and resume with --resume"
+        )
+    if dist.is_main:
+        _swap_in(tmp, final, prev if keep >= 2 else final.with_name(CHECKPOINT + ".old"))
+    dist.barrier()
+    return final
+
+
+def _write(tmp: Path, state: dict, progress: Progress, config: dict, dist: DistInfo, stepped: bool) -> None:
+    """Every rank's shards into ``tmp``, hashed in parallel; rank 0 adds progress.pt and the manifest."""
+    import torch.distributed.checkpoint as dcp
+
+    if dist.is_main:
+        tmp.mkdir(parents=True)
+    dist.barrier()
     with _single_process_ok():
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.enabled)
     dist.barrier()  # every shard is on disk before any rank hashes the files
     digests = _digest_share(tmp, [p.name for p in tmp.iterdir()], dist)
-    if dist.is_main:
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        meta = {
-            "iteration": progress.iteration,
-            "consecutive_skips": progress.consecutive_skips,
-            "metrics": progress.metrics,
-            "routing": progress.routing,
-            "group_size": progress.group_size,
-            "rng": rng,
-            "config": config,
-            "optimizer_saved": stepped,
-            "world_size": dist.world_size,
-        }
-        torch.save(meta, tmp / PROGRESS)
-        digests[PROGRESS] = file_digest(tmp / PROGRESS)
-        manifest = {"checksum": "sha256", "files": dict(sorted(digests.items()))}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(prev if keep >= 2 else old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+    if not dist.is_main:
+        return
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    meta = {
+        "iteration": progress.iteration,
+        "consecutive_skips": progress.consecutive_skips,
+        "metrics": progress.metrics,
+        "routing": progress.routing,
+        "group_size": progress.group_size,
+        "placement": progress.placement,
+        "rng": rng,
+        "config": config,
+        "optimizer_saved": stepped,
+        "world_size": dist.world_size,
+    }
+    torch.save(meta, tmp / PROGRESS)
+    digests[PROGRESS] = file_digest(tmp / PROGRESS)
+    manifest = {"checksum": "sha256", "files": dict(sorted(digests.items()))}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _swap_in(tmp: Path, final: Path, previous: Path) -> None:
+    """``final`` -> ``previous`` (``.prev``, kept, or ``.old``, removed), then ``tmp`` -> ``final``."""
+    old = final.with_name(CHECKPOINT + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(previous)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_progress(path: str | Path) -> dict:
@@ -291,11 +409,12 @@ def load_checkpoint(
         ema=ema,
         routing=meta.get("routing"),
         group_size=meta.get("group_size"),
+        placement=meta.get("placement"),
     )
 
 
 def _readable(path: Path, read):
-    """``read()``, with a failure to read the files (an unverified checkpoint: no manifest) reported as one
+    """``read()``, with a failure to read the files (e.g. a reader's error the manifest could not foresee) as one
     ``CheckpointError`` naming the checkpoint and what to do, instead of a reader's traceback."""
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -318,12 +437,12 @@ def resume_checkpoint(
     ema: list[torch.Tensor] | None,
     dist: DistInfo,
 ) -> tuple[Progress, Path]:
-    """``load_checkpoint`` of the newest complete checkpoint of ``run_dir`` that verifies; an older one (kept
-    by ``log.keep_checkpoints: 2``) is used, with a warning, when a newer one fails. Raises the newest
-    one's ``CheckpointError`` when none verifies, ``FileNotFoundError`` when there is none."""
+    """``load_checkpoint`` of the newest checkpoint of ``run_dir`` that is complete and verifies; an older one
+    (kept by ``log.keep_checkpoints: 2``) is used, with a warning, when a newer one is incomplete or fails.
+    Raises the newest one's ``CheckpointError`` when none verifies, ``FileNotFoundError`` when there is none."""
     found = checkpoint_candidates(run_dir)
     if not found:
-        raise FileNotFoundError(f"no complete checkpoint under {run_dir}")
+        raise FileNotFoundError(f"no checkpoint under {run_dir}")
     first: CheckpointError | None = None
     for path in found:
         try:

@@ -5,10 +5,12 @@ the real-model path are imported and before anything is written, so a typo costs
 
     check_reward_names   reward.weights / reward.eval against the names ``jagg.loop.rewards`` registers
                          (``REWARD_NAMES``, a static copy; a test checks it equals the registry)
-    check_prompt_sets    data.train_prompts / data.eval_prompts: a file or a name in ``PROMPT_DATASETS``
+    check_prompt_sets    data.train_prompts / data.eval_prompts: a readable file with a prompt, or a name in
+                         ``PROMPT_DATASETS``
     check_device         train.device=cuda needs a CUDA device (one per local rank under torchrun)
     check_trackers       every tracker in log.report_to is installed
-    start_run_dir        fresh / resume / resume-if-checkpoint, and a resumed run's config against run.json
+    start_run_dir        fresh / resume / resume-if-checkpoint (never over metrics or an incomplete checkpoint),
+                         what --overwrite may delete, and a resumed run's config against run.json
 
 Every failure is a ``ConfigError`` naming the key (the CLI prints it as one line, exit status 2).
 """
@@ -24,6 +26,8 @@ from pathlib import Path
 
 from jagg.config import Config
 from jagg.errors import ConfigError
+from jagg.loop.checkpoint import checkpoint_candidates, find_checkpoint, incomplete_message
+from jagg.loop.rundir import MARKER, check_overwrite, entries, is_run_dir
 
 # The rewards ``jagg.loop.rewards`` registers (jpeg, world, real models); tests/test_cli.py checks they agree.
 REWARD_NAMES = (
@@ -42,8 +46,8 @@ REWARD_NAMES = (
 REWARD_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # reward.kwargs.<name>.dtype (jagg.loop.rewards.REWARD_DTYPES)
 # Keys a resumed run may change without --allow-config-change: iteration `it` depends only on (seed, it) and
 # the restored state, so a longer run continues the shorter one exactly.
-# log.report_to only adds where the same rows go.
-RESUMABLE_KEYS = ("train.iterations", "log.report_to")
+# log.report_to only adds where the same rows go; log.run_dir is where the directory is now (moved or copied).
+RESUMABLE_KEYS = ("train.iterations", "log.report_to", "log.run_dir")
 
 
 def _did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -76,13 +80,29 @@ def check_prompt_sets(cfg: Config) -> None:
 
     for key in ("train_prompts", "eval_prompts"):
         source = getattr(cfg.data, key)
-        if source in PROMPT_DATASETS or Path(source).is_file():
+        if Path(source).expanduser().is_file():
+            _check_prompt_file(f"data.{key}", str(Path(source).expanduser()))
+            continue
+        if source in PROMPT_DATASETS:
             continue
         hint = _did_you_mean(source, PROMPT_DATASETS)
         raise ConfigError(
             f"data.{key}: {source!r} is neither a file nor a prompt set{hint}; "
             f"prompt sets: {sorted(PROMPT_DATASETS)}"
         )
+
+
+def _check_prompt_file(key: str, path: str) -> None:
+    """The file parses and holds a non-blank prompt (read now, not after minutes of loading weights)."""
+    from jagg.scale.prompts import read_prompt_file
+
+    try:
+        prompts, _ = read_prompt_file(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # JSON / CSV / encoding errors are ValueErrors
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{key}: prompt file {path} cannot be read ({first})") from None
+    if not any(isinstance(p, str) and p.strip() for p in prompts):
+        raise ConfigError(f"{key}: prompt file {path} holds no prompt (it is empty or blank)")
 
 
 def check_trackers(cfg: Config) -> None:
@@ -134,32 +154,62 @@ class RunStart:
     changes: dict[str, tuple] = field(default_factory=dict)
 
 
-def start_run_dir(
-    cfg: Config, checkpoint: Path | None, resume: str | None, overwrite: bool, allow_change: bool
-) -> RunStart:
-    """Decide fresh / resume for ``--resume`` (``"required"``), ``--resume auto`` or neither; reads only.
+def start_run_dir(cfg: Config, resume: str | None, overwrite: bool, allow_change: bool) -> RunStart:
+    """Decide fresh / resume for ``--resume`` (``"required"``), ``--resume auto`` or neither; reads only (the
+    CLI calls it holding the directory's lock, so no other run changes it meanwhile).
 
-    ``auto`` resumes when a checkpoint exists and otherwise starts fresh, also over a directory that a
-    preempted attempt left without a checkpoint (its run.json must match, as on resume), so a retry loop can
-    always pass it. A resumed config must equal run.json's except ``RESUMABLE_KEYS``, unless ``allow_change``.
+    ``auto`` resumes when a checkpoint exists and starts fresh only where nothing would be lost: an empty
+    directory, or one a preempted attempt left before its first metrics row (its run.json must match, as on
+    resume). It never starts over metrics rows or an incomplete checkpoint. A resumed config must equal
+    run.json's except ``RESUMABLE_KEYS``, unless ``allow_change``.
     """
     run_dir = Path(cfg.log.run_dir)
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: drop one")
-    occupied = run_dir.exists() and any(run_dir.iterdir())
+    if not resume:
+        return _fresh_start(run_dir, overwrite)
+    what = "--resume" if resume == "required" else "--resume auto"
+    found, checkpoint = checkpoint_candidates(run_dir), find_checkpoint(run_dir)
+    if found and checkpoint is None:  # reported as what it is, never taken for "no checkpoint yet"
+        raise ConfigError(f"{what}: {incomplete_message(found[0])}")
     if resume == "required" and checkpoint is None:
         raise ConfigError(f"--resume: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")
-    if not resume:
-        if occupied and not overwrite:
-            raise ConfigError(
-                f"log.run_dir={run_dir} already exists; pass --resume to continue or --overwrite to replace"
-            )
-        return RunStart(resume=False, wipe=overwrite and run_dir.exists())
-    what = "--resume" if resume == "required" else "--resume auto"
     changes = _resumed_config_changes(cfg, run_dir, allow_change, what, has_checkpoint=checkpoint is not None)
-    if checkpoint is None:  # auto, nothing to resume from yet
+    if checkpoint is not None:
+        return RunStart(resume=True, wipe=False, changes=changes)
+    rows = _metrics_rows(run_dir)
+    if rows:
+        raise ConfigError(
+            f"--resume auto: {run_dir} holds {rows} metrics rows but no checkpoint to resume them from, and "
+            "starting over would replace them; pass --overwrite (without --resume) to start again"
+        )
+    return RunStart(resume=False, wipe=bool(entries(run_dir)))
+
+
+def _fresh_start(run_dir: Path, overwrite: bool) -> RunStart:
+    """Neither resume flag: an empty or new directory, or ``--overwrite`` of a run directory of this project."""
+    occupied = bool(entries(run_dir))
+    if overwrite:
+        check_overwrite(run_dir)
         return RunStart(resume=False, wipe=occupied)
-    return RunStart(resume=True, wipe=False, changes=changes)
+    if occupied and is_run_dir(run_dir):
+        raise ConfigError(
+            f"log.run_dir={run_dir} already exists; pass --resume to continue or --overwrite to replace"
+        )
+    if occupied:
+        raise ConfigError(
+            f"log.run_dir={run_dir} is not empty and not a run directory of this project (no {MARKER} marker, "
+            "no run.json of this CLI); choose another log.run_dir"
+        )
+    return RunStart(resume=False, wipe=False)
+
+
+def _metrics_rows(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _resumed_config_changes(
@@ -172,7 +222,7 @@ def _resumed_config_changes(
     """
     meta_path = run_dir / "run.json"
     if not meta_path.is_file():
-        if not has_checkpoint and run_dir.exists() and any(run_dir.iterdir()):
+        if not has_checkpoint and entries(run_dir) and not is_run_dir(run_dir):
             raise ConfigError(
                 f"{what}: {meta_path} is missing, so {run_dir} is not a run directory of this CLI"
             )

@@ -39,7 +39,8 @@ from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.control import degrade_gradients, fixed_direction
 from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages
-from jagg.engine.routing import BackwardSetting, Routing, calibrate_routing, trajectory_backward
+from jagg.engine.knots import Knots
+from jagg.engine.routing import BackwardSetting, Routing, calibrate_knots, calibrate_routing
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
 from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
@@ -59,10 +60,12 @@ class TrainingAborted(RuntimeError):
 
 
 class _Recorded:
-    """A ``GRPOStepLoss`` as a ``StepLoss`` that keeps the statistics of every evaluation, in call order."""
+    """A ``GRPOStepLoss`` as a ``StepLoss`` that keeps the statistics of every evaluation, in call order
+    (``x`` and ``sigma`` are the loss's)."""
 
     def __init__(self, loss: GRPOStepLoss) -> None:
         self.loss, self.stats = loss, []
+        self.x, self.sigma = loss.x, loss.sigma
 
     def __call__(self, i: int, v: Tensor) -> Tensor:
         value, stats = self.loss.evaluate(i, v)
@@ -175,7 +178,8 @@ class Trainer:
         mine = self.dist.share(len(all_prompts))  # this rank's samples of the global batch
         prompts = all_prompts[mine]
         cond = self.comp.text_encoder.encode_prompts(prompts)
-        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen)
+        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen, iteration=it)  # MixGRPO's window
+        sigmas, kinds = self.algorithm.rollout_schedule(self.sigmas, kinds)  # MixGRPO-Flash: after it
         if algorithm.init_same_noise:  # DanceGRPO: one x_T per prompt, images differ by their SDE noise
             per_prompt = self._noise(train.prompts_per_iter, gen)
             noise = per_prompt.repeat_interleave(train.images_per_prompt, dim=0)[mine]
@@ -185,7 +189,7 @@ class Trainer:
         traj = sample_micro_batches(
             lambda rows: self.velocity(cond.select(rows)),
             noise,
-            self.sigmas.to(self.device),
+            sigmas.to(self.device),
             kinds,
             batch_size=train.train_batch_size,
             first_sample=mine.start,
@@ -258,14 +262,12 @@ class Trainer:
     def update(self, ro: Rollout) -> dict:
         """Backward over every micro-batch as ``self.backward`` says; optimizer step every grad_accum.
 
-        Stored outputs (``backward.reuse_rollout``): while the weights are the rollout's (no optimizer step since
-        it was sampled: ``Rollout.weights_version``) and the micro-batches are the rollout's, the rollout's
-        model outputs are exactly what a forward would recompute; the strategy then takes its intermediate
-        signals from them (no forward). After an optimizer step nothing stored is read.
-        ``onpolicy_ratio_max_dev`` is the largest |ratio - 1| before this update's first optimizer step: exactly
-        0 on the rollout's weights.
+        Stored outputs (``backward.reuse_rollout``) are read only while the weights are the rollout's (no
+        optimizer step since it was sampled: ``Rollout.weights_version``): they are then exactly what a forward
+        would recompute. ``onpolicy_ratio_max_dev`` is the largest |ratio - 1| before the first optimizer step:
+        exactly 0 on the rollout's weights.
         """
-        train, setting = self.cfg.train, self.backward
+        train = self.cfg.train
         batches = self._micro_batches(ro)
         step_stats: list[StepStats] = []
         total: GroupStats | None = None
@@ -273,22 +275,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for k, idx in enumerate(batches):
             steps = ro.trained[idx]  # (b, T)
-            loss = self.grpo_loss(ro, steps, idx, scale=1.0 / (train.grad_accum * steps.shape[1]))
-            recorded = _Recorded(loss)
-            stored_valid = ro.weights_version == self.weights_version and ro.traj.outputs is not None
-            outputs = ro.traj.outputs if setting.reuse_outputs and stored_valid else None
-            stats = trajectory_backward(
-                self.velocity(ro.cond.select(idx)),
-                loss.x,
-                loss.sigma,
-                recorded,
-                setting.routing.plans(steps.shape[1]),
-                endpoints=setting.endpoints,
-                endpoint_signals=setting.endpoint_signals,
-                outputs=None if outputs is None else at_steps(outputs, idx, steps).to(self.device),
-            )
+            loss = _Recorded(self.grpo_loss(ro, steps, idx, scale=1.0 / (train.grad_accum * steps.shape[1])))
+            on_rollout_weights = ro.weights_version == self.weights_version and ro.traj.outputs is not None
+            outputs = at_steps(ro.traj.outputs, idx, steps).to(self.device) if on_rollout_weights else None
+            stats = self.backward.backward(self.velocity(ro.cond.select(idx)), loss, outputs)
             total = stats if total is None else total.merge(stats)
-            step_stats += recorded.stats
+            step_stats += loss.stats
             if stepped == 0:
                 onpolicy_dev = max(onpolicy_dev, max(st.ppo.ratio_max_dev for st in step_stats))
             if (k + 1) % train.grad_accum == 0 or k == len(batches) - 1:
@@ -304,7 +296,6 @@ class Trainer:
             }
         )
         finite = any(map(math.isfinite, grad_norms))
-        counts = total.as_metrics()
         return {
             "loss": means["loss"],
             "grad_norm": float(np.nanmean(grad_norms)) if finite else float("nan"),
@@ -313,7 +304,7 @@ class Trainer:
             "onpolicy_ratio_max_dev": self.dist.reduce_scalars({"d": onpolicy_dev}, "max")["d"],
             "optimizer_steps": stepped,
             "skipped_steps": skipped,
-            **counts,
+            **total.as_metrics(),
             "backward_passes_per_sample": total.backward_passes / len(ro.prompts) * train.train_batch_size,
         }
 
@@ -363,19 +354,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def calibrate(self, ro: Rollout) -> dict:
-        """Measure the routing on the rollout's first micro-batch and use it (``calibrate_routing``: the cosine
-        of each group position's ``backward.strategy`` gradient to its exact one over the trainable parameters,
-        sharded dot products under FSDP2; the strategy where it is at least ``backward.min_cosine``; with
-        ``backward.group_size=auto`` the candidate W whose routed update the cost model predicts cheapest).
+        """Measure the routing on the rollout's first micro-batch and use it; gradients are left as they were.
 
-        Returns the metrics (cosines and routing of the kept W, W, and per candidate cosines / routing /
-        predicted cost when W is auto, seconds); gradients are left as they were."""
+        Groups (``backward.jagg_frac=auto``, ``calibrate_routing``): the cosine of each group position's
+        ``backward.strategy`` gradient to its exact one (sharded dot products under FSDP2), the strategy where it
+        is at least ``backward.min_cosine``; with ``backward.group_size=auto`` the candidate W whose routed
+        update the cost model predicts cheapest. Knots (``backward.placement=auto``, ``calibrate_knots``): the
+        placement rule whose micro-batch gradient is closest to exact. Returns the metrics and the seconds.
+        """
         backward, train = self.cfg.backward, self.cfg.train
         t0 = time.perf_counter()
         idx = slice(0, train.train_batch_size)
         loss = self.grpo_loss(ro, ro.trained[idx], idx, scale=1.0)
+        velocity = self.velocity(ro.cond.select(idx))
+        if backward.strategy == "knots":
+            measured = calibrate_knots(
+                velocity,
+                loss.x,
+                loss.sigma,
+                loss,
+                self.params,
+                count=backward.knots,
+                endpoints=backward.endpoints,
+            )
+            self.backward = backward.setting(measured.routing)
+            return measured.as_metrics() | {"time_calibrate_s": time.perf_counter() - t0}
         calibration = calibrate_routing(
-            self.velocity(ro.cond.select(idx)),
+            velocity,
             loss.x,
             loss.sigma,
             loss,
@@ -434,13 +439,15 @@ class Trainer:
         """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
         self.watch.enter("checkpoint", self.iteration)
         routing = None if self.backward is None else self.backward.routing
+        knots = isinstance(routing, Knots)
         progress = Progress(
             iteration=self.iteration,
             consecutive_skips=self.consecutive_skips,
             metrics=self.metrics,
             ema=self.ema,
-            routing=None if routing is None or routing.measured is None else list(routing.measured),
-            group_size=None if routing is None else routing.group_size,
+            routing=None if routing is None or knots or routing.measured is None else list(routing.measured),
+            group_size=None if routing is None or knots else routing.group_size,
+            placement=routing.placement if knots else None,
         )
         save_checkpoint(
             self.run_dir,
@@ -463,7 +470,10 @@ class Trainer:
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
         self.metrics = progress.metrics
-        if self.cfg.backward.calibrated and progress.routing is not None:
+        backward = self.cfg.backward
+        if backward.calibrated and backward.strategy == "knots" and progress.placement is not None:
+            self.backward = backward.setting(Knots(count=backward.knots, placement=progress.placement))
+        elif backward.calibrated and progress.routing is not None:
             routing = Routing(
                 strategy=self.cfg.backward.strategy,
                 group_size=progress.group_size,

@@ -93,9 +93,7 @@ def _build_aux(name: str):
     if name == "qwen25_vl_7b":
         return tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**QWEN25_VL_7B))
     if name == "hpsv2":
-        import open_clip
-
-        return open_clip.create_model("ViT-H-14", pretrained=None, device="meta")
+        return quiet_open_clip("ViT-H-14")
     if name in ("pickscore", "clipscore"):
         text, vision, proj = (
             (CLIP_H_TEXT, CLIP_H_VISION, 1024) if name == "pickscore" else (CLIP_L_TEXT, CLIP_L_VISION, 768)
@@ -104,6 +102,24 @@ def _build_aux(name: str):
     from diffusers import AutoencoderKL, AutoencoderKLQwenImage
 
     return AutoencoderKL(**FLUX_VAE) if name == "flux_vae" else AutoencoderKLQwenImage()  # its defaults
+
+
+def quiet_open_clip(arch: str) -> torch.nn.Module:
+    """open_clip's ``arch`` on the meta device, without its random-init warning.
+
+    open_clip warns "No pretrained weights loaded ... initialized randomly" through the root logger, which also
+    sets that logger up (``logging.basicConfig``) and doubles every later line of the CLI; here only the
+    architecture is wanted. A handler on the root logger meanwhile prevents both."""
+    import logging
+
+    import open_clip
+
+    quiet = logging.NullHandler()
+    logging.root.addHandler(quiet)
+    try:
+        return open_clip.create_model(arch, pretrained=None, device="meta")
+    finally:
+        logging.root.removeHandler(quiet)
 
 
 AUX_MODELS = {  # name -> (description, published parameter count)

@@ -279,9 +279,9 @@ def meta_model(spec: Spec, folder: Path) -> nn.Module:
     """The model of ``spec`` from the folder's config, on the meta device (no memory, no weights)."""
     with torch.device("meta"):
         if spec.library == "open_clip":
-            import open_clip
+            from jagg.scale.architectures import quiet_open_clip
 
-            return open_clip.create_model(spec.arch, pretrained=None, device="meta")
+            return quiet_open_clip(spec.arch)
         if spec.library == "diffusers":
             return spec.cls.from_config(spec.cls.load_config(str(folder)))
         config = spec.cls.config_class.from_pretrained(str(folder))

@@ -1,0 +1,315 @@
+"""Shared knots vs JAGG groups: cosine to the exact gradient against backward passes per sample, and the
+time of a full-trajectory iteration.
+
+Section 1 (cosine). On the world backbones (21-step DanceGRPO schedule, 20 usable SDE steps, eta 0.3, held-out
+prompts), per rollout and step structure, the whole micro-batch gradient of every plan is compared with the
+exact one (``plan_gradient_cosines``): JAGG and the two ablations with groups of W = 2..10 (jagg_frac 1), shared
+knots with K = 2..T for every placement rule, and the measured placement (``calibrate_knots`` on the OTHER
+rollout of the pair, then judged on this one). Structures:
+    full         all 20 usable steps trained;
+    dancegrpo    DanceGRPO's random 12 of the 20 per sample, sorted (the groups / knots lie among them);
+    authors      the JAGG authors' 3 random whole blocks of 4 consecutive steps (5 blocks of 4).
+Section 2 (time). Full trajectory (``algorithm.timestep_fraction=1.0``: all 20 steps trained): exact, JAGG W = 4
+and knots K = 4 / 6 (low_noise), interleaved on the same rollouts (``jagg.loop.timing.time_settings``), with
+each phase's median seconds and the iteration / update relative to the rollout.
+
+    python experiments/knots.py [--quick] [--rollouts 2] [--iterations 4]
+    -> results/knots.csv, results/knots_time.csv, results/knots.md, paper_figures/knots_cosine.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from jagg.common import (
+    ProgressETA,
+    SeedStream,
+    atomic_write_text,
+    command_line,
+    markdown_table,
+    run_metadata,
+    set_threads,
+    write_table,
+)
+from jagg.config import TINY_RUN, load_config
+from jagg.engine.diagnostics import plan_gradient_cosines
+from jagg.engine.knots import PLACEMENTS, Knots
+from jagg.engine.routing import BackwardSetting, Routing, calibrate_knots
+from jagg.loop.components import build_components
+from jagg.loop.timing import time_settings
+from jagg.loop.trainer import Trainer
+from plotting import figure_footer, save_figure, world_scale
+
+BACKBONES = ("flux", "qwenimage")
+STRUCTURES = ("full", "dancegrpo", "authors")
+GROUP_STRATEGIES = ("jagg", "endpoints", "uniform")
+GROUP_SIZES = (2, 4, 5, 7, 10)
+KNOT_COUNTS = (2, 3, 4, 6, 8, 10)
+PINNED = [  # the cosine experiment's plain DanceGRPO loss (as experiments/cosine.py pins it)
+    "sampling.num_steps=21",
+    "sampling.eval_num_steps=21",
+    "algorithm.noise_level=0.3",
+    "reward.weights={pref: 1.0}",
+    "algorithm.kl_beta=0.0",
+    "algorithm.adv_std=group",
+    "algorithm.init_same_noise=false",
+    "optim.ema_decay=0.0",
+    "train.images_per_prompt=4",
+    "train.prompts_per_iter=4",
+    "train.train_batch_size=16",
+    "train.grad_accum=1",
+]
+QUICK = [*TINY_RUN, "sampling.num_steps=9", "sampling.eval_num_steps=9", "train.train_batch_size=4"]
+
+
+def trained_steps(structure: str, trainer: Trainer, n: int, index: int) -> torch.Tensor:
+    """(n, T) sorted trained steps of a structure (its draws from a generator of the rollout index)."""
+    usable = len(trainer.sigmas) - 2
+    gen = torch.Generator().manual_seed(10_000 + index)
+    if structure == "full":
+        return torch.arange(usable).expand(n, usable)
+    if structure == "dancegrpo":
+        t = int(usable * 0.6)
+        return torch.stack([torch.randperm(usable, generator=gen)[:t].sort().values for _ in range(n)])
+    w = 4
+    blocks = [
+        torch.randperm(usable // w, generator=gen)[: int(usable // w * 0.6)].sort().values for _ in range(n)
+    ]
+    return torch.stack([(b[:, None] * w + torch.arange(w)).flatten() for b in blocks])
+
+
+def plans(sigma: torch.Tensor, t: int) -> dict[str, tuple[str, int, Routing | Knots]]:
+    """label -> (rule, size, routing) for every fixed plan of T steps (groups of W, knots of every rule)."""
+    out = {}
+    for s in GROUP_STRATEGIES:
+        for w in GROUP_SIZES:
+            if w <= t:
+                out[f"{s}/W{w}"] = (s, w, Routing(strategy=s, group_size=w, jagg_frac=1.0))
+    for k in KNOT_COUNTS:
+        if k <= t:
+            for rule in PLACEMENTS:
+                out[f"knots_{rule}/K{k}"] = (f"knots_{rule}", k, Knots(count=k, placement=rule))
+    return out
+
+
+def measure(backbone: str, structure: str, args, progress: ProgressETA) -> tuple[list[dict], dict]:
+    """Rows (one per rollout x plan) of one backbone and structure, and the resolved config."""
+    cfg = load_config("configs/world/flux_dancegrpo.yaml", [f"model.backbone={backbone}", *args.overrides])
+    comp = dataclasses.replace(build_components(cfg), train_prompts=build_components(cfg).eval_prompts)
+    trainer = Trainer(cfg, comp, run_dir=Path("runs/knots"))
+    b = cfg.train.train_batch_size
+    losses = []  # (velocity, loss) of the first micro-batch of each rollout
+    for r in range(args.rollouts):
+        ro = trainer.rollout(r, SeedStream.KNOTS)
+        idx = slice(0, b)
+        steps = trained_steps(structure, trainer, len(ro.prompts), r)[idx]
+        losses.append((trainer.velocity(ro.cond.select(idx)), trainer.grpo_loss(ro, steps, idx)))
+    rows = []
+    for r, (velocity, loss) in enumerate(losses):
+        t = loss.x.shape[0]
+        compared = plans(loss.sigma, t)
+        cal_velocity, cal = losses[
+            (r + 1) % len(losses)
+        ]  # the measured placement comes from the OTHER rollout
+        for k in (k for k in KNOT_COUNTS if k <= t):
+            chosen = calibrate_knots(cal_velocity, cal.x, cal.sigma, cal, trainer.params, count=k).chosen
+            compared[f"knots_auto/K{k}"] = ("knots_auto", k, chosen)
+        interps = {name: routing.interpolation(loss.sigma) for name, (_, _, routing) in compared.items()}
+        cosines = plan_gradient_cosines(velocity, loss.x, loss.sigma, loss, trainer.params, interps)
+        for name, (rule, size, routing) in compared.items():
+            rows.append(
+                dict(
+                    backbone=backbone,
+                    structure=structure,
+                    rollout=r,
+                    T=t,
+                    plan=name,
+                    rule=rule,
+                    size=size,
+                    placement=getattr(routing, "placement", ""),
+                    knots=",".join(map(str, interps[name].knots)),
+                    backward_passes=BackwardSetting(routing=routing, reuse_outputs=False)
+                    .cost(t)
+                    .backward_passes,
+                    cosine=cosines[name][0],
+                    rel_err=cosines[name][1],
+                )
+            )
+        progress.step(f"{backbone} {structure} rollout {r}")
+    return rows, cfg.to_dict()
+
+
+def time_full_trajectory(backbone: str, args, progress: ProgressETA) -> tuple[list[dict], dict]:
+    """Exact, JAGG W = 4 and knots K = 4 / 6 on the full trajectory, interleaved on the same rollouts."""
+    cfg = load_config(
+        "configs/world/flux_dancegrpo.yaml",
+        [
+            f"model.backbone={backbone}",
+            *args.overrides,
+            "algorithm.timestep_fraction=1.0",
+            "train.grad_accum=2",
+        ],
+    )
+    trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/knots"))
+    settings = [
+        cfg.backward.setting(Routing(strategy="exact", group_size=2)),
+        cfg.backward.setting(Routing(strategy="jagg", group_size=4, jagg_frac=1.0)),
+        cfg.backward.setting(Knots(count=4, placement="low_noise")),
+        cfg.backward.setting(Knots(count=6, placement="low_noise")),
+    ]
+    timed = time_settings(trainer, settings, args.iterations, progress)
+    rows = []
+    for key, runs in timed.items():
+        for it, row in enumerate(runs):
+            rollout = row["time_sample_s"] + row["time_reward_s"]
+            rows.append(
+                dict(
+                    backbone=backbone,
+                    setting=key,
+                    iteration=it,
+                    T=row["T"],
+                    backward_passes_per_sample=row["backward_passes_per_sample"],
+                    time_rollout_s=rollout,
+                    time_update_s=row["time_update_s"],
+                    time_iteration_s=rollout + row["time_update_s"],
+                )
+            )
+    return rows, cfg.to_dict()
+
+
+# --------------------------------------------------------------------------- summary and figure
+def best_at(df, rule_prefix: str, passes: int) -> float:
+    """The best (highest mean over rollouts) cosine of plans of one family at exactly ``passes`` passes."""
+    sel = df[df.rule.str.startswith(rule_prefix) & (df.backward_passes == passes)]
+    return float(sel.groupby("plan").cosine.mean().max()) if len(sel) else float("nan")
+
+
+def summary(df, timing) -> str:
+    """Markdown: per backbone x structure, 1 - cos of JAGG's best W and of every knot rule at equal passes,
+    and the full-trajectory timing relative to the rollout."""
+    import pandas as pd
+
+    lines = ["## Cosine to exact at equal backward passes per sample (mean over rollouts)", ""]
+    rules = ["knots_index", "knots_time", "knots_low_noise", "knots_auto"]
+    table = []
+    for (backbone, structure), g in df.groupby(["backbone", "structure"], sort=False):
+        for passes in sorted(set(g[g.rule == "jagg"].backward_passes)):
+            jagg = best_at(g, "jagg", passes)
+            row = {
+                "backbone": backbone,
+                "structure": structure,
+                "passes": passes,
+                "JAGG (best W)": f"{jagg:.4f}",
+            }
+            best_fixed = max(best_at(g, r, passes) for r in rules[:3])
+            for r in rules:
+                c = best_at(g, r, passes)
+                row[r] = "-" if c != c else f"{c:.4f}"
+            ratio = (1 - best_fixed) / (1 - jagg) if 1 - jagg > 1e-6 else float("nan")  # W = 2: both exact
+            row["(1-cos) best rule / JAGG"] = "-" if ratio != ratio else f"{ratio:.2f}"
+            table.append(row)
+    lines += [markdown_table(pd.DataFrame(table)), ""]
+    if timing is not None and len(timing):
+        lines += ["## Full trajectory (20 of 20 steps trained): median seconds per iteration", ""]
+        trows = []
+        for (backbone, setting), g in timing.groupby(["backbone", "setting"], sort=False):
+            med = g[["time_rollout_s", "time_update_s", "time_iteration_s"]].median()
+            trows.append(
+                {
+                    "backbone": backbone,
+                    "setting": setting,
+                    "backward passes / sample": f"{g.backward_passes_per_sample.iloc[0]:g}",
+                    "rollout s": f"{med.time_rollout_s:.2f}",
+                    "update s": f"{med.time_update_s:.2f}",
+                    "iteration / rollout": f"{med.time_iteration_s / med.time_rollout_s:.2f}",
+                }
+            )
+        lines += [markdown_table(pd.DataFrame(trows)), ""]
+    return "\n".join(lines)
+
+
+def render(csv: Path, figure: Path) -> None:
+    """Cosine vs backward passes per sample, one panel per backbone x structure, from the CSV alone."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.read_csv(csv)
+    meta = json.loads(csv.with_suffix(".meta.json").read_text())
+    timing_csv = csv.with_name("knots_time.csv")
+    timing = pd.read_csv(timing_csv) if timing_csv.is_file() else None
+    atomic_write_text(csv.with_suffix(".md"), summary(df, timing))
+    panels = list(df.groupby(["backbone", "structure"], sort=False))
+    n_cols = df.structure.nunique()
+    fig, axes = plt.subplots(-(-len(panels) // n_cols), n_cols, figsize=(13, 7), squeeze=False, sharey=True)
+    for ax, ((backbone, structure), g) in zip(axes.flat, panels):
+        for rule, style in [
+            ("jagg", "o-"),
+            ("endpoints", "x:"),
+            ("uniform", "+:"),
+            ("knots_index", "s--"),
+            ("knots_time", "^--"),
+            ("knots_low_noise", "v-"),
+            ("knots_auto", "*"),
+        ]:
+            sel = g[g.rule == rule].groupby("backward_passes").cosine.mean()
+            ax.plot(sel.index, sel.values, style, label=rule, ms=4)
+        ax.set_title(f"{backbone}, {structure} (T = {g['T'].iloc[0]})", fontsize=9)
+        ax.set_xlabel("backward passes per sample")
+        ax.set_ylim(max(0.5, g.cosine.min() - 0.02), 1.002)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("cos(gradient, exact)")
+    axes[0, -1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        "Shared knots vs JAGG groups: gradient cosine to exact at equal backward passes", fontsize=10
+    )
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
+    figure_footer(fig, meta, world_scale(csv.parent))
+    save_figure(fig, figure, dpi=130)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/knots.csv")
+    ap.add_argument("--figure", default="paper_figures/knots_cosine.png")
+    ap.add_argument("--rollouts", type=int, default=2)
+    ap.add_argument("--iterations", type=int, default=4, help="timed full-trajectory iterations per backbone")
+    ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
+    ap.add_argument("--render-only", action="store_true", help="summary and figure from the CSVs")
+    ap.add_argument("--backbones", nargs="+", default=list(BACKBONES), choices=BACKBONES)
+    ap.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
+    args = ap.parse_args(argv)
+    set_threads(1)
+    args.overrides = PINNED + (QUICK if args.quick else [])
+    out = Path(args.out)
+    if not args.render_only:
+        eta = ProgressETA(
+            len(args.backbones) * (len(args.structures) * args.rollouts + args.iterations), "knots"
+        )
+        rows, timing, configs = [], [], {}
+        for backbone in args.backbones:
+            for structure in args.structures:
+                new, configs[f"{backbone}/{structure}"] = measure(backbone, structure, args, eta)
+                rows += new
+            new, configs[f"{backbone}/time"] = time_full_trajectory(backbone, args, eta)
+            timing += new
+        meta = run_metadata(
+            command=command_line("experiments/knots.py", argv),
+            seed="rollout index",
+            config={k: v for k, v in vars(args).items() if k != "overrides"},
+            overrides=args.overrides,
+            train_configs=configs,
+        )
+        write_table(timing, out.with_name("knots_time.csv"), meta)
+        write_table(rows, out, meta)
+    render(out, Path(args.figure))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

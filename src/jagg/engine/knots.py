@@ -1,0 +1,126 @@
+"""Shared knots: the Jacobian of the velocity interpolated piecewise-linearly in t over a whole trajectory.
+
+JAGG interpolates the Jacobian linearly inside each group of W steps, between the group's two endpoints, so two
+adjacent groups back-propagate two knots one step apart. Shared knots use each knot for the steps on both sides
+of it: for K knot steps k_0 = 0 < k_1 < ... < k_{K-1} = T - 1 among the T time-sorted trained steps, a step j
+between knots a = k_i and c = k_{i+1} takes
+
+    J_j ~ (1 - alpha_j) J_a + alpha_j J_c,    alpha_j = (t_a - t_j) / (t_a - t_c),
+
+so the gradient sum_j J_j^T s_j becomes sum_i J_{k_i}^T g_i with g_i = sum_j hat_i(t_j) s_j: the hat functions
+of t over the knots (``hat_weights``). That is K backward passes for T steps, in one block (one stacked forward
+and one backward, ``jagg.engine.strategies.interpolated_backward``). Exact when every step is a knot, and for a
+velocity linear in (z, t) on a straight path (the Theorem 1 argument applies to every interval); equal to JAGG
+when the knots are JAGG's group endpoints and no step lies between two groups.
+
+Where the knots sit is a rule (``PLACEMENTS``): evenly in step index, evenly in t, or denser toward low noise,
+where the Jacobian bends most in the world backbones (docs/method.md, "Knots"). ``Knots`` is the routing that
+applies a rule; ``backward.placement: auto`` measures the rules on the rollout and keeps the best
+(``jagg.engine.routing.calibrate_knots``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from jagg.engine.strategies import Interpolation
+
+
+def _distinct(targets: list[float], num_steps: int) -> tuple[int, ...]:
+    """Round increasing targets in [0, T - 1] to K strictly increasing step positions with both ends kept."""
+    k = len(targets)
+    pos = [round(x) for x in targets]
+    pos[0], pos[-1] = 0, num_steps - 1
+    for i in range(1, k - 1):  # push collisions up ...
+        pos[i] = max(pos[i], pos[i - 1] + 1)
+    for i in range(k - 2, 0, -1):  # ... and back down from the last step
+        pos[i] = min(pos[i], pos[i + 1] - 1)
+    return tuple(pos)
+
+
+def index_knots(sigma: Tensor, count: int) -> tuple[int, ...]:
+    """Knots evenly spaced in step index."""
+    t = sigma.shape[0]
+    return _distinct([i * (t - 1) / (count - 1) for i in range(count)], t)
+
+
+def time_knots(sigma: Tensor, count: int) -> tuple[int, ...]:
+    """Knots at the steps nearest to K times evenly spaced in t between the first and the last step."""
+    t = sigma.shape[0]
+    targets = torch.linspace(float(sigma[0]), float(sigma[-1]), count, dtype=torch.float64)
+    nearest = [float((sigma.double() - x).abs().argmin()) for x in targets]
+    return _distinct(nearest, t)
+
+
+def low_noise_knots(sigma: Tensor, count: int) -> tuple[int, ...]:
+    """Knots denser toward the low-noise end: position (T - 1) (1 - (1 - u)^2) for u evenly spaced in [0, 1]
+    (the spacing shrinks linearly toward the last step, where the world backbones' Jacobians bend)."""
+    t = sigma.shape[0]
+    return _distinct([(t - 1) * (1 - (1 - i / (count - 1)) ** 2) for i in range(count)], t)
+
+
+# name -> rule(reference times (T,), K) -> K ascending step positions with 0 and T - 1 among them
+PLACEMENTS: dict[str, Callable[[Tensor, int], tuple[int, ...]]] = {
+    "index": index_knots,
+    "time": time_knots,
+    "low_noise": low_noise_knots,
+}
+
+
+def hat_weights(sigma: Tensor, knots: tuple[int, ...]) -> Tensor:
+    """(T, K[, B]) piecewise-linear interpolation weights in t: a knot step gives its own knot weight 1; a step
+    between knots a and c gives 1 - alpha to a and alpha = (t_a - t_j) / (t_a - t_c) to c (per sample where
+    ``sigma`` is (T, B))."""
+    sigma = sigma.to(torch.float64)
+    w = torch.zeros(sigma.shape[0], len(knots), *sigma.shape[1:], dtype=torch.float64)
+    for i, k in enumerate(knots):
+        w[k, i] = 1.0
+    for i in range(len(knots) - 1):
+        a, c = knots[i], knots[i + 1]
+        for j in range(a + 1, c):
+            alpha = (sigma[a] - sigma[j]) / (sigma[a] - sigma[c])
+            w[j, i], w[j, i + 1] = 1 - alpha, alpha
+    return w
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knots:
+    """The routing of ``backward.strategy: knots``: ``count`` shared knots placed by ``placement`` (a key of
+    ``PLACEMENTS``), all back-propagated in one block. With T <= ``count`` every step is a knot (exact)."""
+
+    count: int
+    placement: str
+    strategy: str = "knots"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or self.count < 2:
+            raise ValueError(f"backward.knots must be an integer >= 2, got {self.count!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"backward.placement must be one of {(*PLACEMENTS, 'auto')}, got {self.placement!r}"
+            )
+
+    def positions(self, sigma: Tensor) -> tuple[int, ...]:
+        """The knot positions among the T steps; per-sample times (T, B) are placed by their mean over B."""
+        t = sigma.shape[0]
+        if t <= self.count:
+            return tuple(range(t))
+        ref = sigma.double().mean(dim=1) if sigma.ndim == 2 else sigma.double()
+        return PLACEMENTS[self.placement](ref, self.count)
+
+    def interpolation(self, sigma: Tensor) -> Interpolation:
+        """The (T, K[, B]) hat weights over the placed knots, one block (a single step is a plain step)."""
+        sigma = torch.as_tensor(sigma)
+        if sigma.shape[0] == 1:
+            return Interpolation.identity(1, self.strategy)
+        knots = self.positions(sigma)
+        return Interpolation(knots, hat_weights(sigma, knots), (tuple(range(len(knots))),), self.strategy)
+
+    @property
+    def label(self) -> str:
+        """e.g. ``knots/K4/low_noise`` (the part of ``BackwardSetting.key`` before the mode)."""
+        return f"{self.strategy}/K{self.count}/{self.placement}"
