@@ -607,8 +607,9 @@ def config_rows(path: str) -> tuple[list[dict], dict]:
     update["unsharded block gradients"] = update.get("unsharded block gradients", 0.0) + held
     plan = plan_terms(cfg)
     rows = [_row(name, k, update.get(k, 0.0), plan[k]) for k in UPDATE_TERMS]
+    # OPT inside the step minus the update's, + any TEMP (not ACT: a replicated frozen base sits there)
     temporaries = phases["step"].get("OPT", 0.0) - phases["update"].get("OPT", 0.0)
-    rows.append(_row(name, STEP_TERM, temporaries + step.get("activations", 0.0), plan[STEP_TERM]))
+    rows.append(_row(name, STEP_TERM, temporaries + phases["step"].get("TEMP", 0.0), plan[STEP_TERM]))
     rows.append(
         _row(name, "inputs (latents, conditioning, stored outputs)", update.get(INPUTS, 0.0), float("nan"))
     )
