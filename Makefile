@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check check-weights hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -59,6 +59,10 @@ gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights, stages with time budgets (
 
 plan-check: $(STAMP) ## Simulated 8-GPU node on the CPU (fake tensors + fake process group + FSDPMemTracker): one real-size update per paper config next to the dry-run plan -> results/plan_check.md
 	$(PY) experiments/plan_check.py
+
+check-weights: $(STAMP) ## CONFIG=configs/paper/X.yaml [OVERRIDES='model.path=/local/FLUX.1-dev']: every checkpoint the config loads (transformer, text encoders, VAE, rewards) against its model built on the meta device, keys and shapes, from a local path or the hub cache (headers / mmap only, no download)
+	@test -n "$(CONFIG)" || { echo "usage: make check-weights CONFIG=configs/paper/flux_dancegrpo.yaml [OVERRIDES='model.path=...']"; exit 2; }
+	$(PY) -m jagg.scale.weights_check --config $(CONFIG) $(OVERRIDES)
 
 hpsv2-ref: $(STAMP) ## Optional: the hpsv2 reference (hpsv2x 1.2.0, no deps, into cache/hpsv2x; pins untouched), then test our HPSv2.1 scorer against it
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target cache/hpsv2x hpsv2x==1.2.0 2>&1 | { grep -v "^WARNING: Location" || true; }

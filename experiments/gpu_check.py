@@ -1,7 +1,7 @@
 """``make gpu-check``: what one lent GPU can tell in one run, in stages with time budgets, into one JSON.
 
 For the day a GPU is lent (one GPU, ~10 minutes, no weights or downloads). Every stage builds random-init models
-of the real classes and configs (``jagg.loop.plan.KNOWN_CONFIGS``, the hub configs of the VAE and reward
+of the real classes and configs (``jagg.scale.architectures.KNOWN_CONFIGS``, the hub configs of the VAE and reward
 models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage still
 runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts only
 if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
@@ -20,7 +20,7 @@ if the time left of ``--budget-s`` (default 480 s) is at least its own budget, s
 6. ``adamw_dcp``: an AdamW step on a multi-GB shard and its ``torch.distributed.checkpoint`` save (write
    bandwidth) and load (bit-equal).
 7. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
-   W = 3, jagg_frac 0.6) with ``jagg.engine.routing.trajectory_backward`` for exact and JAGG in every
+   W = 3, jagg_frac 0.6) with ``BackwardSetting.backward`` for exact and JAGG in every
    ``ENDPOINT_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
    backbones at the paper resolutions (Flux 720 px; Qwen-Image 720 and 512 px), with peak memory.
 
@@ -39,6 +39,7 @@ from a CPU. A Markdown summary is written beside the JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -56,38 +57,63 @@ import torch
 from torch import nn
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads
-from jagg.config import AlgorithmConfig
+from jagg.config import AlgorithmConfig, Config, load_config
 from jagg.engine.algorithms import DanceGRPO
-from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.routing import Routing, trajectory_backward
+from jagg.engine.grpo import TrainedSteps
+from jagg.engine.routing import Routing
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import ENDPOINT_MODES, group_backward
-from jagg.loop.plan import KNOWN_CONFIGS, VAE_SCALE
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
+from jagg.scale.architectures import KNOWN_CONFIGS, VAE_SCALE
 from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 
 GPU_OUT = "results/gpu/gpu_check.json"
 CPU_OUT = "runs/gpu_check/gpu_check.json"  # runs/ is git-ignored
-# DanceGRPO's trajectory (configs/paper/flux_dancegrpo.yaml): 16 steps, eta 0.3, shift 3, 60% of the first 15.
-NUM_STEPS, ETA, SHIFT, TIMESTEP_FRACTION, CLIP = 16, 0.3, 3.0, 0.6, 1e-4
-GROUP_SIZE, JAGG_FRAC = 3, 0.6
-LORA_RANK, LORA_ALPHA = 64, 128
-RESOLUTIONS = {"flux": (720,), "qwenimage": (720, 512)}  # px: DanceGRPO (both), Flow-GRPO Qwen-Image (512)
-TEXT_TOKENS = {
-    "flux": 512,
-    "qwenimage": 128,
-}  # Flux: T5 padded to 512 (DanceGRPO); Qwen-Image: unpadded prompt
+PAPER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper"
+
+
+def paper_config(name: str) -> Config:
+    """``configs/paper/<name>.yaml``, the source of every paper setting this check uses."""
+    return load_config(PAPER_CONFIGS / f"{name}.yaml")
+
+
+def image_px(cfg: Config) -> int:
+    return cfg.sampling.latent_size * VAE_SCALE
+
+
+# DanceGRPO's trajectory (flux_dancegrpo.yaml): 16 steps, eta 0.3, shift 3, 60% of the first 15, W = 3, 0.6 routed.
+_DANCE = paper_config("flux_dancegrpo")
+NUM_STEPS, SHIFT = _DANCE.sampling.num_steps, _DANCE.sampling.shift
+ETA, TIMESTEP_FRACTION, CLIP = (
+    _DANCE.algorithm.noise_level,
+    _DANCE.algorithm.timestep_fraction,
+    _DANCE.algorithm.clip_range,
+)
+GROUP_SIZE, JAGG_FRAC = _DANCE.backward.group_size, _DANCE.backward.jagg_frac
+_FAST = paper_config("flux_flowgrpo_fast")  # Flow-GRPO-Fast's LoRA (r64 / alpha 128)
+LORA_RANK, LORA_ALPHA = _FAST.model.lora_rank, _FAST.model.lora_alpha
+# px: DanceGRPO (both backbones, 720), Flow-GRPO-Fast Qwen-Image (512)
+RESOLUTIONS = {
+    "flux": (image_px(_DANCE),),
+    "qwenimage": (
+        image_px(paper_config("qwenimage_dancegrpo")),
+        image_px(paper_config("qwenimage_flowgrpo_fast")),
+    ),
+}
+# Flux: T5 padded to model.max_sequence_length (512); Qwen-Image: an unpadded prompt (a measurement choice: no
+# config fixes a prompt's length)
+TEXT_TOKENS = {"flux": _DANCE.model.max_sequence_length, "qwenimage": 128}
 TINY_LATENT = {720: 8, 512: 4}  # CPU stand-ins for 90x90 / 64x64 latents
 TINY_TEXT_TOKENS = 8
-# (strategy, endpoint mode, stored outputs); exact ignores the mode and the outputs.
-VARIANTS = [("exact", "batched", False)] + [
-    ("jagg", mode, stored) for mode in ENDPOINT_MODES for stored in (False, True)
+# The paper config's backward (W, jagg_frac 0.6) in every endpoint mode, with and without stored outputs, and
+# the exact baseline; labelled by ``BackwardSetting.label``.
+_SETTING = _DANCE.backward.fixed_setting()
+SETTINGS = [dataclasses.replace(_SETTING, routing=Routing(strategy="exact", group_size=GROUP_SIZE))] + [
+    dataclasses.replace(_SETTING, endpoints=mode, reuse_outputs=stored)
+    for mode in ENDPOINT_MODES
+    for stored in (False, True)
 ]
-
-
-def variant_name(strategy: str, endpoints: str, stored: bool) -> str:
-    return "exact" if strategy == "exact" else f"jagg/{endpoints}" + ("+stored" if stored else "")
 
 
 def default_out(cuda: bool) -> str:
@@ -159,17 +185,11 @@ def make_trajectory(
             outputs.append(v)
             x_next.append(step.prev_sample)
             old.append(step.log_prob)
-    loss = GRPOStepLoss(
-        x=x,
-        x_next=torch.stack(x_next),
-        sigma=sigma,
-        sigma_next=sigma_next,
-        old_log_prob=torch.stack(old),
-        advantages=torch.randn(batch, generator=g).to(device),
-        kind="dance",
-        noise_level=ETA,
-        clip_range=CLIP,
-        scale=1.0 / x.shape[0],
+    steps = TrainedSteps(
+        x=x, x_next=torch.stack(x_next), sigma=sigma, sigma_next=sigma_next, old_log_prob=torch.stack(old)
+    )
+    loss = _DANCE.algorithm.step_loss(
+        steps, torch.randn(batch, generator=g).to(device), scale=1.0 / x.shape[0]
     )
     return velocity, x, sigma, torch.stack(outputs), loss
 
@@ -193,18 +213,18 @@ def _free(model: nn.Module | None, device) -> None:
 
 
 def run_variants(model, velocity, x, sigma, outputs, loss, device, deadline: float) -> list[dict]:
-    """Time ``trajectory_backward`` for every variant (after a short untimed warm-up) and record peak memory."""
+    """Time ``BackwardSetting.backward`` for every setting (after a short untimed warm-up) and record peak
+    memory."""
     with _autocast(device):  # kernels and allocator, outside the timing
         group_backward(velocity, x[:1], sigma[:1], loss, "exact")
         group_backward(
             velocity, x[:GROUP_SIZE], sigma[:GROUP_SIZE], loss, "jagg", outputs=outputs[:GROUP_SIZE]
         )
     rows = []
-    for strategy, endpoints, stored in VARIANTS:
-        row = dict(
-            variant=variant_name(strategy, endpoints, stored), strategy=strategy, stored_outputs=stored
-        )
-        row["endpoints"] = "" if strategy == "exact" else endpoints
+    for setting in SETTINGS:
+        strategy = setting.routing.strategy
+        row = dict(variant=setting.label, strategy=strategy, stored_outputs=setting.reuse_outputs)
+        row["endpoints"] = "" if strategy == "exact" else setting.endpoints
         if time.perf_counter() > deadline:
             rows.append({**row, "status": "skipped (time budget)"})
             continue
@@ -216,15 +236,7 @@ def run_variants(model, velocity, x, sigma, outputs, loss, device, deadline: flo
             _sync(device)
             t0 = time.perf_counter()
             with _autocast(device):
-                stats = trajectory_backward(
-                    velocity,
-                    x,
-                    sigma,
-                    loss,
-                    Routing(strategy=strategy, group_size=GROUP_SIZE, jagg_frac=JAGG_FRAC).plans(x.shape[0]),
-                    endpoints=endpoints,
-                    outputs=outputs if stored else None,
-                )
+                stats = setting.backward(velocity, loss, outputs)
             _sync(device)
             seconds = time.perf_counter() - t0
         except torch.OutOfMemoryError:
@@ -293,9 +305,7 @@ def check_backbone(
                 gradients=params,
             )
             if time.perf_counter() > deadline:
-                rows += [
-                    {**head, "variant": variant_name(*v), "status": "skipped (time budget)"} for v in VARIANTS
-                ]
+                rows += [{**head, "variant": v.label, "status": "skipped (time budget)"} for v in SETTINGS]
                 continue
             traj = make_trajectory(backbone, config, name, latent, tokens, batch, device, ctx.seed)
             for r in run_variants(transformer, *traj, device, deadline):
@@ -767,7 +777,7 @@ def _reward_models(ctx: Context) -> dict[str, Callable[[], object]]:
     import open_clip
     import transformers as tf
 
-    from jagg.loop import plan
+    from jagg.scale import architectures as arch
     from jagg.scale.rewards import CLIPScoreReward, HPSv2Reward, PickScoreReward, clip_bpe_tokenizer
 
     kw = dict(device=ctx.device, dtype=ctx.dtype)
@@ -793,10 +803,10 @@ def _reward_models(ctx: Context) -> dict[str, Callable[[], object]]:
     return {
         "hpsv2": hps,
         "pickscore": lambda: PickScoreReward.from_model(
-            hf_clip(plan._CLIP_H_TEXT, plan._CLIP_H_VISION, 1024), clip_bpe_tokenizer(), **kw
+            hf_clip(arch.CLIP_H_TEXT, arch.CLIP_H_VISION, 1024), clip_bpe_tokenizer(), **kw
         ),
         "clipscore": lambda: CLIPScoreReward.from_model(
-            hf_clip(plan._CLIP_L_TEXT, plan._CLIP_L_VISION, 768), clip_bpe_tokenizer(), **kw
+            hf_clip(arch.CLIP_L_TEXT, arch.CLIP_L_VISION, 768), clip_bpe_tokenizer(), **kw
         ),
     }
 
@@ -805,10 +815,10 @@ def stage_vae_rewards(ctx: Context, deadline: float) -> dict:
     """The FLUX.1-dev VAE (random init) decoding a 90x90 latent to 720 px, then each reward model scoring it."""
     from diffusers import AutoencoderKL
 
-    from jagg.loop import plan
+    from jagg.scale import architectures as arch
 
     with torch.device(ctx.device):
-        vae = AutoencoderKL(**(_TINY_VAE if ctx.tiny else plan._FLUX_VAE)).to(ctx.dtype).eval()
+        vae = AutoencoderKL(**(_TINY_VAE if ctx.tiny else arch.FLUX_VAE)).to(ctx.dtype).eval()
     latent = 8 if ctx.tiny else 720 // VAE_SCALE
     z = torch.randn(1, 16, latent, latent, generator=torch.Generator().manual_seed(ctx.seed)).to(
         ctx.device, ctx.dtype

@@ -1,11 +1,11 @@
 """``make plan-check``: a simulated 8-GPU node on the CPU, one real-size update per paper config, next to the plan.
 
-For each ``configs/paper/*.yaml``: the published architecture (``jagg.loop.plan.KNOWN_CONFIGS``) is placed by the
+For each ``configs/paper/*.yaml``: the published architecture (``jagg.scale.architectures.KNOWN_CONFIGS``) is placed by the
 trainer's own code (``jagg.loop.placement``: LoRA, gradient checkpointing, fp32 master weights and bf16 frozen
 base, FSDP2 ``fully_shard`` per block with the bf16 / fp32-reduce policy) under fake tensors
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no data) as rank 1 of a fake
 8-rank process group (``FakeStore``, backend ``fake``: collectives are no-ops). One micro-batch of the configured
-update then runs as the trainer runs it: ``trajectory_backward`` with the configured strategy, group size,
+update then runs as the trainer runs it: ``BackwardSetting.backward`` with the configured strategy, group size,
 jagg_frac and endpoint mode (stored rollout outputs when ``backward.reuse_rollout``), bf16 autocast, the GRPO
 step loss, grad-norm clipping and a foreach AdamW step. ``FSDPMemTracker`` records the per-rank peak by
 category (sharded / unsharded parameters, gradients, optimizer state, activations, temporaries, collectives).
@@ -47,12 +47,12 @@ from torch import Tensor
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.config import Config, load_config
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.routing import trajectory_backward, trajectory_cost
+from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.sde import shifted_linear_sigmas
+from jagg.loop.memory_model import CUDA_CONTEXT, GIB, memory_plan
 from jagg.loop.placement import apply_run_lora, parameter_dtypes, place_backbone
-from jagg.loop.plan import GIB, KNOWN_CONFIGS, memory_plan
 from jagg.models import BACKBONES, TextCond
+from jagg.scale.architectures import KNOWN_CONFIGS
 from jagg.scale.distributed import DistInfo, cast_parameters
 
 WORLD_SIZE = 8
@@ -61,7 +61,7 @@ SIM_RANK = 1  # a rank without the loaded weights (rank 0's GPU holds the same)
 DEPTHS = (3, 4)  # reduced depths (units: Flux 1 double + 2 single blocks; Qwen-Image 1 block)
 FULL_DEPTH = {"flux": 19, "qwenimage": 60}
 OUT = "results/plan_check.csv"
-# FSDPMemTracker categories -> the plan's groups (jagg.loop.plan.memory_plan)
+# FSDPMemTracker categories -> the plan's groups (jagg.loop.memory_model.memory_plan)
 CATEGORIES = {
     "SHARDED_PARAM": "weights (sharded)",
     "SHARDED_GRAD": "gradients (sharded)",
@@ -193,10 +193,11 @@ def meta_backbone(cfg: Config, depth: int, arch: dict | None = None):
 
 
 def materialise_plain_tensors(module: torch.nn.Module, device: torch.device) -> list[str]:
-    """Plain tensor attributes still on the meta device after placement (Qwen-Image's rotary tables
-    ``pos_freqs`` / ``neg_freqs`` are neither parameters nor buffers, so sharding from rank 0 never fills
-    them on the other ranks; the trainer's fix lands separately): fake tensors of the same shape here,
-    whose values fake mode never reads. Returns their names."""
+    """Plain tensor attributes still on the meta device after placement, filled with fake tensors of the same
+    shape (values fake mode never reads); returns their names. Qwen-Image's rotary tables ``pos_freqs`` /
+    ``neg_freqs`` are neither parameters nor buffers: ``shard_from_rank0`` recomputes them
+    (``jagg.scale.distributed.materialize_tensor_attributes``), so the report's count is expected to be 0; a
+    non-zero count means placement left a meta tensor that a real rank would fail on."""
     names = []
     for path, sub in module.named_modules():
         for attr, value in list(vars(sub).items()):
@@ -274,19 +275,14 @@ def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss
     if m.backbone == "qwenimage" and m.true_cfg_scale > 1:
         cond.neg_embeds, cond.neg_mask = embeds.clone(), mask.clone()
     shape = (n_steps, b, backbone.latent_channels, s.latent_size, s.latent_size)
-    x = torch.randn(shape, device=device)
-    loss = GRPOStepLoss(
-        x=x,
+    steps = TrainedSteps(
+        x=torch.randn(shape, device=device),
         x_next=torch.randn(shape, device=device),
         sigma=sigma,
         sigma_next=sigma_next,
         old_log_prob=torch.zeros(n_steps, b, device=device),
-        advantages=torch.randn(b, device=device),
-        kind=a.sde_kind,
-        noise_level=a.noise_level,
-        clip_range=a.clip_range,
-        scale=1.0 / (t.grad_accum * n_steps),
     )
+    loss = a.step_loss(steps, torch.randn(b, device=device), scale=1.0 / (t.grad_accum * n_steps))
     outputs = torch.randn(shape, device=device) if cfg.backward.reuse_rollout else None
     return cond, loss, outputs
 
@@ -334,16 +330,7 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
         tracker.track_inputs((cond.embeds, loss.x, loss.x_next, outputs))
         velocity = velocity_fn(backbone, cond, device)
         with tracker:
-            stats = trajectory_backward(
-                velocity,
-                loss.x,
-                loss.sigma,
-                loss,
-                backward.planned_setting().routing.plans(loss.x.shape[0]),
-                endpoints=backward.endpoints,
-                outputs=outputs,
-                endpoint_signals=backward.endpoint_signals,
-            )
+            stats = backward.planned_setting().backward(velocity, loss, outputs)
             tracker.phase = "clip"
             torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
             tracker.phase = "step"
@@ -355,6 +342,7 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
         depth=depth,
         peak=by_kind,
         phase_peaks={k: v["Total"] for k, v in tracker.phase_peaks.items()},
+        phase_snapshots=dict(tracker.phase_peaks),  # per phase: the categories at that phase's peak
         seconds=time.perf_counter() - t0,
         scalar_reads=reads.count,
         patched_attributes=patched,
@@ -367,18 +355,47 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
 # categories that grow with depth (per-block shards, gradients, optimizer state, checkpointed block inputs);
 # the others are in flight (one or two blocks under FSDP2) and do not
 PER_BLOCK = ("SHARDED_PARAM", "SHARDED_GRAD", "OPT", "BUFFER", "ACT")
+# per phase, what else grows with depth. The foreach AdamW step's temporaries (~1 copy of every trained shard)
+# are counted as OPT by the tracker (allocated inside the optimizer step), already per block; the step's
+# temporaries are its OPT minus the update's (``step_temporaries``). With true CFG, the update's TEMP: one
+# unsharded gradient per block waits for the other call's backward (counted as TEMP, not UNSHARDED_GRAD;
+# ``held_cfg_gradients``).
+PHASE_PER_BLOCK = {"update": (), "clip": (), "step": ("TEMP",)}
+CFG_PER_BLOCK = ("TEMP",)
 
 
-def extrapolate(runs: list[dict], full: int) -> dict[str, float]:
-    """The per-block categories (``PER_BLOCK``) linearly in depth through the two runs, evaluated at ``full``;
-    the in-flight ones as the larger of the two runs (which block's reduce-scatter is still in flight at the
-    peak can differ by one between depths: a straight line through that would grow by a block per block)."""
-    lo, hi = runs
+def per_block(cfg: Config, phase: str) -> tuple[str, ...]:
+    """The categories of ``phase`` that ``extrapolate`` takes as linear in depth for ``cfg``."""
+    return PER_BLOCK + PHASE_PER_BLOCK[phase] + (CFG_PER_BLOCK if true_cfg(cfg) and phase == "update" else ())
+
+
+def true_cfg(cfg: Config) -> bool:
+    """Qwen-Image with true CFG: two transformer calls per velocity."""
+    return cfg.model.backbone == "qwenimage" and cfg.model.true_cfg_scale > 1
+
+
+def held_cfg_gradients(cfg: Config, runs: list[dict]) -> float:
+    """With true CFG: the update's TEMP growth per block at its peak times the full depth, i.e. the unsharded
+    gradients held for the other call's backward (0 without CFG)."""
+    if not true_cfg(cfg):
+        return 0.0
+    lo, hi = (r["phase_snapshots"]["update"].get("TEMP", 0.0) for r in runs)
+    per_block = (hi - lo) / (runs[1]["depth"] - runs[0]["depth"])
+    return per_block * FULL_DEPTH[cfg.model.backbone]
+
+
+def extrapolate(runs: list[dict], full: int, linear=PER_BLOCK, key: str = "peak") -> dict[str, float]:
+    """The per-block categories (``linear``) linearly in depth through the two runs' ``key`` snapshot,
+    evaluated at ``full``; the in-flight ones as the larger of the two runs (which block's reduce-scatter is
+    still in flight at the peak can differ by one between depths: a straight line through that would grow by
+    a block per block)."""
+    lo, hi = (r[key] if key == "peak" else r["phase_snapshots"][key] for r in runs)
+    depths = [r["depth"] for r in runs]
     out = {}
-    for k in hi["peak"]:
-        a, b = lo["peak"].get(k, 0.0), hi["peak"][k]
-        if k in PER_BLOCK:
-            out[k] = a + (b - a) / (hi["depth"] - lo["depth"]) * (full - lo["depth"])
+    for k in hi:
+        a, b = lo.get(k, 0.0), hi[k]
+        if k in linear:
+            out[k] = a + (b - a) / (depths[1] - depths[0]) * (full - depths[0])
         elif k != "Total":
             out[k] = max(a, b)
     out["Total"] = sum(out.values())
@@ -506,64 +523,98 @@ def device_check(cfg: Config) -> str:
 def plan_terms(cfg: Config) -> dict[str, float]:
     """The plan's GPU terms (``memory_plan``) grouped like ``CATEGORIES`` (transformer and activations only)."""
     backward = cfg.backward
-    from jagg.loop.plan import trained_steps_per_sample
+    from jagg.loop.pass_plan import trained_steps_per_sample
 
-    cost = trajectory_cost(
-        backward.planned_setting().routing.plans(trained_steps_per_sample(cfg)),
-        endpoints=backward.endpoints,
-        reuse_outputs=backward.reuse_rollout,
-        endpoint_signals=backward.endpoint_signals,
-    )
+    setting = backward.planned_setting()
+    cost = setting.cost(trained_steps_per_sample(cfg), batch=cfg.train.train_batch_size, stored=True)
     mp = memory_plan(
         cfg,
         WORLD_SIZE,
         graphs=cost.graphs_alive,
-        held_grad=backward.strategy != "exact" and backward.endpoints == "joint",
+        held_grad=setting.holds_gradients,
     )
     g = mp.gpu
     opt = sum(v for k, v in g.items() if k.startswith(("AdamW", "EMA")))
+    held = sum(v for k, v in g.items() if k.startswith("unsharded gradients held"))  # joint / true CFG
     return {
         "weights (sharded)": g["transformer weights (sharded)"] + g.get("frozen base (replicated)", 0.0),
         "gradients (sharded)": g["gradients (sharded)"],
         "AdamW moments (+ EMA)": opt,
         "unsharded blocks": g["unsharded blocks in flight"],
-        "unsharded block gradients": g["unsharded gradients of one block"]
-        + g.get("unsharded gradients held (joint)", 0.0),
+        "unsharded block gradients": g["unsharded gradients of one block"] + held,
         "activations": mp.activations[mp.checkpointing],
-        "plan total (transformer + update activations)": 0.0,
+        STEP_TERM: mp.step,
         "plan total per GPU (everything)": mp.total(),
+        "CUDA context + NCCL (assumed, not simulated)": CUDA_CONTEXT,
+        "allocator fragmentation (assumed, not simulated)": mp.fragmentation(),
     }
 
 
+STEP_TERM = "AdamW step temporaries"
+RESIDENT = ("weights (sharded)", "gradients (sharded)", "AdamW moments (+ EMA)")  # what the step phase holds
+UPDATE_TERMS = (*RESIDENT, "unsharded blocks", "unsharded block gradients", "activations")
+
+
+def grouped(snapshot: dict[str, float]) -> dict[str, float]:
+    """FSDPMemTracker categories summed into the plan's groups (``CATEGORIES``)."""
+    out: dict[str, float] = {}
+    for kind, value in snapshot.items():
+        if kind != "Total":
+            out[CATEGORIES.get(kind, kind)] = out.get(CATEGORIES.get(kind, kind), 0.0) + value
+    return out
+
+
+def phase_extrapolations(cfg: Config, runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Each phase's peak snapshot (update, clip, step) extrapolated to the full depth (``per_block``)."""
+    full = FULL_DEPTH[cfg.model.backbone]
+    phases = [p for p in PHASE_PER_BLOCK if all(p in r["phase_snapshots"] for r in runs)]
+    return {p: extrapolate(runs, full, per_block(cfg, p), key=p) for p in phases}
+
+
+def _row(name: str, term: str, simulated: float, plan: float) -> dict:
+    return dict(config=name, term=term, simulated_gib=simulated / GIB, plan_gib=plan / GIB)
+
+
 def config_rows(path: str) -> tuple[list[dict], dict]:
+    """Per term: the update's simulated categories at full depth against the plan's; the step's temporaries;
+    the update, step and overall peaks against the plan's transformer terms."""
     cfg = load_config(path)
     name = Path(path).stem
     runs = [simulate(cfg, d) for d in DEPTHS]
-    sim = extrapolate(runs, FULL_DEPTH[cfg.model.backbone])
-    grouped: dict[str, float] = {}
-    for kind, value in sim.items():
-        if kind != "Total":
-            grouped[CATEGORIES.get(kind, kind)] = grouped.get(CATEGORIES.get(kind, kind), 0.0) + value
+    phases = phase_extrapolations(cfg, runs)
+    update = grouped(phases["update"])
+    held = held_cfg_gradients(cfg, runs)  # counted as TEMP by the tracker, as gradients by the plan
+    update["activations"] -= held
+    update["unsharded block gradients"] = update.get("unsharded block gradients", 0.0) + held
     plan = plan_terms(cfg)
-    covered = [k for k in plan if not k.startswith("plan total")]
-    plan["plan total (transformer + update activations)"] = sum(plan[k] for k in covered)
-    rows = [
-        dict(
-            config=name,
-            term=k,
-            simulated_gib=grouped.get(k, 0.0) / GIB,
-            plan_gib=plan.get(k, float("nan")) / GIB,
-        )
-        for k in [*covered, "inputs (latents, conditioning, stored outputs)"]
-    ]
+    rows = [_row(name, k, update.get(k, 0.0), plan[k]) for k in UPDATE_TERMS]
+    # OPT inside the step minus the update's, + any TEMP (not ACT: a replicated frozen base sits there)
+    temporaries = phases["step"].get("OPT", 0.0) - phases["update"].get("OPT", 0.0)
+    rows.append(_row(name, STEP_TERM, temporaries + phases["step"].get("TEMP", 0.0), plan[STEP_TERM]))
     rows.append(
-        dict(
-            config=name,
-            term="peak (simulated) / plan total (transformer + update activations)",
-            simulated_gib=sim["Total"] / GIB,
-            plan_gib=plan["plan total (transformer + update activations)"] / GIB,
-        )
+        _row(name, "inputs (latents, conditioning, stored outputs)", update.get(INPUTS, 0.0), float("nan"))
     )
+    plan_update = sum(plan[k] for k in UPDATE_TERMS)
+    plan_step = sum(plan[k] for k in RESIDENT) + plan[STEP_TERM]
+    plan_peak = plan_update - plan["activations"] + max(plan["activations"], plan[STEP_TERM])
+    sim_update, sim_step = phases["update"]["Total"], phases["step"]["Total"]
+    rows += [
+        _row(
+            name, "update peak (simulated) / plan transformer + update activations", sim_update, plan_update
+        ),
+        _row(
+            name,
+            "optimizer step peak (simulated) / plan resident shards + step temporaries",
+            sim_step,
+            plan_step,
+        ),
+        _row(
+            name,
+            "peak of both (simulated) / plan transformer + larger transient",
+            max(sim_update, sim_step),
+            plan_peak,
+        ),
+    ]
     info = dict(
         config=name,
         seconds=sum(r["seconds"] for r in runs),
@@ -571,11 +622,17 @@ def config_rows(path: str) -> tuple[list[dict], dict]:
         patched=runs[0]["patched_attributes"],
         passes=(runs[0]["forward_passes"], runs[0]["backward_passes"], runs[0]["forwards_skipped"]),
         plan_total_gib=plan["plan total per GPU (everything)"] / GIB,
+        plan_context_gib=plan["CUDA context + NCCL (assumed, not simulated)"] / GIB,
+        plan_fragmentation_gib=plan["allocator fragmentation (assumed, not simulated)"] / GIB,
         device_check=device_check(cfg),
         depth_runs={r["depth"]: r["peak"]["Total"] / GIB for r in runs},
         phases={k: v / GIB for k, v in runs[-1]["phase_peaks"].items()},
+        full_depth_phases={k: v["Total"] / GIB for k, v in phases.items()},
     )
     return rows, info
+
+
+INPUTS = "inputs (latents, conditioning, stored outputs)"
 
 
 EXPLANATION = [
@@ -612,8 +669,32 @@ EXPLANATION = [
     "step's temporaries (~1 copy of the trained shards) to the update's peak; the simulated step phase peaks",
     "well below the update (listed per config), so the plan now counts them as a transient (`MemoryPlan.step`).",
     "",
+    "## What the node simulation missed until issue 30, and what the plan now counts",
+    "",
+    "- **The optimizer step at full depth.** Each phase (update, clip, step) is now extrapolated from its own",
+    "  peak snapshot. At 3-4 blocks the update peaks highest, but the foreach AdamW step grows with every",
+    "  block: its temporaries (~1 fp32 copy of the trained shards) are counted as OPT by the tracker, so the",
+    "  step's temporaries are its OPT minus the update's. For Qwen-Image full fine-tuning the step phase",
+    "  then peaks above the update at full depth (the `optimizer step peak` row); the plan counts the",
+    "  temporaries as a transient (`AdamW step temporaries`, 0 with `optim.fused`).",
+    "- **True CFG's held gradients.** Qwen-Image with `true_cfg_scale > 1` calls the transformer twice per",
+    "  velocity; one call's backward runs through every block before the other's reaches it, so each block",
+    "  holds its unsharded bf16 gradient meanwhile. The tracker counts these as TEMP (not UNSHARDED_GRAD):",
+    "  measured while writing this check, `simulate(load_config('configs/paper/qwenimage_dancegrpo.yaml',",
+    "  ['model.true_cfg_scale=4.0']), d)` for d = 3, 4 gives update-peak TEMP 1.694 and 2.327 GiB, +0.633 GiB",
+    "  per block = one Qwen-Image block (340M parameters) in bf16; x 60 blocks = 38.0 GiB, as the plan's",
+    "  `unsharded gradients held (true CFG)` (38.0). For the LoRA config (`qwenimage_flowgrpo_fast`) the",
+    "  same term is ~0.8 GiB; the driver moves TEMP's per-block growth into `unsharded block gradients`.",
+    "- **Not simulated, assumed in the plan:** the CUDA context + NCCL buffers (1.5 GiB) and the allocator's",
+    "  fragmentation (2% of the allocated peak with `expandable_segments`, the default of CUDA runs; 10%",
+    "  without), listed per config below.",
+    "",
     "## Where plan and simulation still differ (not tuned away)",
     "",
+    "- flux_flowgrpo_fast (`model.shard_frozen_base: false`): the replicated bf16 base is a plain parameter",
+    "  that FSDP2 ignores, and the tracker counts it under ACT, not as weights (at git a419b53: weights 0.08 vs",
+    "  22.25 GiB, activations 26.66 vs 3.90); weights and activations together agree (26.74 vs 26.15), which",
+    "  is what tests/test_plan_check.py holds for that config.",
     "- Weights, AdamW moments and (full fine-tuning) sharded gradients agree to 1% in every config, the",
     "  totals of the two full fine-tuning configs within 7% (tests/test_plan_check.py holds these to 15%).",
     "- Activations: the plan counts every block input alive plus one block recomputed (an upper bound); the",
@@ -657,7 +738,7 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
         "extrapolated to the full depth: per-block categories linearly, in-flight ones as the larger of the two",
         "runs (`extrapolate`; see experiments/plan_check.py for what is not",
         "simulated: weight loading, rollout / eval forwards, text encoders, VAE, rewards, CUDA context).",
-        "`plan` = `jagg.loop.plan.memory_plan`'s terms for the same things. Simulated `activations` = the",
+        "`plan` = `jagg.loop.memory_model.memory_plan`'s terms for the same things. Simulated `activations` = the",
         "tracker's ACT + TEMP; the AdamW step's temporaries are a transient after the backward (the plan's",
         "`step`, not in these totals; the simulated peak of each phase is listed).",
         "",
@@ -679,8 +760,12 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
             f"{len(info['patched'])}; peak at depth {list(info['depth_runs'])}: "
             + ", ".join(f"{v:.2f}" for v in info["depth_runs"].values())
             + f" GiB; fake-cuda device check: {info['device_check']}; plan total per GPU (everything): "
-            f"{info['plan_total_gib']:.1f} GiB; simulated peak by phase at depth {DEPTHS[-1]} (GiB): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in info["phases"].items()),
+            f"{info['plan_total_gib']:.1f} GiB, of which CUDA context + NCCL {info['plan_context_gib']:.1f} and "
+            f"allocator fragmentation {info['plan_fragmentation_gib']:.1f} (assumed, not simulated); "
+            f"simulated peak by phase at depth {DEPTHS[-1]} (GiB): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in info["phases"].items())
+            + "; at full depth: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in info["full_depth_phases"].items()),
             "",
             "| term | simulated GiB | plan GiB |",
             "|---|---|---|",

@@ -58,7 +58,7 @@ def test_meta_built_transformer_keeps_the_rope_tables():
 
 def _trajectory_rows(rows: list[dict]) -> dict[tuple, dict]:
     """The counts of one DanceGRPO trajectory's update in every variant (9 trained steps, W = 3, 2 JAGG groups)."""
-    want = {gpu_check.variant_name(*v) for v in gpu_check.VARIANTS}
+    want = {s.label for s in gpu_check.SETTINGS}
     assert want == {"exact"} | {
         f"jagg/{m}{s}" for m in ("batched", "joint", "sequential") for s in ("", "+stored")
     }
@@ -186,7 +186,7 @@ def test_error_line_is_one_line():
 
 def test_real_reward_architectures_build_offline_on_meta():
     """The CUDA path's reward models (hub architectures, no weights) build and match the published sizes."""
-    from jagg.loop.plan import AUX_MODELS
+    from jagg.scale.architectures import AUX_MODELS
 
     ctx = gpu_check.Context(device=torch.device("meta"), tiny=False, log=lambda _: None)
     for name, build in gpu_check._reward_models(ctx).items():
@@ -194,3 +194,20 @@ def test_real_reward_architectures_build_offline_on_meta():
         n = sum(p.numel() for p in reward.model.parameters())
         assert n == pytest.approx(AUX_MODELS[name][1], rel=1e-3), name
         assert reward.image_size == 224
+
+
+def test_settings_come_from_the_paper_configs():
+    """The trajectory, LoRA and resolutions are read from configs/paper/, not copied (issue 30)."""
+    from jagg.config import load_config
+
+    dance, fast = (load_config(f"configs/paper/{n}.yaml") for n in ("flux_dancegrpo", "flux_flowgrpo_fast"))
+    assert (gpu_check.NUM_STEPS, gpu_check.SHIFT, gpu_check.ETA) == (16, 3.0, 0.3)
+    assert (dance.sampling.num_steps, dance.algorithm.noise_level) == (gpu_check.NUM_STEPS, gpu_check.ETA)
+    assert (3, 0.6, dance.algorithm.clip_range) == (gpu_check.GROUP_SIZE, gpu_check.JAGG_FRAC, gpu_check.CLIP)
+    assert (
+        (gpu_check.LORA_RANK, gpu_check.LORA_ALPHA)
+        == (fast.model.lora_rank, fast.model.lora_alpha)
+        == (64, 128)
+    )
+    assert gpu_check.RESOLUTIONS == {"flux": (720,), "qwenimage": (720, 512)}
+    assert gpu_check.TEXT_TOKENS["flux"] == dance.model.max_sequence_length == 512

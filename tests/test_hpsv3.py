@@ -189,7 +189,9 @@ def test_dry_run_plan_counts_hpsv3_and_imagereward():
     here, ImageReward in the default fp32), counted from their architectures on the meta device."""
     from jagg.config import load_config
     from jagg.engine.routing import trajectory_cost
-    from jagg.loop.plan import AUX_MODELS, aux_params, memory_plan, trained_steps_per_sample
+    from jagg.loop.memory_model import memory_plan
+    from jagg.loop.pass_plan import trained_steps_per_sample
+    from jagg.scale.architectures import AUX_MODELS, aux_params
 
     cfg = load_config(
         "configs/paper/flux_dancegrpo.yaml",

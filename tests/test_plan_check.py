@@ -38,19 +38,37 @@ def test_plan_within_15_percent_of_the_simulated_node(plan_check, path: str) -> 
 
     cfg = load_config(path)
     runs = [plan_check.simulate(cfg, depth) for depth in plan_check.DEPTHS]
-    sim = plan_check.extrapolate(runs, plan_check.FULL_DEPTH[cfg.model.backbone])
+    phases = plan_check.phase_extrapolations(cfg, runs)
+    sim = phases["update"]
     plan = plan_check.plan_terms(cfg)
-    # the update's peak, not the optimizer step's or the gradient clipping's (the plan's transient step)
+    # at the reduced depths the update peaks highest (at full depth the step may: the rows below)
     assert max(runs[-1]["phase_peaks"], key=runs[-1]["phase_peaks"].get) == "update"
     for term, kinds in TERMS.items():
         simulated = sum(sim.get(k, 0.0) for k in kinds)
+        if term == "weights (sharded)" and not cfg.model.shard_frozen_base:
+            # the replicated frozen base is a plain parameter FSDP2 ignores; the tracker counts it as ACT
+            # (results/plan_check.md: flux_flowgrpo_fast 0.08 GiB weights, 26.7 GiB activations), so the
+            # weights are held to 15% together with the activations
+            simulated += sim.get("ACT", 0.0) + sim.get("TEMP", 0.0)
+            assert plan[term] + plan["activations"] == pytest.approx(simulated, rel=TOLERANCE), term
+            continue
         assert plan[term] == pytest.approx(simulated, rel=TOLERANCE), term
+    # the foreach step's temporaries (OPT inside the step minus the update's), extrapolated to full depth
+    temporaries = phases["step"]["OPT"] - phases["update"]["OPT"]
+    assert plan[plan_check.STEP_TERM] == pytest.approx(temporaries, rel=TOLERANCE), "step temporaries"
+    if plan_check.true_cfg(cfg):  # one unsharded gradient per block held (counted as TEMP by the tracker)
+        held = (
+            plan["unsharded block gradients"]
+            - plan_check.plan_terms(load_config(path, ["model.true_cfg_scale=1.0"]))[
+                "unsharded block gradients"
+            ]
+        )
+        assert plan_check.held_cfg_gradients(cfg, runs) == pytest.approx(held, rel=TOLERANCE), "true CFG"
     if cfg.model.lora_rank == 0:  # full fine-tuning: every sharded gradient exists at the peak (3+ groups)
         assert plan["gradients (sharded)"] == pytest.approx(sim["SHARDED_GRAD"], rel=TOLERANCE)
     if cfg.model.lora_rank > 0:  # the plan's activation bound dominates the small LoRA totals (md: 20-22%)
         return
-    covered = [k for k in plan if not k.startswith("plan total")]
-    total = sum(plan[k] for k in covered)
-    assert total == pytest.approx(sim["Total"], rel=TOLERANCE), (
-        "plan total (transformer + update activations)"
-    )
+    update = sum(plan[k] for k in plan_check.UPDATE_TERMS)
+    assert update == pytest.approx(sim["Total"], rel=TOLERANCE), "plan transformer + update activations"
+    step = sum(plan[k] for k in plan_check.RESIDENT) + plan[plan_check.STEP_TERM]
+    assert step == pytest.approx(phases["step"]["Total"], rel=TOLERANCE), "plan resident + step temporaries"

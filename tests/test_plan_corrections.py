@@ -7,19 +7,19 @@ import pytest
 
 from jagg.config import load_config
 from jagg.engine.routing import trajectory_cost
-from jagg.loop.plan import (
+from jagg.loop.dry_run import build_plan
+from jagg.loop.memory_model import (
     ACT_BYTES_PER_TOKEN_HIDDEN,
     GIB,
     HOST_BASELINE,
     PROMPT_LRU,
-    aux_params,
-    build_plan,
     disk_plan,
     embedding_bytes,
     memory_plan,
     meta_transformer,
-    trained_steps_per_sample,
 )
+from jagg.loop.pass_plan import trained_steps_per_sample
+from jagg.scale.architectures import aux_params
 
 QWEN_DANCE = "configs/paper/qwenimage_dancegrpo.yaml"
 FLUX_DANCE = "configs/paper/flux_dancegrpo.yaml"
@@ -88,3 +88,54 @@ def test_dry_run_states_disk():
     lora_model = meta_transformer(lora)[0]
     trained = sum(p.numel() for p in lora_model.parameters() if p.requires_grad)
     assert disk_plan(lora, lora_model) == {"checkpoint": trained * 12, "embedding cache": 0.0}
+
+
+QWEN_FAST = "configs/paper/qwenimage_flowgrpo_fast.yaml"
+
+
+def _trained(cfg) -> int:
+    return sum(p.numel() for p in meta_transformer(cfg)[0].parameters() if p.requires_grad)
+
+
+def test_true_cfg_holds_one_unsharded_gradient_per_block():
+    """Issue 30: Qwen-Image's true CFG makes two transformer calls per velocity; one call's backward passes
+    every block before the other's reaches it, so every block holds its unsharded (bf16) gradient: ~0.8 GiB
+    for the LoRA config, ~38 GiB for full fine-tuning with CFG."""
+    cfg, mp = _plan(QWEN_FAST)
+    held = mp.gpu["unsharded gradients held (true CFG)"]
+    assert held == _trained(cfg) * 2 and 0.7 < held / GIB < 0.9
+    full_cfg, full = _plan(QWEN_DANCE, "model.true_cfg_scale=4.0")
+    assert 37 < full.gpu["unsharded gradients held (true CFG)"] / GIB < 39
+    _, joint = _plan(QWEN_FAST, "backward.endpoints=joint")  # the same buffers: counted once
+    assert joint.gpu["unsharded gradients held (joint / true CFG)"] == held
+    _, flux = _plan(FLUX_DANCE)
+    assert not any(k.startswith("unsharded gradients held") for k in flux.gpu)
+
+
+def test_fused_adamw_has_no_step_temporaries():
+    cfg, foreach = _plan(QWEN_DANCE)
+    _, fused = _plan(QWEN_DANCE, "optim.fused=true")
+    assert foreach.step == _trained(cfg) * 4 / 8 and fused.step == 0.0
+    assert "AdamW step temporaries (fused)" in str(
+        build_plan(load_config(QWEN_DANCE, ["optim.fused=true"]), 8)
+    )
+
+
+def test_context_and_allocator_are_their_own_terms(monkeypatch):
+    """CUDA context + NCCL (assumed 1.5 GiB) and the allocator's fragmentation (2% of the allocated peak with
+    expandable_segments, the CUDA runs' default; 10% with the user's own setting without it)."""
+    from jagg.loop.memory_model import ALLOCATOR_SLACK, CUDA_CONTEXT
+
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    _, mp = _plan(QWEN_DANCE)
+    assert mp.expandable_segments and mp.total() == pytest.approx(mp.allocated() * 1.02 + CUDA_CONTEXT)
+    text = str(build_plan(load_config(QWEN_DANCE), 8))
+    assert "CUDA context + NCCL buffers" in text and "allocator fragmentation" in text and "2% of" in text
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    _, plain = _plan(QWEN_DANCE)
+    assert not plain.expandable_segments
+    assert plain.total() - mp.total() == pytest.approx(mp.allocated() * (ALLOCATOR_SLACK[False] - 0.02))
+    assert "OFF in PYTORCH_CUDA_ALLOC_CONF" in str(build_plan(load_config(QWEN_DANCE), 8))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
+    assert _plan(QWEN_DANCE)[1].expandable_segments

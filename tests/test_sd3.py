@@ -289,7 +289,7 @@ def test_config_errors_and_offline(tmp_path, monkeypatch):
 def test_dry_run_plan_of_the_paper_config(capsys):
     """``--dry-run`` of the SD3.5-M config without files: the known architecture (2.24B + LoRA r32 on attention),
     its three text encoders and VAE, true CFG doubling the transformer calls, 9 of 10 steps trained."""
-    from jagg.loop.plan import AUX_MODELS, KNOWN_CONFIGS, aux_params
+    from jagg.scale.architectures import AUX_MODELS, KNOWN_CONFIGS, aux_params
     from jagg.train import main
 
     assert main(["--config", "configs/paper/sd3/sd35m_flowgrpo.yaml", "--dry-run", "--world-size", "8"]) == 0

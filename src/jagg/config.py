@@ -245,6 +245,8 @@ class OptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0  # 0 = no EMA
+    # fused AdamW (one kernel, no step temporaries) instead of torch's default foreach; jagg.loop.optimizer
+    fused: bool = False
 
 
 @dataclass(kw_only=True)
@@ -299,6 +301,10 @@ class LogConfig:
     # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
     # off: the eval reward models (HPSv2.1, PickScore, CLIPScore at paper scale) run at evaluations only
     eval_rewards_on_train: bool = False
+    # jagg.loop.heartbeat: a log line per rank every heartbeat_s a phase lasts (rollout, reward, update,
+    # checkpoint, ...); every thread's stack to run_dir/hang_rank<r>.txt once one lasts phase_timeout_s; 0 = off
+    heartbeat_s: float = 300.0
+    phase_timeout_s: float = 1800.0
 
 
 @dataclass(kw_only=True)
@@ -518,7 +524,7 @@ def validate(cfg: Config) -> None:
         not extra, f"reward.kwargs: {extra[0] if extra else ''!r} is not a reward in reward.weights/eval"
     )
     _validate_data(cfg)
-    for key in ("eval_every", "checkpoint_every", "grid_every"):
+    for key in ("eval_every", "checkpoint_every", "grid_every", "heartbeat_s", "phase_timeout_s"):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
     _require(

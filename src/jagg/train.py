@@ -11,13 +11,17 @@
     --overwrite           replace a run directory of this project (one holding its .jagg_run marker, or empty;
                           never the working directory, a repository root or the home directory); not with
                           --resume
-    --dry-run             validate the config and print the plan (steps, groups, passes, memory); no weights, no writes
+    --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
+                          plan (steps, groups, passes, memory); no weights, no writes
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
 Invalid configs (unknown keys, bad values, YAML syntax, unknown reward or prompt-set names, train.device=cuda
-without CUDA, a resume that contradicts run.json) exit with status 2 and one line naming the key, before the
-model code is imported and before anything is written. One run writes to a run directory at a time: rank 0
-locks it (log.run_dir/.lock) before writing, and a second run there exits 2 naming the holder.
+without CUDA, a driver older than torch's CUDA build needs, a resume that contradicts run.json) exit with status
+2 and one line naming the key, before the model code is imported and before anything is written. One run writes
+to a run directory at a time: rank 0 locks it (log.run_dir/.lock) before writing, and a second run there exits 2
+naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL
+flight recorder unless they are set (``jagg.loop.node``); the checkpoints' weights are checked with
+``python -m jagg.scale.weights_check``.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
@@ -54,11 +58,17 @@ class ConsoleHandler(logging.Handler):
 
 
 def configure_logging(level: int = logging.INFO) -> None:
-    """The ``jagg`` loggers print through one ``ConsoleHandler`` (installed once per process)."""
+    """The ``jagg`` loggers print through one ``ConsoleHandler`` (installed once per process); under torchrun
+    every line starts with ``[rank r/n]`` (torchrun's ``RANK`` / ``WORLD_SIZE``), so interleaved logs of a hang
+    say which rank said what."""
     root = logging.getLogger("jagg")
     root.setLevel(level)
     if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
-        root.addHandler(ConsoleHandler())
+        handler = ConsoleHandler()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            tag = f"[rank {os.environ.get('RANK', '?')}/{os.environ['WORLD_SIZE']}] "
+            handler.setFormatter(logging.Formatter(tag.replace("%", "%%") + "%(message)s"))
+        root.addHandler(handler)
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -120,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     from jagg.errors import ConfigError
     from jagg.loop import preflight
     from jagg.loop.checkpoint import find_checkpoint
+    from jagg.loop.node import prepare_node
 
     try:
         cfg = load_config(args.config, overrides)
         preflight.check_reward_names(cfg)
         preflight.check_prompt_sets(cfg)
+        prepare_node(cfg, dry_run=args.dry_run)  # report torch / driver / NCCL / GPUs; CUDA env before CUDA
         if args.dry_run:
             return _dry_run(cfg, args.world_size)
         preflight.check_device(cfg)
@@ -306,9 +318,9 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
 
 
 def _dry_run(cfg, world_size: int) -> int:
-    """Validate against ``world_size`` and print the plan (``jagg.loop.plan``); no weights read, nothing written."""
+    """Validate against ``world_size`` and print the plan (``jagg.loop.dry_run``); no weights read, nothing written."""
     from jagg.config import validate_world_size
-    from jagg.loop.plan import build_plan
+    from jagg.loop.dry_run import build_plan
 
     if world_size < 1:
         _fail(f"--world-size must be >= 1, got {world_size}")

@@ -252,7 +252,10 @@ def _space(directory: Path, state: dict, progress: Progress, dist: DistInfo) -> 
     local = _tensor_bytes(state)
     extra = len(json.dumps(progress.metrics, default=str)) + 2**20 if dist.is_main else 0
     needed = dist.reduce_scalars({"b": 1.05 * (local + extra)}, op="sum")["b"]
-    free = float(shutil.disk_usage(directory).free)
+    existing = Path(directory)
+    while not existing.exists() and existing != existing.parent:  # the run directory may not exist yet
+        existing = existing.parent
+    free = float(shutil.disk_usage(existing).free)
     short = dist.reduce_scalars({"short": float(free < needed)}, op="max")["short"] > 0
     return free, needed, short
 

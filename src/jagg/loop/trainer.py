@@ -46,6 +46,8 @@ from jagg.loop.calibration import measure_setting, record, restore
 from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.grids import save_grid
+from jagg.loop.heartbeat import PhaseWatch
+from jagg.loop.optimizer import build_optimizer
 from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_rewards, score_samples
 from jagg.loop.rollout import Rollout, sample_micro_batches
@@ -83,9 +85,7 @@ class Trainer:
         )
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
         optim = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
-        )
+        self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
         self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
         # train.control_cosine (positive control): one direction per run, a function of the seed (resume-safe)
         control = cfg.train.control_cosine
@@ -117,6 +117,8 @@ class Trainer:
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
         names = cfg.log.report_to if self.dist.is_main else []  # log.report_to: fed where metrics.jsonl is
         self.trackers = Trackers(names, self.run_dir, cfg.to_dict())
+        # per-phase heartbeats / hang stacks of this rank while fit runs (jagg.loop.heartbeat)
+        self.watch = PhaseWatch(self.dist.rank, cfg.log.heartbeat_s, cfg.log.phase_timeout_s, self.run_dir)
 
     # ------------------------------------------------------------------ model calls
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -148,6 +150,7 @@ class Trainer:
         training iteration ``it`` by default; drivers take extra rollouts from their own named stream.
         """
         t_start = time.perf_counter()
+        self.watch.enter("rollout", it)
         train, algorithm = self.cfg.train, self.cfg.algorithm
         gen = generator(train.seed, stream, it)  # identical draws on every rank
         picks = torch.randint(len(self.comp.train_prompts), (train.prompts_per_iter,), generator=gen)
@@ -177,6 +180,7 @@ class Trainer:
         )
         trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()
+        self.watch.enter("reward", it)
         images = self.comp.decode(traj.final.float()).cpu()
         evals = self.eval_rewards if self.cfg.log.eval_rewards_on_train else {}  # else: at evaluations only
         rewards, scores = score_samples(images, prompts, self.train_reward, evals)
@@ -334,8 +338,10 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         backward, cal = self.cfg.backward, {}
         if backward.calibrated and (self.backward is None or it % backward.calibrate_every == 0):
+            self.watch.enter("calibrate", it)
             cal = self.calibrate(ro)  # reported as time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
+        self.watch.enter("update", it)
         upd = self.update(ro)
         t2 = time.perf_counter()
         row = {
@@ -365,6 +371,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
+        self.watch.enter("checkpoint", self.iteration)
         progress = Progress(
             iteration=self.iteration,
             consecutive_skips=self.consecutive_skips,
@@ -409,6 +416,7 @@ class Trainer:
         log, train = self.cfg.log, self.cfg.train
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.watch.start()
         if self.iteration == 0 and log.eval_every:
             self._evaluate_and_log(0, {"iteration": 0})
         while self.iteration < train.iterations:
@@ -424,6 +432,7 @@ class Trainer:
                 progress(row)
             if self.consecutive_skips >= train.max_consecutive_skips:
                 self.save_checkpoint()
+                self.watch.stop()
                 raise TrainingAborted(
                     f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
                     f"(train.max_consecutive_skips={train.max_consecutive_skips}); "
@@ -433,10 +442,12 @@ class Trainer:
                 self.save_checkpoint()
         if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
             self.save_checkpoint()
+        self.watch.stop()
         self.trackers.close()
         return self.metrics
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
+        self.watch.enter("evaluate", it)
         ev, images, per_sample = self.evaluate(it)
         row.update(ev)
         self._log(row)

@@ -154,10 +154,15 @@ PIPELINE_PARTS = {
 }
 
 
+def part_class(name: str, sub: str) -> type:
+    """The class of pipeline component ``sub`` of backbone ``name`` (``PIPELINE_PARTS``)."""
+    module, cls_name = PIPELINE_PARTS[name][sub]
+    return getattr(importlib.import_module(module), cls_name)
+
+
 def load_part(name: str, sub: str, name_or_path: str | None = None, *, dtype: torch.dtype = torch.bfloat16):
     """One pipeline component (``sub`` of ``PIPELINE_PARTS[name]``) from a hub id or a local pipeline folder."""
-    module, cls_name = PIPELINE_PARTS[name][sub]
-    cls = getattr(importlib.import_module(module), cls_name)
+    cls = part_class(name, sub)
     repo = name_or_path or PRETRAINED_IDS[name]
 
     def load(p: str, local: bool):

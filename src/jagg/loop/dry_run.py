@@ -1,0 +1,198 @@
+"""``python -m jagg.train --dry-run``: what a config will do, computed without weights or downloads.
+
+The report has four parts: the run (backbone, algorithm, batch, precision, rewards); the pass plan
+(``jagg.loop.pass_plan``: the trained steps per sample, their groups and strategies, forward / backward passes
+and collectives per endpoint mode); the memory plan per rank (``jagg.loop.memory_model``: every term, and per GPU
+size, 80 GB and 141 GB, whether the run fits); and the disk. The node itself (torch's CUDA build, the driver,
+NCCL, the GPUs) is reported before it by ``jagg.loop.node``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jagg.config import Config
+from jagg.loop.memory_model import (
+    ALLOCATOR_SLACK,
+    CUDA_CONTEXT,
+    GIB,
+    GPU_SIZES_GB,
+    PROMPT_LRU,
+    all_gather_bytes,
+    disk_plan,
+    embedding_bytes,
+    memory_plan,
+    meta_transformer,
+)
+from jagg.loop.pass_plan import add_pass_plan
+from jagg.scale.architectures import VAE_SCALE
+
+
+@dataclass
+class Plan:
+    lines: list[str] = field(default_factory=list)
+
+    def add(self, key: str, value) -> None:
+        self.lines.append(f"  {key:<34} {value}")
+
+    def section(self, title: str) -> None:
+        self.lines.append(title)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def build_plan(cfg: Config, world_size: int = 1) -> Plan:
+    """The dry-run report for ``cfg`` on ``world_size`` ranks (see the module docstring)."""
+    p = Plan()
+    add_run_section(p, cfg, world_size)
+    ours = add_pass_plan(p, cfg, world_size)
+    add_memory_section(
+        p,
+        cfg,
+        world_size,
+        graphs=ours.graphs_alive,
+        held_grad=cfg.backward.planned_setting().holds_gradients,
+        all_gathers=ours.all_gathers,
+    )
+    return p
+
+
+def add_run_section(p: Plan, cfg: Config, world_size: int) -> None:
+    """Backbone, algorithm, image size, schedule, batch, precision, LoRA, rewards."""
+    model, sampling, algorithm, train = cfg.model, cfg.sampling, cfg.algorithm, cfg.train
+    n_global = train.prompts_per_iter * train.images_per_prompt
+    p.section("run")
+    p.add(
+        "backbone / source", f"{model.backbone} / {model.source}" + (f" ({model.path})" if model.path else "")
+    )
+    p.add(
+        "algorithm / SDE",
+        f"{algorithm.name} / {algorithm.sde_kind} noise {algorithm.noise_level}, clip eps {algorithm.clip_range}",
+    )
+    res = sampling.latent_size * VAE_SCALE if model.source == "pretrained" else sampling.latent_size
+    p.add(
+        "image / latent",
+        f"{res} px / (16, {sampling.latent_size}, {sampling.latent_size}), {(sampling.latent_size // 2) ** 2} tokens",
+    )
+    p.add("schedule", f"{sampling.num_steps} steps ({sampling.schedule}), eval {sampling.eval_num_steps}")
+    p.add("world size", world_size)
+    p.add(
+        "samples per iteration",
+        f"{n_global} = {train.prompts_per_iter} prompts x {train.images_per_prompt} images; {n_global // world_size} "
+        f"per rank in micro-batches of {train.train_batch_size}, step every {train.grad_accum}",
+    )
+    p.add("precision / grad checkpointing", f"{train.precision} / {model.gradient_checkpointing}")
+    p.add(
+        "LoRA",
+        f"rank {model.lora_rank}, alpha {model.lora_alpha}" if model.lora_rank else "none (full fine-tuning)",
+    )
+    rewards = ", ".join(
+        f"{k} x {v}" + (f" {cfg.reward.kwargs[k]}" if k in cfg.reward.kwargs else "")
+        for k, v in cfg.reward.weights.items()
+    )
+    p.add("train reward / eval", f"{rewards} / {', '.join(cfg.reward.eval)}")
+
+
+def add_memory_section(
+    p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool, all_gathers: int = 0
+) -> None:
+    """The memory plan per rank (``jagg.loop.memory_model``), the host, the all-gathers, export, then the disk."""
+    model, source = meta_transformer(cfg)
+    mp = memory_plan(cfg, world_size, graphs, held_grad, model)
+    model_cfg, train, data = cfg.model, cfg.train, cfg.data
+    n_all = sum(x.numel() for x in model.parameters())
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    layout = "full shard" if model_cfg.shard_frozen_base else "adapters sharded, frozen base replicated"
+    p.section(
+        f"memory per rank (FSDP2 {layout} over {world_size}; transformer from {source}, no weights read; "
+        "GiB = 2^30 bytes)"
+    )
+    p.add("parameters", f"{n_all / 1e9:.2f}B total, {n_train / 1e6:.1f}M trainable")
+    for key, b in mp.gpu.items():
+        p.add(key, gib(b))
+    if model_cfg.source == "pretrained":
+        if data.precompute_embeddings:
+            p.add("text encoders", "freed after precomputing (data.precompute_embeddings)")
+        per_prompt = embedding_bytes(cfg, model)
+        if data.embedding_cache:
+            where = (
+                f"on disk in data.embedding_cache={data.embedding_cache} (~{gib(per_prompt * 1e5)} per 1e5)"
+            )
+        elif data.precompute_embeddings:
+            where = "ALL prompts in host memory on every rank: set data.embedding_cache"
+        else:
+            where = f"an in-memory LRU of {PROMPT_LRU} prompts per rank (host)"
+        p.add("prompt embeddings: where", f"{per_prompt / 2**20:.2f} MiB per prompt; {where}")
+    else:
+        p.add("text encoder, decoder, rewards", "the embedded world's (under 0.1 GiB)")
+    ckpt = mp.checkpointing
+    p.add(
+        "activations (update)",
+        f"{gib(mp.activations[True])} with gradient checkpointing, {gib(mp.activations[False])} without "
+        f"(up to {graphs} graph(s) alive: {cfg.backward.strategy}/{cfg.backward.endpoints}; configured: "
+        f"{'with' if ckpt else 'without'})",
+    )
+    p.add("no-grad forwards (rollout / eval)", f"{gib(mp.no_grad)} transient (not during the update)")
+    p.add(
+        f"AdamW step temporaries ({'fused' if cfg.optim.fused else 'foreach'})",
+        f"{gib(mp.step)} transient (after the backward)",
+    )
+    p.add("CUDA context + NCCL buffers", f"{gib(CUDA_CONTEXT)} (assumed)")
+    slack = ALLOCATOR_SLACK[mp.expandable_segments]
+    p.add(
+        "allocator fragmentation",
+        f"{gib(mp.fragmentation())} ({slack:.0%} of the allocated peak, assumed; expandable_segments "
+        + ("on, the CUDA runs' default)" if mp.expandable_segments else "OFF in PYTORCH_CUDA_ALLOC_CONF)"),
+    )
+    p.add(
+        "total per GPU",
+        f"{gib(mp.total())} ({gib(mp.total(not ckpt))} {'without' if ckpt else 'with'} checkpointing)",
+    )
+    for size in GPU_SIZES_GB:
+        verdict = "fits" if mp.fits(size) else "does NOT fit"
+        p.add(f"{size} GB GPU ({size * 1e9 / GIB:.1f} GiB)", f"{verdict} ({gib(mp.total())} needed)")
+    p.add(
+        "host memory per rank",
+        f"rank 0 ~{gib(mp.host['rank 0'])} (loaded transformer once + largest other model + runtime), "
+        f"other ranks ~{gib(mp.host['other ranks'])}; node ~"
+        f"{gib(mp.host['rank 0'] + (world_size - 1) * mp.host['other ranks'])}; checkpoints: shards only",
+    )
+    if world_size > 1:
+        gathered = all_gather_bytes(cfg, model, all_gathers, world_size)
+        base = gathered["base"]
+        p.add(
+            "all-gathered per rank and iteration",
+            f"{gib(gathered['total'])} unsharded ({gathered['rounds']} gathers of every unit: rollout + update"
+            + (
+                f"; {gib(base)} of it the frozen base, saved by model.shard_frozen_base=false)"
+                if base
+                else ")"
+            ),
+        )
+    export = n_all * 2 if model_cfg.lora_rank == 0 and train.precision == "bf16" else n_train * 4
+    p.add("export (rank 0 host, once)", gib(export))
+    add_disk_section(p, cfg, model)
+
+
+def add_disk_section(p: Plan, cfg: Config, model) -> None:
+    """One checkpoint, the two while one is written, the embedding cache."""
+    disk, data = disk_plan(cfg, model), cfg.data
+    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    p.section("disk (GiB; the run directory and data.embedding_cache)")
+    p.add(
+        "checkpoint",
+        f"{gib(disk['checkpoint'])} (trained weights, AdamW moments, EMA; frozen base not saved)",
+    )
+    p.add(
+        "while a checkpoint is written",
+        f"{gib(2 * disk['checkpoint'])} (checkpoint.tmp beside the previous checkpoint until the swap)",
+    )
+    if cfg.model.source == "pretrained":
+        p.add(
+            "embedding cache",
+            f"{gib(disk['embedding cache'])} in {data.embedding_cache}"
+            if data.embedding_cache
+            else "none (data.embedding_cache unset)",
+        )

@@ -1,0 +1,306 @@
+"""The dry run's memory model: bytes per rank of a config on a node, computed without weights or a GPU.
+
+The transformer a config describes is built on the meta device (``meta_transformer``: the local
+``model.path/transformer/config.json`` when present, otherwise the published architecture,
+``jagg.scale.architectures.KNOWN_CONFIGS``; LoRA applied, to count adapter parameters); the other models are
+counted from their published architectures (``AUX_MODELS``). ``memory_plan`` returns the terms below,
+``all_gather_bytes`` what FSDP2 gathers per iteration, ``disk_plan`` the disk. ``make plan-check`` compares the
+transformer terms with a simulated 8-GPU node (``results/plan_check.md``).
+
+Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as sold):
+    transformer   sharded weights (trained fp32 master, frozen LoRA base in the compute dtype; in full on every
+                  rank with ``model.shard_frozen_base: false``, when only the adapters are gathered), gradients,
+                  AdamW moments, EMA, two unsharded blocks in
+                  flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the gradients the
+                  ``joint`` endpoint mode and true CFG hold, the KL reference copy
+    resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
+                  ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
+                  ViT-H-14, CLIPScore ViT-L/14, ImageReward, HPSv3's Qwen2-VL-7B; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
+                  the meta device (``AUX_MODELS``; the published counts if a library cannot)
+    activations   the update's: ``graphs alive`` (``trajectory_cost``) x batch x tokens x hidden x layers, block
+                  inputs only with gradient checkpointing (+ one block recomputed: 2B rows in the batched
+                  endpoint mode), ~34 bytes per token and
+                  hidden unit per layer without (Korthikanti et al. 2022, SDPA attention); true CFG doubles
+                  them. The no-grad forwards of rollout / evaluation are transient and not simultaneous
+    transients    not at the same time, so the largest counts: the update's activations, a no-grad forward,
+                  the multi-tensor AdamW step's temporaries (~1 copy of the trained shards; none with
+                  ``optim.fused``)
+    reserve       the CUDA context and NCCL buffers (1.5 GiB) and the allocator's fragmentation (2% of the allocated
+                  peak with expandable_segments, which CUDA runs set by default, 10% without); both assumed
+    host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
+                  largest other model on the host while loading (the text encoders too when embeddings are
+                  precomputed: loaded, used, freed); the in-memory prompt embeddings (the encoders return CPU
+                  tensors); checkpoints move shards only; export gathers
+                  the exported weights on rank 0 once
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from jagg.config import Config
+from jagg.loop.node import expandable_segments
+from jagg.scale.architectures import AUX_MODELS, KNOWN_CONFIGS, TEXT_ENCODERS, TRUE_CFG, aux_params
+
+GIB = 2**30
+GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
+# Assumptions, not measured (no GPU here): the CUDA context with lazy module loading, cuBLAS workspaces and NCCL's
+# communicator buffers on an 8-GPU node; and what the caching allocator reserves beyond what is allocated, as a
+# fraction of the allocated peak, with expandable_segments (the default of CUDA runs: jagg.loop.node) or without.
+CUDA_CONTEXT = 1.5 * GIB
+ALLOCATOR_SLACK = {True: 0.02, False: 0.10}
+HOST_BASELINE = 4 * GIB  # one rank's Python + torch + CUDA libraries on the host (measured ~0.8 GiB on CPU)
+ACT_BYTES_PER_TOKEN_HIDDEN = (
+    34  # one transformer layer's saved activations, bf16, SDPA attention (Korthikanti+22)
+)
+PROMPT_LRU = 512  # CachedTextEncoder's default in-memory cache (jagg.scale.pipelines)
+HPDV2_TRAIN_PROMPTS = 100_000  # order of magnitude of HPDv2's train prompts, when data.*_limit is unset
+
+
+def transformer_config(cfg: Config) -> tuple[dict, str]:
+    """(config dict, where it came from): a local pipeline's transformer config, else the known one."""
+    path = cfg.model.path
+    if cfg.model.source == "pretrained" and path and os.path.isdir(os.path.expanduser(path)):
+        for sub in ("transformer", ""):
+            f = os.path.join(os.path.expanduser(path), sub, "config.json")
+            if os.path.isfile(f):
+                with open(f) as fh:
+                    data = json.load(fh)
+                return {k: v for k, v in data.items() if not k.startswith("_")}, f
+    if cfg.model.source != "pretrained":
+        from jagg.world import World
+        from jagg.world.pretrained import world_backbone_config
+
+        return world_backbone_config(cfg.model.backbone, World()), "the embedded world"
+    return KNOWN_CONFIGS[cfg.model.backbone], f"known {cfg.model.backbone} architecture"
+
+
+def meta_transformer(cfg: Config):
+    """The transformer (with LoRA when configured) on the meta device: parameter counts without memory."""
+    from jagg.models import BACKBONES
+    from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
+
+    config, source = transformer_config(cfg)
+    cls = BACKBONES[cfg.model.backbone].transformer_cls
+    model_cfg = cfg.model
+    with torch.device("meta"):
+        model = cls.from_config(config)
+        if model_cfg.lora_rank > 0:
+            apply_lora(
+                model,
+                model_cfg.lora_rank,
+                model_cfg.lora_alpha,
+                model_cfg.lora_targets or DEFAULT_TARGETS[model_cfg.backbone],
+            )
+    return model, source
+
+
+def _reward_dtype_bytes(kwargs: dict) -> int:
+    d = str(kwargs.get("dtype", "fp32")).removeprefix("torch.")
+    return 2 if d in ("bf16", "bfloat16", "fp16", "float16", "half") else 4
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank bytes of one configuration (``memory_plan``); GPU lines are on every rank unless noted."""
+
+    gpu: dict[str, float]  # resident items (checkpointing as configured)
+    activations: dict[bool, float]  # gradient checkpointing on / off -> bytes of the update's activations
+    no_grad: float  # transient peak of a rollout / evaluation forward (not at the same time as the update)
+    host: dict[str, float]  # "rank 0" / "other ranks" peak host bytes
+    checkpointing: bool
+    # the AdamW step's temporaries: after the backward, not at the same time as its activations
+    step: float = 0.0
+    expandable_segments: bool = True  # the allocator setting the run will have (ALLOCATOR_SLACK)
+
+    def transient(self, checkpointing: bool | None = None) -> float:
+        """The largest of the phases that never overlap: update activations, a no-grad forward, the step."""
+        ckpt = self.checkpointing if checkpointing is None else checkpointing
+        return max(self.activations[ckpt], self.no_grad, self.step)
+
+    def allocated(self, checkpointing: bool | None = None) -> float:
+        """The allocated peak: every resident item plus the largest transient."""
+        return sum(self.gpu.values()) + self.transient(checkpointing)
+
+    def fragmentation(self, checkpointing: bool | None = None) -> float:
+        """What the allocator reserves beyond the allocated peak (``ALLOCATOR_SLACK``, assumed)."""
+        return ALLOCATOR_SLACK[self.expandable_segments] * self.allocated(checkpointing)
+
+    def reserve(self, checkpointing: bool | None = None) -> float:
+        """Beyond the allocated peak: the CUDA context (+ NCCL) and the allocator's fragmentation."""
+        return CUDA_CONTEXT + self.fragmentation(checkpointing)
+
+    def total(self, checkpointing: bool | None = None) -> float:
+        return self.allocated(checkpointing) + self.reserve(checkpointing)
+
+    def fits(self, gpu_gb: int, checkpointing: bool | None = None) -> bool:
+        return self.total(checkpointing) <= gpu_gb * 1e9
+
+
+def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, model=None) -> MemoryPlan:
+    """Bytes per rank of every resident model, gradients, optimizer state, activations, and host memory.
+
+    ``graphs``: autograd graphs alive at once in the update (``trajectory_cost(...).graphs_alive``);
+    ``held_grad``: the ``joint`` endpoint mode's unsharded gradients held during its backward (true CFG holds
+    the same: counted once).
+    """
+    model = model if model is not None else meta_transformer(cfg)[0]
+    model_cfg, train, sampling, data = cfg.model, cfg.train, cfg.sampling, cfg.data
+    n_all = sum(x.numel() for x in model.parameters())
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    blocks = [*getattr(model, "transformer_blocks", []), *getattr(model, "single_transformer_blocks", [])]
+    n_block = max((sum(x.numel() for x in blk.parameters()) for blk in blocks), default=0)
+    master = (
+        8 if train.precision == "fp64" else 4
+    )  # trained parameters (bf16 = autocast over fp32 master weights)
+    compute = 2 if train.precision == "bf16" else master  # activations; frozen parameters stay in this dtype
+    r = world_size
+    replicated = not model_cfg.shard_frozen_base  # the frozen LoRA base in full on every rank
+    gpu = {
+        "transformer weights (sharded)": (n_train * master + (0 if replicated else n_all - n_train) * compute)
+        / r,
+        "gradients (sharded)": n_train * master / r,
+        "AdamW moments (sharded)": 2 * n_train * 4 / r,
+    }
+    if cfg.optim.ema_decay > 0:
+        gpu["EMA (sharded)"] = n_train * master / r
+    # torch's multi-tensor AdamW: ~1 copy of the trained shards, transient (simulated: results/plan_check.md);
+    # the fused kernel (optim.fused) has none
+    step = 0.0 if cfg.optim.fused else n_train * 4 / r
+    n_block_train = max(
+        (sum(x.numel() for x in blk.parameters() if x.requires_grad) for blk in blocks), default=0
+    )
+    if replicated:  # resident; only the adapters are all-gathered
+        gpu["frozen base (replicated)"] = (n_all - n_train) * compute
+    # current + prefetched block
+    gpu["unsharded blocks in flight"] = 2 * (n_block_train if replicated else n_block) * compute
+    gpu["unsharded gradients of one block"] = n_block_train * (compute + 4)  # + fp32 reduce-scatter copy
+    cfg_mult = 2 if model_cfg.backbone in TRUE_CFG and model_cfg.true_cfg_scale > 1 else 1
+    held = [why for why, on in (("joint", held_grad), ("true CFG", cfg_mult > 1)) if on]
+    if held:
+        # joint endpoints under FSDP2: the later graph's gradient for a unit waits unsharded until the earlier
+        # graph reaches that unit; true CFG: the backward of one of the two transformer calls per velocity runs
+        # through every block before the other call's reaches it, and each block's unsharded gradient waits
+        # for that. Summed over the backward, up to every trainable parameter (one buffer per parameter:
+        # counted once when both apply).
+        gpu[f"unsharded gradients held ({' / '.join(held)})"] = n_train * compute
+    if cfg.algorithm.kl_beta > 0:
+        gpu["KL reference (unsharded copy)"] = n_all * compute
+    pretrained = model_cfg.source == "pretrained"
+    aux: dict[str, int] = {}
+    if pretrained:
+        if not data.precompute_embeddings:
+            aux.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
+        vae = "qwenimage_vae" if model_cfg.backbone == "qwenimage" else "flux_vae"  # SD3's VAE: Flux's layout
+        aux[vae] = aux_params(vae) * compute
+        for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
+            if name in AUX_MODELS:
+                aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}))
+    gpu.update({f"{AUX_MODELS[k][0]}": v for k, v in aux.items()})
+    # CachedTextEncoder's rows are host memory on every rank (the encoders return CPU tensors; the trainer moves
+    # one micro-batch's conditioning to the GPU): the LRU without a cache dir, every prompt when precomputed
+    host_prompts = 0.0
+    if pretrained and not data.embedding_cache:
+        prompts = PROMPT_LRU
+        if data.precompute_embeddings:  # every train + eval prompt stays in memory
+            prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
+        host_prompts = prompts * embedding_bytes(cfg, model)
+    # activations of the update: per graph, B samples x tokens x hidden x layers
+    hidden = model.config.num_attention_heads * model.config.attention_head_dim
+    txt = {  # Flux pads T5 to the max; SD3 the 77 CLIP tokens + T5 padded to the max; Qwen: typical prompt
+        "flux": model_cfg.max_sequence_length,
+        "sd3": 77 + model_cfg.max_sequence_length,
+    }.get(model_cfg.backbone, 64)
+    tokens = (sampling.latent_size // 2) ** 2 + txt
+    per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
+    # the batched endpoint mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
+    backward = cfg.backward
+    recompute_rows = 2 if backward.strategy != "exact" and backward.endpoints == "batched" else 1
+    activations = {
+        # checkpointing: block inputs of every layer per graph + one block recomputed at a time
+        True: graphs * per_layer * len(blocks) * compute
+        + recompute_rows * per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
+        False: graphs * per_layer * len(blocks) * ACT_BYTES_PER_TOKEN_HIDDEN,
+    }
+    # no-grad forwards (rollout at train_batch_size, evaluation in chunks of up to 32 per rank): one block's
+    # intermediates at a time, ~20 x hidden per token (qkv, attention output, 4x MLP) in the compute dtype
+    log = cfg.log
+    eval_batch = min(32, -(-log.eval_prompts * log.eval_images_per_prompt // r)) if log.eval_every else 0
+    no_grad = max(train.train_batch_size, eval_batch) * cfg_mult * tokens * hidden * 20 * compute
+    # host: rank 0 holds the loaded transformer once (memory-mapped safetensors, load dtype), every rank the
+    # largest other model while it loads it (weights are read to the host, then moved to the GPU).
+    load_bytes = n_all * (2 if train.precision == "bf16" else 4) if pretrained else 0
+    staged = dict(aux)
+    if (
+        pretrained
+    ):  # precomputed embeddings: every rank still loads (stages) its text encoders once, then frees
+        staged.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
+    staging = max(
+        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in staged.items()], default=0
+    )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
+    host = {
+        "rank 0": HOST_BASELINE + load_bytes + staging + host_prompts,
+        "other ranks": HOST_BASELINE + staging + host_prompts,
+    }
+    return MemoryPlan(
+        gpu=gpu,
+        activations=activations,
+        no_grad=no_grad,
+        host=host,
+        checkpointing=model_cfg.gradient_checkpointing,
+        step=step,
+        expandable_segments=expandable_segments(),
+    )
+
+
+def all_gather_bytes(cfg: Config, model, all_gathers: int, world_size: int) -> dict[str, float]:
+    """Unsharded bytes FSDP2 all-gathers per rank and iteration (each rank receives (r-1)/r of them).
+
+    ``all_gathers``: all-gathers per sharded unit of one micro-batch's update (``trajectory_cost``); the
+    rollout of a micro-batch gathers every unit once per transformer call. ``base``: the frozen LoRA base's
+    share, which ``model.shard_frozen_base: false`` saves (the adapters alone are gathered then).
+    """
+    model_cfg, train, sampling = cfg.model, cfg.train, cfg.sampling
+    compute = 2 if train.precision == "bf16" else (8 if train.precision == "fp64" else 4)
+    n_all = sum(x.numel() for x in model.parameters())
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    cfg_mult = 2 if model_cfg.backbone in TRUE_CFG and model_cfg.true_cfg_scale > 1 else 1
+    n_micro = max(1, train.prompts_per_iter * train.images_per_prompt // world_size // train.train_batch_size)
+    rounds = n_micro * (all_gathers + sampling.num_steps * cfg_mult)
+    base = (n_all - n_train) * compute * rounds
+    total = n_all * compute * rounds
+    if not model_cfg.shard_frozen_base:
+        total -= base
+    return {"total": total, "base": base if model_cfg.shard_frozen_base else 0.0, "rounds": rounds}
+
+
+def embedding_bytes(cfg: Config, model) -> int:
+    """Bytes of one prompt's cached text conditioning (bf16 rows; the mask and pooled vector included)."""
+    model_cfg = cfg.model
+    width = model.config.joint_attention_dim
+    if model_cfg.backbone == "flux":
+        return model_cfg.max_sequence_length * (width * 2 + 8) + 768 * 2
+    if model_cfg.backbone == "sd3":  # 77 CLIP + T5 rows and the 2048 pooled vector (+ the negative with CFG)
+        one = (77 + model_cfg.max_sequence_length) * width * 2 + 2048 * 2
+        return one * (2 if model_cfg.true_cfg_scale > 1 else 1)
+    rows = 64 * (
+        2 if model_cfg.true_cfg_scale > 1 else 1
+    )  # a typical prompt (+ the negative one with true CFG)
+    return rows * (width * 2 + 8)
+
+
+def disk_plan(cfg: Config, model) -> dict[str, float]:
+    """Bytes on disk: one checkpoint (``jagg.loop.checkpoint``: trained parameters in their master dtype, two
+    fp32 AdamW moments, the EMA copy; ``ignore_frozen_params``) and the embedding cache (one file per train and
+    eval prompt, ``embedding_bytes`` each) when ``data.embedding_cache`` is set."""
+    data = cfg.data
+    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    master = 8 if cfg.train.precision == "fp64" else 4
+    ema = n_train * master if cfg.optim.ema_decay > 0 else 0
+    prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
+    cache = prompts * embedding_bytes(cfg, model) if data.embedding_cache else 0
+    return {"checkpoint": float(n_train * (master + 8) + ema), "embedding cache": float(cache)}

@@ -1,0 +1,71 @@
+"""The trainer's optimizer: AdamW over the trainable parameters, torch's multi-tensor (foreach) implementation by
+default, the fused one with ``optim.fused: true``.
+
+Fused AdamW runs one kernel per parameter group chunk with no temporaries (the foreach step holds about one copy
+of the trained shards while it runs: the memory plan's ``AdamW step temporaries``). It needs every parameter on
+a device torch has fused kernels for (CUDA, CPU, ...) in a floating dtype; ``check_fused`` tries one step on the
+run's device and master dtype before the model loads, so an unsupported combination fails as a one-line
+``ConfigError`` naming the key instead of after the weights are loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from jagg.config import Config
+from jagg.errors import ConfigError
+
+
+def build_optimizer(cfg: Config, params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
+    """AdamW with ``cfg.optim``'s settings; ``fused=None`` (foreach where torch supports it) unless
+    ``optim.fused``. ``ConfigError`` when torch refuses the fused implementation for these parameters (it
+    checks their devices and dtypes at the first step: ``check_fused`` takes one before the model loads)."""
+    o = cfg.optim
+    try:
+        return torch.optim.AdamW(
+            params,
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=True if o.fused else None,
+        )
+    except RuntimeError as err:
+        if not o.fused:
+            raise
+        raise ConfigError(
+            f"optim.fused=true is not supported here ({_first_line(err)}); set optim.fused=false"
+        ) from err
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def check_fused(cfg: Config, device: torch.device) -> None:
+    """With ``optim.fused``: one fused AdamW step on a one-element parameter of the run's master dtype on
+    ``device``; ``ConfigError`` (one line) where torch has no fused kernel for it."""
+    if not cfg.optim.fused:
+        return
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    from jagg.loop.placement import parameter_dtypes
+
+    supported = _get_fused_kernels_supported_devices()
+    if device.type not in supported:
+        raise ConfigError(
+            f"optim.fused=true: torch has no fused AdamW for device {device.type!r} (only {supported}); "
+            "set optim.fused=false"
+        )
+    dtype = parameter_dtypes(cfg.train.precision)[0]
+    p = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    try:
+        build_optimizer(cfg, [p]).step()
+    except RuntimeError as err:
+        raise ConfigError(
+            f"optim.fused=true: fused AdamW failed on {device.type} / {dtype} ({_first_line(err)}); "
+            "set optim.fused=false"
+        ) from err

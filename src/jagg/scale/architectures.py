@@ -1,0 +1,193 @@
+"""The published architectures of the real models, for building them on the meta device without their files.
+
+``KNOWN_CONFIGS``: ``transformer/config.json`` of FLUX.1-dev and Qwen-Image (diffusers layout), what the dry run,
+``make plan-check`` and ``make gpu-check`` build when no local pipeline folder is given. ``AUX_MODELS``: every other
+model a paper-scale run keeps (text encoders, VAEs, reward models), with its published parameter count;
+``aux_params`` counts one on the meta device. ``TEXT_ENCODERS``: which of them each backbone encodes prompts with.
+Numbers only: nothing here reads weights or reaches the hub.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# transformer/config.json of the paper's models (diffusers layout), for dry runs without the files.
+KNOWN_CONFIGS = {
+    "flux": dict(  # black-forest-labs/FLUX.1-dev, 11.9B parameters
+        patch_size=1,
+        in_channels=64,
+        num_layers=19,
+        num_single_layers=38,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    "qwenimage": dict(  # Qwen/Qwen-Image, 20.4B parameters
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=60,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=3584,
+        guidance_embeds=False,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    "sd3": dict(  # stabilityai/stable-diffusion-3.5-medium (MMDiT-X), 2.24B parameters
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=24,
+        attention_head_dim=64,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        caption_projection_dim=1536,
+        pooled_projection_dim=2048,
+        out_channels=16,
+        pos_embed_max_size=384,
+        dual_attention_layers=tuple(range(13)),
+        qk_norm="rms_norm",
+    ),
+}
+VAE_SCALE = 8  # pixels per latent cell for both real VAEs
+
+
+# --------------------------------------------------------------------------- memory
+# Models a paper-scale run keeps besides the transformer: (what, how to build it on the meta device, published
+# parameter count). Architectures are the hub repos' config.json values (open_clip's bundled ViT-H-14 config for
+# HPSv2.1); the published count is the fallback when a library cannot build one on the meta device.
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+CLIP_L_TEXT = dict(
+    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
+)
+CLIP_G_TEXT = dict(
+    vocab_size=49408,
+    hidden_size=1280,
+    intermediate_size=5120,
+    num_hidden_layers=32,
+    num_attention_heads=20,
+    projection_dim=1280,
+    hidden_act="gelu",
+)
+CLIP_L_VISION = dict(
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, patch_size=14
+)
+CLIP_H_TEXT = dict(
+    vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16
+)
+CLIP_H_VISION = dict(
+    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14
+)
+QWEN25_VL_7B = dict(
+    text_config=dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    vision_config=dict(
+        depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584
+    ),
+    tie_word_embeddings=False,
+)
+FLUX_VAE = dict(
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=16,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+
+
+def _build_aux(name: str):
+    import transformers as tf
+
+    if name == "t5_xxl":
+        return tf.T5EncoderModel(tf.T5Config(feed_forward_proj="gated-gelu", **T5_XXL))
+    if name == "clip_l_text":
+        return tf.CLIPTextModel(tf.CLIPTextConfig(max_position_embeddings=77, **CLIP_L_TEXT))
+    if name == "clip_g_text":
+        return tf.CLIPTextModelWithProjection(tf.CLIPTextConfig(max_position_embeddings=77, **CLIP_G_TEXT))
+    if name == "qwen25_vl_7b":
+        return tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(**QWEN25_VL_7B))
+    if name == "hpsv2":
+        return quiet_open_clip("ViT-H-14")
+    if name in ("pickscore", "clipscore"):
+        text, vision, proj = (
+            (CLIP_H_TEXT, CLIP_H_VISION, 1024) if name == "pickscore" else (CLIP_L_TEXT, CLIP_L_VISION, 768)
+        )
+        return tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=proj))
+    if name == "imagereward":
+        from jagg.scale.imagereward import MED_CONFIG, ImageRewardModel
+
+        return ImageRewardModel.from_med_config(MED_CONFIG)
+    if name == "hpsv3":
+        from jagg.scale.hpsv3 import QWEN2_VL_7B, hpsv3_model
+
+        vocab = QWEN2_VL_7B["text_config"]["vocab_size"]  # + <|Reward|>
+        return hpsv3_model(tf.Qwen2VLConfig(**QWEN2_VL_7B), vocab, vocab + 1)
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+
+    return AutoencoderKL(**FLUX_VAE) if name == "flux_vae" else AutoencoderKLQwenImage()  # its defaults
+
+
+def quiet_open_clip(arch: str) -> torch.nn.Module:
+    """open_clip's ``arch`` on the meta device, without its random-init warning.
+
+    open_clip warns "No pretrained weights loaded ... initialized randomly" through the root logger, which also
+    sets that logger up (``logging.basicConfig``) and doubles every later line of the CLI; here only the
+    architecture is wanted. A handler on the root logger meanwhile prevents both."""
+    import logging
+
+    import open_clip
+
+    quiet = logging.NullHandler()
+    logging.root.addHandler(quiet)
+    try:
+        return open_clip.create_model(arch, pretrained=None, device="meta")
+    finally:
+        logging.root.removeHandler(quiet)
+
+
+AUX_MODELS = {  # name -> (description, published parameter count)
+    "t5_xxl": ("T5-XXL encoder (google/t5-v1_1-xxl)", 4.762e9),
+    "clip_l_text": ("CLIP-L text (openai/clip-vit-large-patch14)", 123.1e6),
+    "clip_g_text": ("CLIP-G text (SD3.5 text_encoder_2, with projection)", 694.7e6),
+    "qwen25_vl_7b": ("Qwen2.5-VL-7B (with its vision tower)", 8.292e9),
+    "flux_vae": ("FLUX.1-dev VAE", 83.8e6),
+    "qwenimage_vae": ("Qwen-Image VAE", 126.9e6),
+    "hpsv2": ("HPSv2.1: open_clip ViT-H-14", 986.1e6),
+    "pickscore": ("PickScore: CLIP ViT-H-14", 986.1e6),
+    "clipscore": ("CLIPScore: CLIP ViT-L/14", 427.6e6),
+    # counted from the architecture (BLIP ViT-L/16 303.3M + BERT-base with cross-attention 142.0M + head)
+    "imagereward": ("ImageReward: BLIP ViT-L/16 + BERT-base", 446.2e6),
+    # Qwen2-VL-7B-Instruct as published (8,291,375,616) + one token embedding row / lm_head row + rm_head 3.7M
+    "hpsv3": ("HPSv3: Qwen2-VL-7B", 8.2951e9),
+}
+TEXT_ENCODERS = {
+    "flux": ("t5_xxl", "clip_l_text"),
+    "qwenimage": ("qwen25_vl_7b",),
+    "sd3": ("t5_xxl", "clip_l_text", "clip_g_text"),
+}
+TRUE_CFG = ("qwenimage", "sd3")  # backbones whose model.true_cfg_scale > 1 doubles every transformer call
+_aux_cache: dict[str, int] = {}
+
+
+def aux_params(name: str) -> int:
+    """Parameters of ``AUX_MODELS[name]``, counted on the meta device (published count if that fails)."""
+    if name not in _aux_cache:
+        try:
+            with torch.device("meta"):
+                model = _build_aux(name)
+            _aux_cache[name] = sum(p.numel() for p in model.parameters())
+        except Exception:  # a library too old / missing: the published number
+            _aux_cache[name] = int(AUX_MODELS[name][1])
+    return _aux_cache[name]
