@@ -270,3 +270,29 @@ def test_dry_run_of_the_authors_recipe(capsys):
     row = next(line for line in out.splitlines() if "* jagg_index/sequential " in line)
     assert row.split()[2:8] == ["18", "(6)", "6", "6", "24", "6"]
     assert "samples per iteration              768 = 64 prompts x 12 images; 96 per rank" in out
+
+
+def test_dry_run_plans_shared_knots(capsys):
+    """backward.strategy=knots: the knot positions, K backward passes in one call and the cost of every mode
+    (the hat weights need no later knot's signal first, so sequential forwards no more than batched)."""
+    config = "configs/world/flux_dancegrpo_knots.yaml"
+    assert main(["--config", config, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "backward.strategy=knots, K=4, placement=low_noise" in out
+    assert "knots (positions among the trained steps) [0, 11, 17, 19]" in out
+    cost = {}  # mode -> [forwards, (with grad), bwd passes, bwd calls, all-gathers, reduce-scatters, graphs]
+    for line in out.splitlines():
+        words = line.replace("*", " ").split()
+        if words and (words[0] == "exact" or words[0].startswith("knots/")) and len(words) == 8:
+            cost[words[0]] = words[1:]
+    assert cost["exact"] == ["20", "(20)", "20", "20", "40", "20", "1"]
+    assert cost["knots/batched+stored"] == ["4", "(4)", "4", "1", "2", "1", "4"]
+    assert cost["knots/batched"][:2] == ["20", "(4)"] and cost["knots/sequential"][:4] == [
+        "20",
+        "(4)",
+        "4",
+        "4",
+    ]
+    assert "backward passes saved              80%" in out
+    assert main(["--config", config, "--dry-run", "backward.placement=auto"]) == 0
+    assert "measured at iteration 0 among the rules" in capsys.readouterr().out
