@@ -296,3 +296,37 @@ def test_dry_run_plans_shared_knots(capsys):
     assert "backward passes saved              80%" in out
     assert main(["--config", config, "--dry-run", "backward.placement=auto"]) == 0
     assert "measured at iteration 0 among the rules" in capsys.readouterr().out
+
+
+SHIPPED = sorted(
+    c
+    for c in glob.glob("configs/paper/**/*.yaml", recursive=True) + glob.glob("configs/world/*.yaml")
+    if not c.endswith("base.yaml")
+)
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_advisor_on_every_shipped_config(config):
+    """The dry run's advisor on every shipped config: exact saves nothing, the rollout is never saved (the
+    iteration saving is smaller than the update's), knots with K >= T cost what exact costs, and a config with
+    two or fewer trained steps is told that JAGG saves nothing."""
+    from jagg.loop.pass_plan import advice, trained_steps_per_sample
+
+    cfg = load_config(config)
+    t = trained_steps_per_sample(cfg)
+    saved, line = advice(cfg, t, cfg.backward.planned_setting(), micro_batches=2)
+    assert saved["exact"] == (0.0, 0.0)
+    for name, (update, iteration) in saved.items():
+        assert abs(iteration) <= abs(update) + 1e-12, name
+        if (
+            name.startswith("knots")
+            and int(name.split("=")[1]) >= t
+            and cfg.backward.endpoint_signals == "graph"
+        ):
+            assert update == pytest.approx(0.0, abs=1e-12), name
+    if t <= 2:
+        assert "JAGG saves nothing on this config" in line
+        assert all(abs(u) < 1e-12 for u, _ in saved.values())
+    else:
+        assert line.startswith("largest predicted saving: ")
+        assert max(u for u, _ in saved.values()) > 0

@@ -137,4 +137,71 @@ def add_pass_plan(p: Plan, cfg: Config, world_size: int) -> GroupCost:
         f"{1 - costs[(backward.endpoints, False)].time() / exact.time():.0%} without",
     )
     p.add("rollout forwards per sample", sampling.num_steps * cfg_mult)
+    add_advice(p, cfg, T, setting, n_micro)
     return ours
+
+
+ADVISED_KNOTS = (4, 6)  # the knot counts the advisor prices (results/knots.md measured both on the world)
+
+
+def advice(cfg: Config, T: int, setting, micro_batches: int) -> tuple[dict[str, tuple[float, float]], str]:
+    """What each strategy would save on ``cfg`` by the cost model, and a one-line recommendation.
+
+    Per strategy: (update saving, iteration saving) against the exact baseline, in pass-counting time (a backward
+    pass = 2 forwards; the rollout = ``sampling.num_steps`` forwards per sample, x2 with true CFG), over one
+    update of ``micro_batches`` micro-batches with this config's stored-output rule. Quality is not predicted.
+    """
+    import dataclasses
+
+    from jagg.engine.knots import Knots
+    from jagg.engine.routing import Routing
+
+    model, train = cfg.model, cfg.train
+    w = cfg.backward.group_size or max(cfg.backward.candidate_group_sizes)
+    candidates = {
+        "exact": Routing(strategy="exact", group_size=2),
+        f"jagg W={w}, every group": Routing(strategy="jagg", group_size=w, jagg_frac=1.0),
+        **{f"knots K={k}": Knots(count=k, placement="low_noise") for k in ADVISED_KNOTS},
+    }
+    cfg_mult = 2 if model.backbone in TRUE_CFG and model.true_cfg_scale > 1 else 1
+    rollout = cfg.sampling.num_steps * cfg_mult * micro_batches  # forwards of the update's samples
+
+    def times(routing) -> tuple[float, float]:
+        cost = dataclasses.replace(setting, routing=routing).update_cost(
+            T, micro_batches=micro_batches, grad_accum=train.grad_accum, batch=train.train_batch_size
+        )
+        return cost.time() * cfg_mult, cost.time() * cfg_mult + rollout
+
+    exact_update, exact_iteration = times(candidates["exact"])
+    saved = {}
+    for name, routing in candidates.items():
+        update, iteration = times(routing)
+        saved[name] = (1 - update / exact_update, 1 - iteration / exact_iteration)
+    if T <= 2:
+        line = (
+            f"{T} trained step(s) per sample: every strategy is exact here (a group of 2 is exact) and none saves a "
+            "backward pass; JAGG saves nothing on this config"
+        )
+    else:
+        best = max((n for n in saved if n != "exact"), key=lambda n: saved[n][1])
+        line = (
+            f"largest predicted saving: {best}, {_saving(saved[best][1])} per iteration ({_saving(saved[best][0])} "
+            "update); "
+            "its gradient quality is not predicted: measure it (backward.jagg_frac / placement auto, make knots)"
+        )
+    return saved, line
+
+
+def _saving(fraction: float) -> str:
+    """-34% for a saving of 0.34; 0% where nothing is saved."""
+    return f"-{fraction:.0%}" if round(fraction, 2) > 0 else f"{-fraction:+.0%}".replace("+0%", "0%")
+
+
+def add_advice(p: Plan, cfg: Config, T: int, setting, micro_batches: int) -> None:
+    """The dry run's advisor: each strategy's predicted update / iteration saving, then the recommendation."""
+    saved, line = advice(cfg, T, setting, micro_batches)
+    p.section("advisor (cost model: what each strategy saves against exact on this config)")
+    for name, (update, iteration) in saved.items():
+        if name != "exact":
+            p.add(f"  {name}", f"update {_saving(update)}, iteration {_saving(iteration)}")
+    p.add("recommendation", line)
