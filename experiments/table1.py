@@ -37,10 +37,20 @@ from jagg.common import (
     set_threads,
     write_table,
 )
+from jagg.config import load_config
+from jagg.engine.knots import Knots
 from jagg.engine.profiling import SavedActivationMeter
-from jagg.engine.routing import BackwardSetting, GroupCost, Routing, update_cost
+from jagg.engine.routing import BackwardSetting, GroupCost, Routing
 from jagg.loop.components import build_components
-from jagg.loop.timing import AUTHORS_SETUPS, TIMING_SETUPS, time_settings, timing_config, update_with
+from jagg.loop.timing import (
+    AUTHORS_BATCH,
+    AUTHORS_SETUPS,
+    QUICK,
+    TIMING_SETUPS,
+    time_settings,
+    timing_config,
+    update_with,
+)
 from jagg.loop.trainer import Trainer
 from plotting import figure_footer, save_figure, world_scale
 
@@ -91,16 +101,14 @@ def strategies_for(cfg, algo: str) -> list[BackwardSetting]:
 
 
 def update_cost_checked(trainer: Trainer, s: BackwardSetting, row: dict) -> GroupCost:
-    """The cost model's counts for one update (``update_cost``: stored outputs only before the first
-    optimizer step), checked against what the update measured."""
+    """The cost model's counts for one update (``BackwardSetting.update_cost``: stored outputs only before the
+    first optimizer step), checked against what the update measured."""
     train = trainer.cfg.train
-    total = update_cost(
-        s.routing.plans(row["T"]),
-        endpoints=s.endpoints,
-        reuse_outputs=s.reuse_outputs,
+    total = s.update_cost(
+        row["T"],
         micro_batches=-(-row["n"] // train.train_batch_size),
         grad_accum=train.grad_accum,
-        endpoint_signals=s.endpoint_signals,
+        batch=train.train_batch_size,
     )
     for k in ("forward_passes", "forward_passes_with_grad", "backward_passes", "backward_calls"):
         if getattr(total, k) != row[k]:
@@ -259,13 +267,11 @@ def _authors_columns(trainer: Trainer, settings, rows: list[dict], ckpt: bool) -
     units = {}
     for (reading, s), row in zip(settings, rows, strict=True):
         micro = -(-row["n"] // trainer.cfg.train.train_batch_size)
-        cost = update_cost(
-            s.routing.plans(int(row["T"])),
-            endpoints=s.endpoints,
-            reuse_outputs=s.reuse_outputs,
+        cost = s.update_cost(
+            int(row["T"]),
             micro_batches=micro,
             grad_accum=trainer.cfg.train.grad_accum,
-            endpoint_signals=s.endpoint_signals,
+            batch=trainer.cfg.train.train_batch_size,
         )
         units[reading] = _pass_units(cost, len(trainer.sigmas) - 1, micro, ckpt)
         row.update(reading=reading, checkpointing=ckpt, endpoint_signals=s.endpoint_signals)
@@ -376,6 +382,119 @@ def _authors_section(args, argv, eta) -> None:
     write_table(rows, Path(args.out).with_name("table1_authors.csv"), _meta(args, argv, cfg))
 
 
+# --------------------------------------------------------------------------- where practitioners train
+# (name, world config, overrides, routings): the backward settings timed on each setup's own rollouts. The window of
+# MixGRPO is one group of 4; the full trajectory trains all 20 usable steps of a 21-step schedule; DanceGRPO's
+# 12 of 20 with the exact backward is what a user runs today (same seed: the same prompts, noise and SDE draws as
+# the full trajectory's rollouts, only the trained steps differ); Flow-GRPO-Fast with a window of 2 saves nothing.
+PRACTITIONERS = [
+    (
+        "MixGRPO, window of 4",
+        "flux_mixgrpo",
+        [],
+        [
+            Routing(strategy="exact", group_size=2),
+            Routing(strategy="jagg", group_size=4, jagg_frac=1.0),
+            Knots(count=3, placement="low_noise"),
+        ],
+    ),
+    (
+        "full trajectory, 20 of 20",
+        "flux_dancegrpo_knots",
+        [],
+        [
+            Routing(strategy="exact", group_size=2),
+            Routing(strategy="jagg", group_size=4, jagg_frac=1.0),
+            Knots(count=4, placement="low_noise"),
+            Knots(count=6, placement="low_noise"),
+        ],
+    ),
+    (
+        "DanceGRPO, 12 of 20",
+        "flux_dancegrpo_knots",
+        ["algorithm.timestep_fraction=0.6"],
+        [Routing(strategy="exact", group_size=2)],
+    ),
+    (
+        "Flow-GRPO-Fast, window of 2",
+        "flux_flowgrpo_fast",
+        ["algorithm.sde_window_size=2", "algorithm.sde_window_range=[0, 3]"],
+        [Routing(strategy="exact", group_size=2), Routing(strategy="jagg", group_size=2, jagg_frac=1.0)],
+    ),
+]
+BASELINE_TODAY = "DanceGRPO, 12 of 20"
+
+
+def _practitioners_section(args, argv, eta) -> None:
+    """Each setup of ``PRACTITIONERS`` with its settings interleaved on the same rollouts (world scale only)
+    -> table1_practitioners.csv / .md: medians of rollout, update and iteration, backward passes per sample."""
+    rows, cfg = [], None
+    for name, config, overrides, routings in PRACTITIONERS:
+        quick = [*QUICK, "sampling.num_steps=9", "sampling.eval_num_steps=9"] if args.quick else []
+        cfg = load_config(
+            f"configs/world/{config}.yaml", [*AUTHORS_BATCH, *overrides, *quick, *args.overrides]
+        )
+        trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
+        settings = [cfg.backward.setting(r) for r in routings]
+        for s, timed in time_settings(trainer, settings, args.iterations, eta).items():
+            setting = next(x for x in settings if x.key == s)
+            update_cost_checked(trainer, setting, timed[0])  # the counts the cost model predicts
+            med = {
+                k: statistics.median(r[k] for r in timed)
+                for k in ("time_sample_s", "time_reward_s", "time_update_s")
+            }
+            rollout = med["time_sample_s"] + med["time_reward_s"]
+            rows.append(
+                dict(
+                    setup=name,
+                    setting=setting.label
+                    if setting.routing.strategy == "exact"
+                    else f"{setting.routing.label}/{setting.mode}",
+                    T=timed[0]["T"],
+                    bwd_per_sample=timed[0]["backward_passes_per_sample"],
+                    rollout_s=rollout,
+                    update_s=med["time_update_s"],
+                    iter_s=rollout + med["time_update_s"],
+                    iterations=len(timed),
+                )
+            )
+    for r in rows:
+        exact = next(x for x in rows if x["setup"] == r["setup"] and x["setting"] == "exact")
+        today = next(x for x in rows if x["setup"] == BASELINE_TODAY)
+        r["update_vs_exact"] = r["update_s"] / exact["update_s"]
+        r["iter_vs_exact"] = r["iter_s"] / exact["iter_s"]
+        r["iter_vs_dancegrpo_12_of_20"] = r["iter_s"] / today["iter_s"]
+    out = Path(args.out).with_name("table1_practitioners.csv")
+    meta = _meta(args, argv, cfg)
+    write_table(rows, out, meta)
+    atomic_write_text(out.with_suffix(".md"), practitioners_markdown(rows, meta))
+
+
+def practitioners_markdown(rows: list[dict], meta: dict) -> str:
+    cols = [
+        ("setup", "setup"),
+        ("setting", "backward"),
+        ("T", "trained steps"),
+        ("bwd_per_sample", "bwd passes / sample"),
+        ("rollout_s", "rollout s"),
+        ("update_s", "update s"),
+        ("iter_s", "iteration s"),
+        ("update_vs_exact", "update / exact"),
+        ("iter_vs_exact", "iteration / exact"),
+        ("iter_vs_dancegrpo_12_of_20", "iteration / DanceGRPO 12-of-20 exact"),
+    ]
+    head = [
+        "# Table 1, where practitioners train (medians; each setup's settings interleaved on its own rollouts)",
+        "",
+        f"git {meta.get('git_sha', '?')[:7]}, {meta.get('hardware', '?')}; `python experiments/table1.py --only practitioners`",
+        "",
+    ]
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k, _ in cols) + " |" for r in rows]
+    return "\n".join(head + lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", default="world", choices=["world", "paper"])
@@ -386,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
     ap.add_argument(
         "--only",
-        choices=["paper", "authors"],
+        choices=["paper", "authors", "practitioners"],
         help="run one section (the other's CSV, if there, is kept and re-rendered)",
     )
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
@@ -396,12 +515,17 @@ def main(argv: list[str] | None = None) -> None:
         args.iterations, args.sweep_iterations = 2, 1
     paper_steps = len(SETUPS) * args.iterations + args.sweep_iterations
     authors_steps = len(AUTHORS_SETUPS) * args.iterations
-    steps = {"paper": paper_steps, "authors": authors_steps}.get(args.only, paper_steps + authors_steps)
+    practitioners_steps = len(PRACTITIONERS) * args.iterations if args.scale == "world" else 0
+    steps = {"paper": paper_steps, "authors": authors_steps, "practitioners": practitioners_steps}.get(
+        args.only, paper_steps + authors_steps + practitioners_steps
+    )
     eta = ProgressETA(steps, "table1")
-    if args.only != "authors":
+    if args.only in (None, "paper"):
         _paper_section(args, argv, eta)
-    if args.only != "paper":
+    if args.only in (None, "authors"):
         _authors_section(args, argv, eta)
+    if args.only in (None, "practitioners") and args.scale == "world":
+        _practitioners_section(args, argv, eta)
     out = Path(args.out)
     render(out, Path(args.figure))
     print(out.with_suffix(".md").read_text())
@@ -488,7 +612,7 @@ def authors_markdown(rows: list[dict], meta: dict) -> str:
         "",
         "21 steps, 20 usable cut into 5 blocks of W = 4, 3 random blocks trained per sample (12 steps); the exact "
         "baseline trains those 12 steps one by one (the cost of the recipe's 12 random single steps). `ideal`: "
-        "the cost model's counts (`update_cost`) times the measured per-pass seconds below; `units`: the same "
+        "the cost model's counts (`BackwardSetting.update_cost`) times the measured per-pass seconds below; `units`: the same "
         "counts in forwards (forward 1, backward 2, recompute 1 with checkpointing, rollout = number of sampling "
         "steps), the counting the paper's numbers were checked against (docs/references.md). Speed-up: the "
         "authors' method's update seconds over the row's.",

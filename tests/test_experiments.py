@@ -146,6 +146,25 @@ def test_table1_quick(quick):
     assert per_reading.loc["exact baseline"].tolist() == [blocks * w, blocks * w]
     assert (authors.paper != "").all() and "authors' recipe" in (res / "table1.md").read_text()
     _meta_ok(res / "table1_authors.csv")
+    # where practitioners train: backward passes per sample by setup and setting (deterministic counts)
+    pr = pd.read_csv(res / "table1_practitioners.csv")
+    passes = {
+        (r.setup, r.setting.split("/")[0] + r.setting.split("/")[1][:2]): r.bwd_per_sample
+        for r in pr.itertuples()
+        if r.setting != "exact"
+    }
+    passes.update({(r.setup, "exact"): r.bwd_per_sample for r in pr.itertuples() if r.setting == "exact"})
+    assert passes[("MixGRPO, window of 4", "exact")] == 4 and passes[("MixGRPO, window of 4", "jaggW4")] == 2
+    assert passes[("MixGRPO, window of 4", "knotsK3")] == 3
+    assert (
+        passes[("Flow-GRPO-Fast, window of 2", "jaggW2")]
+        == passes[("Flow-GRPO-Fast, window of 2", "exact")]
+        == 2
+    )
+    full = pr[pr.setup == "full trajectory, 20 of 20"]
+    assert set(full["T"]) == {8} and passes[("full trajectory, 20 of 20", "knotsK4")] == 4  # quick: 9 steps
+    assert (pr[pr.setup == "DanceGRPO, 12 of 20"]["iter_vs_dancegrpo_12_of_20"] == 1).all()
+    _meta_ok(res / "table1_practitioners.csv")
 
 
 def test_cosine_quick(quick):
