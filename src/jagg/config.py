@@ -29,6 +29,7 @@ from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedStep
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
+from jagg.engine.strategies import DEFAULT_MODE, DEFAULT_SIGNALS
 from jagg.errors import ConfigError
 from jagg.rewards import EVAL_ONLY
 
@@ -172,9 +173,9 @@ class BackwardConfig:
     min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
     calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
     group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
-    endpoints: str = "batched"  # batched | joint (paper-literal) | sequential (one graph alive)
+    endpoints: str = DEFAULT_MODE  # batched | joint (paper-literal) | sequential (one graph alive)
     # graph (endpoint signals from the graph-building forwards) | nograd (the authors' code: W + 2 forwards)
-    endpoint_signals: str = "graph"
+    endpoint_signals: str = DEFAULT_SIGNALS
     reuse_rollout: bool = (
         True  # intermediate signals from the rollout's outputs while the weights are the rollout's
     )

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from jagg.engine.strategies import (
+    DEFAULT_MODE,
     Interpolation,
     StepLoss,
     Velocity,
@@ -91,7 +92,7 @@ def group_gradient_cosines(
     *,
     group_size: int,
     strategies: Sequence[str] = ("jagg",),
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
 ) -> list[GroupCosine]:
     """Per group of ``group_size`` consecutive trained steps: each of ``strategies`` vs the exact gradient.
 
@@ -146,7 +147,7 @@ def plan_gradient_cosines(
     params: Sequence[torch.nn.Parameter],
     plans: dict[str, Interpolation],
     *,
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
 ) -> dict[str, tuple[float, float]]:
     """Per named plan of the T steps: (cosine, relative error) of its whole gradient to the exact one (the
     identity plan, every step a plain step), over ``params`` (sharded dot products under FSDP2). ``.grad`` of
@@ -161,7 +162,13 @@ def plan_gradient_cosines(
             for p in params:
                 p.grad = None
             interpolated_backward(
-                velocity, latents, sigmas, step_loss, plan, endpoints=endpoints, endpoint_signals="graph"
+                velocity,
+                latents,
+                sigmas,
+                step_loss,
+                plan,
+                endpoints=endpoints,
+                endpoint_signals=DEFAULT_SIGNALS,
             )
             grads[name] = _local_grads(params)
     finally:

@@ -30,6 +30,8 @@ from jagg.engine.diagnostics import (
 )
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.strategies import (
+    DEFAULT_MODE,
+    DEFAULT_SIGNALS,
     ENDPOINT_MODES,
     ENDPOINT_SIGNALS,
     STRATEGIES,
@@ -63,8 +65,8 @@ def validate_routing(
     group_size: int,
     jagg_frac: float,
     strategy: str,
-    endpoints: str = "batched",
-    endpoint_signals: str = "graph",
+    endpoints: str = DEFAULT_MODE,
+    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> None:
     """Raise ValueError naming the offending key and the allowed range."""
     if not isinstance(group_size, int) or group_size < 2:
@@ -165,9 +167,9 @@ class BackwardSetting:
     the knots' own signals come from (``ENDPOINT_SIGNALS``, ``backward.endpoint_signals``)."""
 
     routing: Routing | Knots
-    endpoints: str = "batched"
+    endpoints: str = DEFAULT_MODE
     reuse_outputs: bool = True
-    endpoint_signals: str = "graph"
+    endpoint_signals: str = DEFAULT_SIGNALS
     max_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -253,9 +255,9 @@ def trajectory_backward(
     step_loss: StepLoss,
     plans: Sequence[GroupPlan],
     *,
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
     outputs: Tensor | None = None,
-    endpoint_signals: str = "graph",
+    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> GroupStats:
     """Backward over all T trained steps cut into the groups ``plans`` (e.g. ``Routing.plans(T)``): their
     block-diagonal plan (``plans_interpolation``) through ``interpolated_backward``.
@@ -377,9 +379,9 @@ def plan_cost(
 def group_cost(
     size: int,
     strategy: str,
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
     reuse_outputs: bool = False,
-    endpoint_signals: str = "graph",
+    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> GroupCost:
     """The counts ``group_backward`` reports for a group of ``size`` steps (tested equal), without running it:
     ``plan_cost`` of the group's plan (``reuse_outputs``: its outputs come from the rollout)."""
@@ -393,9 +395,9 @@ def group_cost(
 def trajectory_cost(
     plans: Sequence[GroupPlan],
     *,
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
     reuse_outputs: bool = False,
-    endpoint_signals: str = "graph",
+    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> GroupCost:
     """``plan_cost`` of the groups ``plans`` (what ``trajectory_backward`` does with them)."""
     num_steps = sum(len(p.steps) for p in plans)
@@ -413,7 +415,7 @@ def update_cost(
     reuse_outputs: bool,
     micro_batches: int,
     grad_accum: int,
-    endpoint_signals: str = "graph",
+    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> GroupCost:
     """The cost of one update with the groups ``plans`` (``BackwardSetting.update_cost`` for a ``Routing``):
     ``micro_batches`` micro-batches and an optimizer step every ``grad_accum``; stored outputs are read only
@@ -480,11 +482,11 @@ def calibrate_routing(
     strategy: str,
     group_sizes: Sequence[int],
     min_cosine: float,
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
     reuse_outputs: bool = False,
     micro_batches: int = 1,
     grad_accum: int = 1,
-    endpoint_signals: str = "graph",
+    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> Calibration:
     """Measured routing on one micro-batch (inputs as for ``trajectory_backward``; gradients over ``params``).
 
@@ -550,7 +552,7 @@ def calibrate_knots(
     params: Sequence[torch.nn.Parameter],
     *,
     count: int,
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
 ) -> KnotsCalibration:
     """The measured placement (``backward.placement: auto``) on one micro-batch: every rule of ``PLACEMENTS``
     with ``count`` knots, its gradient's cosine to the exact one (``plan_gradient_cosines``: T + |rules| K

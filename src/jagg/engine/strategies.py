@@ -210,6 +210,8 @@ ENDPOINT_MODES: dict[str, GraphMode] = {
 """
 
 ENDPOINT_SIGNALS: tuple[str, ...] = ("graph", "nograd")
+# The defaults, named once: every signature with an endpoint mode or signal source defaults to these.
+DEFAULT_MODE, DEFAULT_SIGNALS = "batched", "graph"
 """Where the knots' own signals come from (same gradient, different forward count):
 
     graph   from the knot forwards that build the graphs (for a JAGG group: W forwards without stored outputs).
@@ -509,9 +511,9 @@ def group_backward(
     step_loss: StepLoss,
     strategy: str,
     *,
-    endpoints: str = "batched",
+    endpoints: str = DEFAULT_MODE,
     outputs: Tensor | None = None,
-    endpoint_signals: str = "graph",
+    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> GroupStats:
     """ADD the (approximate) gradient of sum_j L_j over one group of W steps to the parameters' ``.grad``.
 
