@@ -18,6 +18,7 @@ from torch import Tensor
 
 from jagg.engine.strategies import (
     DEFAULT_MODE,
+    DEFAULT_SIGNALS,
     Interpolation,
     StepLoss,
     Velocity,
