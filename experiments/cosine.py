@@ -39,7 +39,7 @@ from jagg.common import (
     set_threads,
     write_table,
 )
-from jagg.config import TINY_RUN, load_config
+from jagg.config import PLAIN_DANCEGRPO_LOSS, TINY_RUN, load_config
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.diagnostics import group_gradient_cosines
 from jagg.loop.components import build_components
@@ -56,18 +56,9 @@ SETTINGS: dict[str, tuple[list[str], list[int]]] = {
     "few_steps_high_noise": (["sampling.num_steps=5", "algorithm.noise_level=1.0"], [4]),
     "after_rl": ([], [3]),
 }
-# The gradient-geometry experiment pins a plain DanceGRPO loss (the paper-scale eta 0.3, pref reward, per-group
-# advantages, no KL), so its numbers do not move when the world training recipe (configs/world/) is re-tuned.
-PINNED = [
-    "algorithm.noise_level=0.3",
-    "reward.weights={pref: 1.0}",
-    "algorithm.kl_beta=0.0",
-    "algorithm.adv_std=group",
-    "algorithm.init_same_noise=false",
-    "optim.ema_decay=0.0",
-    "optim.lr=1e-4",
-    "train.grad_accum=1",
-]
+# The gradient-geometry experiment pins a plain DanceGRPO loss (``PLAIN_DANCEGRPO_LOSS``), so its numbers do not
+# move when the world training recipe (configs/world/) is re-tuned.
+PINNED = [*PLAIN_DANCEGRPO_LOSS, "optim.lr=1e-4", "train.grad_accum=1"]
 
 
 def measurement_index(seed: int, w: int) -> int:

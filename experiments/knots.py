@@ -36,7 +36,7 @@ from jagg.common import (
     set_threads,
     write_table,
 )
-from jagg.config import TINY_RUN, load_config
+from jagg.config import PLAIN_DANCEGRPO_LOSS, TINY_RUN, load_config
 from jagg.engine.diagnostics import plan_gradient_cosines
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, calibrate_knots
@@ -50,15 +50,10 @@ STRUCTURES = ("full", "dancegrpo", "authors")
 GROUP_STRATEGIES = ("jagg", "endpoints", "uniform")
 GROUP_SIZES = (2, 4, 5, 7, 10)
 KNOT_COUNTS = (2, 3, 4, 6, 8, 10)
-PINNED = [  # the cosine experiment's plain DanceGRPO loss (as experiments/cosine.py pins it)
+PINNED = [  # the gradient-geometry loss (as make cosine pins it), a 21-step schedule, micro-batches of 16
+    *PLAIN_DANCEGRPO_LOSS,
     "sampling.num_steps=21",
     "sampling.eval_num_steps=21",
-    "algorithm.noise_level=0.3",
-    "reward.weights={pref: 1.0}",
-    "algorithm.kl_beta=0.0",
-    "algorithm.adv_std=group",
-    "algorithm.init_same_noise=false",
-    "optim.ema_decay=0.0",
     "train.images_per_prompt=4",
     "train.prompts_per_iter=4",
     "train.train_batch_size=16",

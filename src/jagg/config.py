@@ -48,6 +48,16 @@ MAX_SEED = 2**32 - 1
 # iteration of 2 prompts x 2 images in one micro-batch, no evaluation. Later overrides win, so a caller appends
 # what it needs to differ, e.g. ``load_config(path, [*TINY_RUN, "sampling.num_steps=4"])``.
 TINY_OVERRIDES = ("model.source=tiny", "reward.weights={jpeg: 1.0}", "reward.eval=[jpeg]")
+# The gradient-geometry experiments' plain DanceGRPO loss (make cosine, make knots): the paper-scale eta 0.3, the
+# pref reward, per-group advantages, no KL, no EMA, so their numbers do not move when the world recipe is re-tuned.
+PLAIN_DANCEGRPO_LOSS = (
+    "algorithm.noise_level=0.3",
+    "reward.weights={pref: 1.0}",
+    "algorithm.kl_beta=0.0",
+    "algorithm.adv_std=group",
+    "algorithm.init_same_noise=false",
+    "optim.ema_decay=0.0",
+)
 TINY_RUN = (
     *TINY_OVERRIDES,
     "train.iterations=1",
