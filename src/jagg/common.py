@@ -229,3 +229,12 @@ def markdown_table(df, floatfmt: str = "{:.4f}") -> str:
     head = "| " + " | ".join(map(str, df.columns)) + " |"
     rows = ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, "|" + "---|" * len(df.columns), *rows])
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The process's peak memory on ``device``: CUDA's allocated peak, else the host's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB

@@ -1,9 +1,9 @@
 """One GRPO training loop for every algorithm, backbone and backward strategy.
 
     rollout (no grad, SDE where the algorithm explores) -> rewards -> group advantages
-    -> [calibrate: measure the routing, with backward.jagg_frac=auto]
-    -> update: per micro-batch, the trained steps go through ``trajectory_backward`` with the groups of
-       ``self.backward`` (a ``BackwardSetting``; this loop never looks at the strategy's name)
+    -> [calibrate: measure the backward, with backward.jagg_frac=auto or backward.placement=auto]
+    -> update: per micro-batch, its trained steps (``Rollout.at``) and their GRPO loss go through
+       ``self.backward.backward`` (a ``BackwardSetting``: one plan of knots; the loop never reads its name)
     -> optimizer step every ``grad_accum`` micro-batches (grad-norm clip, non-finite updates skipped)
     -> metrics (JSONL), periodic held-out evaluation (``jagg.loop.evaluate``), checkpoints.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg.common import SeedStream, atomic_write_text, generator
+from jagg.common import SeedStream, atomic_write_text, generator, peak_memory_mb
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
@@ -57,12 +56,6 @@ from jagg.models import Backbone, Components, TextCond
 
 class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite updates; a final checkpoint has been written."""
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 class Trainer:
@@ -359,7 +352,7 @@ class Trainer:
             time_update_s=t2 - t1,
             time_iteration_s=t2 - t0,
             lr=self.optimizer.param_groups[0]["lr"],
-            peak_memory_mb=_peak_memory_mb(self.device),
+            peak_memory_mb=peak_memory_mb(self.device),
         )
         return row
 
