@@ -13,6 +13,10 @@ JAGG and the ablations differ only in the (W, 2) matrix that maps per-step signa
     uniform    [1/2, 1/2]                                   (aggregation without t-weights)
     jagg_index [1 - j/(W-1), j/(W-1)]                       (the authors' code: step-index weights)
 Steps whose row is all zeros need no forward at all, so the endpoints ablation also skips those forwards.
+
+Every backward is one plan (``Interpolation``) of a micro-batch's T steps: K knot steps and a (T, K[, B]) matrix.
+Exact is the identity, a group strategy one (W, 2) block, shared knots (``jagg.engine.knots``) the hat functions of t;
+``interpolated_backward`` runs any of them, ``group_backward`` is its one-group case.
 """
 
 from __future__ import annotations
