@@ -134,7 +134,7 @@ class Routing:
 
     def interpolation(self, sigma: Tensor) -> Interpolation:
         """The plan of T steps at times ``sigma`` (T,) or (T, B): the groups' blocks, stacked."""
-        return plans_interpolation(self.plans(sigma.shape[0]), torch.as_tensor(sigma), self.strategy)
+        return plans_interpolation(self.plans(sigma.shape[0]), torch.as_tensor(sigma))
 
     @property
     def frac_label(self) -> str:
@@ -147,15 +147,17 @@ class Routing:
         return f"{self.strategy}/W{self.group_size}/f{self.frac_label}"
 
 
-def plans_interpolation(plans: Sequence[GroupPlan], sigma: Tensor, name: str) -> Interpolation:
-    """Consecutive groups (``plan_groups``) as one block-diagonal plan over the T steps at times ``sigma``."""
+def plans_interpolation(plans: Sequence[GroupPlan], sigma: Tensor) -> Interpolation:
+    """Consecutive groups (``plan_groups``) as one block-diagonal plan over the T steps at times ``sigma``,
+    named by the groups' strategy other than exact (a routing has one)."""
     covered = [i for plan in plans for i in plan.steps]
     if covered != list(range(sigma.shape[0])):
         raise ValueError(
             f"plans must cover the {sigma.shape[0]} trained steps once each, in order, got {covered}"
         )
     parts = [group_interpolation(p.strategy, sigma[list(p.steps)]) for p in plans]
-    return Interpolation.stack(parts, name)
+    names = {p.strategy for p in plans} - {"exact"}
+    return Interpolation.stack(parts, names.pop() if len(names) == 1 else "exact")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,14 +268,12 @@ def trajectory_backward(
     ``step_loss(i, v)`` takes the index i into the T trained steps.
     """
     sigmas = torch.as_tensor(sigmas)
-    names = {p.strategy for p in plans} - {"exact"}
-    plan = plans_interpolation(plans, sigmas, names.pop() if len(names) == 1 else "exact")
     return interpolated_backward(
         velocity,
         latents,
         sigmas,
         step_loss,
-        plan,
+        plans_interpolation(plans, sigmas),
         endpoints=endpoints,
         endpoint_signals=endpoint_signals,
         outputs=outputs,
@@ -400,9 +400,7 @@ def trajectory_cost(
     endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> GroupCost:
     """``plan_cost`` of the groups ``plans`` (what ``trajectory_backward`` does with them)."""
-    num_steps = sum(len(p.steps) for p in plans)
-    names = {p.strategy for p in plans} - {"exact"}
-    plan = plans_interpolation(plans, nominal_sigmas(num_steps), names.pop() if len(names) == 1 else "exact")
+    plan = plans_interpolation(plans, nominal_sigmas(sum(len(p.steps) for p in plans)))
     return plan_cost(
         plan, endpoints=endpoints, reuse_outputs=reuse_outputs, endpoint_signals=endpoint_signals
     )
