@@ -217,7 +217,7 @@ def control_worker(rank: int, out_dir: str) -> None:
     process, degraded with the direction drawn at full size and cut to each rank's shard; the dot products are
     local sums all-reduced (jagg.engine.control). The gathered result must equal one process's."""
     from jagg.common import SeedStream, generator
-    from jagg.engine.control import degrade_gradients, fixed_direction
+    from jagg.engine.control import degrade_gradients, random_direction
     from jagg.engine.strategies import group_backward
     from jagg.scale.distributed import full_grads, shard_backbone
 
@@ -227,13 +227,13 @@ def control_worker(rank: int, out_dir: str) -> None:
     group_backward(ref.bind(cond), lat, sig, loss, "exact")
     exact = {n: p.grad.clone() for n, p in ref.named_parameters()}
     trained = [p for p in ref.parameters() if p.requires_grad]
-    coef_ref = degrade_gradients(trained, fixed_direction(trained, generator(3, SeedStream.CONTROL)), 0.5)
+    coef_ref = degrade_gradients(trained, random_direction(trained, generator(3, SeedStream.CONTROL)), 0.5)
     sharded, group = _problem()
     shard_backbone(sharded)
     lat, sig, cond, loss = group(rows)
     group_backward(sharded.bind(cond), lat, sig, loss, "exact")
     params = [p for p in sharded.parameters() if p.requires_grad]
-    coef = degrade_gradients(params, fixed_direction(params, generator(3, SeedStream.CONTROL)), 0.5)
+    coef = degrade_gradients(params, random_direction(params, generator(3, SeedStream.CONTROL)), 0.5)
     grads = full_grads(sharded)
     flat = lambda d: torch.cat([d[n].double().flatten() for n in sorted(d)])  # noqa: E731
     g, g_ref, g0 = flat(grads), flat({n: p.grad for n, p in ref.named_parameters()}), flat(exact)
@@ -251,6 +251,37 @@ def control_worker(rank: int, out_dir: str) -> None:
         },
         name="control",
     )
+
+
+def fidelity_worker(rank: int, out_dir: str) -> None:
+    """log.fidelity_every's comparison (jagg.loop.fidelity.compare_to_exact) on sharded gradients: a JAGG group
+    against exact's shadow through all-reduced sums (no rank gathers a full gradient); one process's
+    comparison of the full batch is the reference."""
+    from jagg.engine.strategies import group_backward
+    from jagg.loop.fidelity import compare_to_exact
+    from jagg.scale.distributed import shard_backbone
+
+    rows = list(range(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD))
+    out = {}
+    for name, model_rows, shard in (("single", list(range(B_GLOBAL)), False), ("multi", rows, True)):
+        model, group = _problem()
+        if shard:
+            shard_backbone(model)
+        lat, sig, cond, loss = group(model_rows)
+        group_backward(model.bind(cond), lat, sig, loss, "jagg")
+        params = [p for p in model.parameters() if p.requires_grad]
+        exact = lambda: group_backward(model.bind(cond), lat, sig, loss, "exact")  # noqa: E731
+        out[name] = compare_to_exact(params, exact)
+        out[name + "_sharded"] = sum(hasattr(p, "device_mesh") for p in params)
+    save_rank_result(out_dir, rank, out, name="fidelity")
+
+
+def test_fidelity_under_fsdp2_equals_one_process(tmp_path):
+    out = run_ranks("test_distributed:fidelity_worker", WORLD, tmp_path)
+    for res in rank_results(out, WORLD, name="fidelity"):
+        assert res["multi_sharded"] > 0 and res["single_sharded"] == 0
+        assert 0 < res["single"][0] < 1 - 1e-6  # W = 4: JAGG is not exact
+        assert res["multi"] == pytest.approx(res["single"], abs=1e-5)
 
 
 def test_positive_control_under_fsdp2_equals_one_process(tmp_path):

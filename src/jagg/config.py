@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
+from jagg.engine.control import CONTROL_DIRECTIONS, MAX_FRESH_ITERATIONS
 from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
@@ -274,8 +275,10 @@ class TrainConfig:
     # seconds any collective (barriers included) may wait under torchrun: rank 0 alone loads the weights,
     # precomputes embeddings, exports or writes a slow checkpoint while the others wait (NCCL default: 10 min)
     dist_timeout_s: int = 3600
-    # positive control (jagg.engine.control): the gradient mixed with one fixed random direction at this cosine
+    # positive control (jagg.engine.control): the gradient mixed with a random direction at this cosine, the
+    # direction drawn once per run (fixed: a bias, as JAGG's error is) or for every optimizer step (fresh: noise)
     control_cosine: float | None = None
+    control_direction: str = "fixed"  # fixed | fresh
 
 
 @dataclass(kw_only=True)
@@ -309,6 +312,12 @@ class LogConfig:
     keep_checkpoints: int = 1
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
     report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
+    # jagg.loop.fidelity: every N iterations also compute exact's update on the same rollout and weights (not
+    # applied) and log fidelity_cosine / fidelity_rel_err / fidelity_group_cosines; costs one exact update
+    fidelity_every: int = 0
+    # write samples/eval_<it>.rank<r>.pt at each evaluation: this rank's held-out images and evaluated weights
+    # (its shards), for the paired divergence of two runs (experiments/curves.py); ~1 MB per evaluation here
+    save_eval_state: bool = False
     # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
     # off: the eval reward models (HPSv2.1, PickScore, CLIPScore at paper scale) run at evaluations only
     eval_rewards_on_train: bool = False
@@ -535,7 +544,14 @@ def validate(cfg: Config) -> None:
         not extra, f"reward.kwargs: {extra[0] if extra else ''!r} is not a reward in reward.weights/eval"
     )
     _validate_data(cfg)
-    for key in ("eval_every", "checkpoint_every", "grid_every", "heartbeat_s", "phase_timeout_s"):
+    for key in (
+        "eval_every",
+        "checkpoint_every",
+        "grid_every",
+        "heartbeat_s",
+        "phase_timeout_s",
+        "fidelity_every",
+    ):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
     _require(
@@ -704,6 +720,15 @@ def _validate_train(train: TrainConfig) -> None:
     _require(
         train.control_cosine is None or 0 < train.control_cosine <= 1,
         f"train.control_cosine must be null or in (0, 1], got {train.control_cosine}",
+    )
+    _require(
+        train.control_direction in CONTROL_DIRECTIONS,
+        f"train.control_direction must be one of {list(CONTROL_DIRECTIONS)}, got {train.control_direction!r}",
+    )
+    _require(
+        train.control_direction == "fixed" or train.iterations <= MAX_FRESH_ITERATIONS,
+        f"train.control_direction=fresh draws from the control's seed stream, which holds "
+        f"{MAX_FRESH_ITERATIONS} iterations; train.iterations must be <= {MAX_FRESH_ITERATIONS}, got {train.iterations}",
     )
     _require(
         0 <= train.seed <= MAX_SEED,

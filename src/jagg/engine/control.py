@@ -4,11 +4,16 @@ At every optimizer step the exact gradient g (all trained parameters as one vect
 
     g' = cos * g + sin * |g| * u_perp,      u_perp = (u - (<u, g> / |g|^2) g) / |u - (<u, g> / |g|^2) g|
 
-where u is ONE random direction over the trained parameters, drawn once per run (``fixed_direction``), and
-sin = sqrt(1 - cos^2). Then |g'| = |g| and cos(g', g) = cos exactly: the error has the size of a gradient
-whose cosine to the exact one is ``cos``, and because u is the same at every step it is a bias (as JAGG's
-error is), not noise that Adam's moments would average away. ``experiments/curves.py`` runs it through the
-same protocol as the strategies: a design that cannot detect it cannot support an equivalence claim.
+where u is a random direction over the trained parameters (``random_direction``) and sin = sqrt(1 - cos^2).
+Then |g'| = |g| and cos(g', g) = cos exactly: the error has the size of a gradient whose cosine to the exact
+one is ``cos``. ``PositiveControl`` draws u in one of two ways (``train.control_direction``):
+
+* ``fixed``: once per run. The error is then a bias, as JAGG's is, which Adam's moments accumulate;
+* ``fresh``: anew for every optimizer step. The error is noise, which the moments partly average away.
+
+``experiments/curves.py`` runs controls at several cosines through the same protocol as the strategies: a
+design that cannot detect them cannot support an equivalence claim, and the controls' effects against their
+cosine are the scale on which each strategy is placed ("behaves like a cosine-c gradient").
 
 Under FSDP2 the gradients are sharded DTensors: every dot product is a sum of local sums all-reduced across
 the ranks (as in ``jagg.engine.diagnostics``), so no rank gathers a full gradient; the direction is drawn at
@@ -18,15 +23,56 @@ full size on every rank from the same generator and each rank keeps its shard.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from jagg.engine.diagnostics import _sharded_sums
+from jagg.engine.diagnostics import sharded_sums
+
+CONTROL_DIRECTIONS = ("fixed", "fresh")
+# fresh directions of iteration i come from draw 1 + i of the control's seed stream (jagg.common.SeedStream,
+# draw 0 being the fixed direction), which holds 10_000 draws
+MAX_FRESH_ITERATIONS = 9_998
 
 
-def fixed_direction(params: Sequence[torch.nn.Parameter], gen: torch.Generator) -> list[Tensor]:
+class PositiveControl:
+    """The degradation of one run, bound once: its cosine, how its direction is drawn, and from where.
+
+    ``draw(i)`` is the generator of draw i of the run's control stream: draw 0 gives the fixed direction,
+    draw 1 + it the fresh directions of iteration ``it`` (one per optimizer step, taken in order), so a resumed
+    run degrades exactly as the uninterrupted one.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        cosine: float,
+        direction: str,
+        draw: Callable[[int], torch.Generator],
+    ) -> None:
+        if direction not in CONTROL_DIRECTIONS:
+            raise ValueError(f"control direction must be one of {CONTROL_DIRECTIONS}, got {direction!r}")
+        self.params, self.cosine, self.direction, self.draw = list(params), cosine, direction, draw
+        self.fixed = random_direction(self.params, draw(0)) if direction == "fixed" else None
+        self._gen: torch.Generator | None = None
+
+    def start_iteration(self, it: int) -> None:
+        """Fresh directions: the optimizer steps of iteration ``it`` draw theirs from draw 1 + it."""
+        if self.direction == "fresh":
+            if not 0 <= it < MAX_FRESH_ITERATIONS:
+                raise ValueError(f"fresh control directions hold {MAX_FRESH_ITERATIONS} iterations, got {it}")
+            self._gen = self.draw(1 + it)
+
+    def apply(self) -> tuple[float, float]:
+        """Degrade the gradients in place (``degrade_gradients``); returns its (a, b)."""
+        if self.fixed is None and self._gen is None:
+            raise RuntimeError("PositiveControl.start_iteration must run before a fresh direction is drawn")
+        direction = self.fixed if self.fixed is not None else random_direction(self.params, self._gen)
+        return degrade_gradients(self.params, direction, self.cosine)
+
+
+def random_direction(params: Sequence[torch.nn.Parameter], gen: torch.Generator) -> list[Tensor]:
     """One standard-normal direction per parameter, in ``params`` order, from ``gen`` (CPU, float32).
 
     Drawn at each parameter's full shape on every rank and, for a sharded (DTensor) parameter, cut to this
@@ -66,7 +112,7 @@ def degrade_gradients(
 ) -> tuple[float, float]:
     """Replace every ``.grad`` of ``params`` in place by the degraded one (module docstring); returns (a, b).
 
-    One ``direction`` tensor per parameter (``fixed_direction``); a missing gradient counts as zero. Under
+    One ``direction`` tensor per parameter (``random_direction``); a missing gradient counts as zero. Under
     FSDP2 the gradients are DTensors and the sums are all-reduced. The coefficients come from float64 sums;
     the update is applied in the gradients' dtype.
     """
@@ -80,7 +126,7 @@ def degrade_gradients(
     sharded = any(hasattr(g, "to_local") for g in grads)
     g64 = [g.detach().double().flatten() for g in local]
     u64 = [u.double().flatten() for u in direction]
-    dot_gu, norm2_g, norm2_u, _ = _sharded_sums(g64, u64, sharded)
+    dot_gu, norm2_g, norm2_u, _ = sharded_sums(g64, u64, sharded)
     a, b = mix_coefficients(dot_gu, norm2_g, norm2_u, cosine)
     for g, u in zip(local, direction, strict=True):
         g.mul_(a).add_(u.to(device=g.device, dtype=g.dtype), alpha=b)

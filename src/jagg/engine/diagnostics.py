@@ -44,7 +44,7 @@ def flat_grad(params: Iterable[torch.nn.Parameter]) -> Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
 
 
-def _local_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
+def local_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
     """This rank's part of every gradient in float64 (a DTensor's local shard under FSDP2; zeros where None)."""
     out = []
     for p in params:
@@ -53,7 +53,7 @@ def _local_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
     return out
 
 
-def _sharded_sums(a: list[Tensor], b: list[Tensor], sharded: bool) -> tuple[float, float, float, float]:
+def sharded_sums(a: list[Tensor], b: list[Tensor], sharded: bool) -> tuple[float, float, float, float]:
     """(<a, b>, |a|^2, |b|^2, |a - b|^2) over all parameters: local sums, then one all-reduce across the ranks
     when the gradients are sharded, so no rank ever holds a full gradient."""
     sums = torch.stack(
@@ -71,7 +71,7 @@ def _sharded_sums(a: list[Tensor], b: list[Tensor], sharded: bool) -> tuple[floa
     return tuple(float(x) for x in sums.cpu())
 
 
-def _compare(a: list[Tensor], ref: list[Tensor], sharded: bool) -> tuple[float, float]:
+def compare_grads(a: list[Tensor], ref: list[Tensor], sharded: bool) -> tuple[float, float]:
     """(cosine, relative error) of ``a`` vs ``ref``: on the flat vectors in one process, from all-reduced
     sums when the gradients are sharded (never gathering a full gradient)."""
     if not sharded:
@@ -80,7 +80,7 @@ def _compare(a: list[Tensor], ref: list[Tensor], sharded: bool) -> tuple[float, 
             torch.nn.functional.cosine_similarity(fa, fr, dim=0).item(),
             ((fa - fr).norm() / fr.norm()).item(),
         )
-    dot, n_a, n_ref, n_diff = _sharded_sums(a, ref, sharded)
+    dot, n_a, n_ref, n_diff = sharded_sums(a, ref, sharded)
     return dot / max(n_a * n_ref, 1e-300) ** 0.5, (n_diff / max(n_ref, 1e-300)) ** 0.5
 
 
@@ -129,10 +129,10 @@ def group_gradient_cosines(
                     strategy,
                     endpoints=endpoints,
                 )
-                grads[strategy] = _local_grads(params)
+                grads[strategy] = local_grads(params)
             ref = grads["exact"]
             for strategy in strategies:
-                cos, rel = _compare(grads[strategy], ref, sharded)
+                cos, rel = compare_grads(grads[strategy], ref, sharded)
                 out.append(GroupCosine(g, tuple(idx), strategy, cos, rel))
     finally:
         for p, grad in zip(params, saved, strict=True):
@@ -171,11 +171,11 @@ def plan_gradient_cosines(
                 endpoints=endpoints,
                 endpoint_signals=DEFAULT_SIGNALS,
             )
-            grads[name] = _local_grads(params)
+            grads[name] = local_grads(params)
     finally:
         for p, grad in zip(params, saved, strict=True):
             p.grad = grad
-    return {name: _compare(grads[name], grads[""], sharded) for name in plans}
+    return {name: compare_grads(grads[name], grads[""], sharded) for name in plans}
 
 
 def route_by_cosine(cosines: Sequence[GroupCosine], min_cosine: float, strategy: str = "jagg") -> list[bool]:

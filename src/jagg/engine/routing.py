@@ -17,7 +17,7 @@ import functools
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -187,17 +187,29 @@ class BackwardSetting:
         """ADD the micro-batch's gradient to ``.grad``: ``loss`` is the per-step loss of its T trained steps
         (``loss.x`` (T, B, ...), ``loss.sigma`` (T,) or (T, B), ``loss(i, v)``; e.g. ``GRPOStepLoss``);
         ``outputs`` (T, B, ...) the stored outputs at the current weights, read when ``reuse_outputs``."""
+        return self.run(self.routing.interpolation(loss.sigma), velocity, loss, outputs)
+
+    def run(
+        self, plan: Interpolation, velocity: Velocity, loss: StepLoss, outputs: Tensor | None = None
+    ) -> GroupStats:
+        """``backward`` with another plan of the same T steps (a part of this setting's plan, the identity),
+        run the way this setting runs its own (endpoint mode, signals, stored outputs, row bound)."""
         return interpolated_backward(
             velocity,
             loss.x,
             loss.sigma,
             loss,
-            self.routing.interpolation(loss.sigma),
+            plan,
             endpoints=self.endpoints,
             endpoint_signals=self.endpoint_signals,
             outputs=outputs if self.reuse_outputs else None,
             max_rows=self.max_rows,
         )
+
+    @property
+    def exact(self) -> BackwardSetting:
+        """Exact's backward in this setting's place: every step a plain step (the modes do not apply to it)."""
+        return replace(self, routing=Routing(strategy="exact", group_size=2))
 
     def cost(self, num_steps: int, *, batch: int = 1, stored: bool = False) -> GroupCost:
         """The predicted counts of ``backward`` on a micro-batch of ``batch`` samples with ``num_steps``

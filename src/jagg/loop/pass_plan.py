@@ -79,7 +79,6 @@ def add_pass_plan(p: Plan, cfg: Config, world_size: int) -> GroupCost:
     configured mode's cost (its graphs alive and all-gathers size the memory plan)."""
     import dataclasses
 
-    from jagg.engine.routing import Routing
     from jagg.engine.strategies import ENDPOINT_MODES
 
     model, sampling, backward, train = cfg.model, cfg.sampling, cfg.backward, cfg.train
@@ -95,7 +94,7 @@ def add_pass_plan(p: Plan, cfg: Config, world_size: int) -> GroupCost:
     )
     cfg_mult = 2 if model.backbone in TRUE_CFG and model.true_cfg_scale > 1 else 1
     batch = train.train_batch_size
-    exact = dataclasses.replace(setting, routing=Routing(strategy="exact", group_size=2)).cost(T, batch=batch)
+    exact = setting.exact.cost(T, batch=batch)
     p.section(
         "cost per sample by endpoint mode (passes of one micro-batch; FSDP2 collectives per sharded unit;"
         + (" x2 transformer calls with true CFG;" if cfg_mult > 1 else "")

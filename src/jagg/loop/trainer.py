@@ -36,14 +36,21 @@ from jagg.common import SeedStream, atomic_write_text, generator, peak_memory_mb
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.control import degrade_gradients, fixed_direction
-from jagg.engine.grpo import GRPOStepLoss, StepStats, group_advantages, per_reward_advantages
+from jagg.engine.control import PositiveControl
+from jagg.engine.grpo import (
+    GRPOStepLoss,
+    RecordingLoss,
+    StepStats,
+    group_advantages,
+    per_reward_advantages,
+)
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
 from jagg.loop.calibration import measure_setting, record, restore
 from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
+from jagg.loop.fidelity import block_cosines, compare_to_exact
 from jagg.loop.grids import save_grid
 from jagg.loop.heartbeat import PhaseWatch
 from jagg.loop.optimizer import build_optimizer
@@ -80,12 +87,16 @@ class Trainer:
         optim = cfg.optim
         self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
         self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
-        # train.control_cosine (positive control): one direction per run, a function of the seed (resume-safe)
-        control = cfg.train.control_cosine
+        # train.control_cosine (positive control): its directions are functions of the seed (resume-safe)
         self.control = (
             None
-            if control is None
-            else fixed_direction(self.params, generator(cfg.train.seed, SeedStream.CONTROL))
+            if train.control_cosine is None
+            else PositiveControl(
+                self.params,
+                train.control_cosine,
+                train.control_direction,
+                lambda i: generator(train.seed, SeedStream.CONTROL, i),
+            )
         )
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
         sampling = cfg.sampling
@@ -229,21 +240,30 @@ class Trainer:
         total: GroupStats | None = None
         onpolicy_dev, grad_norms, skipped, stepped = 0.0, [], 0, 0
         self.optimizer.zero_grad(set_to_none=True)
+        if self.control is not None:
+            self.control.start_iteration(self.iteration)
+        every = self.cfg.log.fidelity_every
+        fidelity = {} if every and self.iteration % every == 0 else None  # log.fidelity_every
+        if fidelity is not None:
+            t0 = time.perf_counter()
+            fidelity["fidelity_group_cosines"] = self._block_cosines(ro, batches[0])
+            fidelity["time_fidelity_s"] = time.perf_counter() - t0
+        pending: list[slice] = []  # the micro-batches of the coming optimizer step
         for k, idx in enumerate(batches):
-            steps = ro.at(idx, self.sigmas.to(self.device))  # the micro-batch's T trained steps
-            loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (train.grad_accum * len(steps.x))).recording()
-            on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
-            outputs = steps.outputs.to(self.device) if on_rollout_weights else None
+            loss, outputs = self._update_inputs(ro, idx)
             stats = self.backward.backward(self.velocity(ro.cond.select(idx)), loss, outputs)
             total = stats if total is None else total.merge(stats)
             step_stats += loss.stats
+            pending.append(idx)
             if stepped == 0:
                 onpolicy_dev = max(onpolicy_dev, max(st.ppo.ratio_max_dev for st in step_stats))
             if (k + 1) % train.grad_accum == 0 or k == len(batches) - 1:
-                norm, ok = self._optimizer_step()
+                compare = None if fidelity is None else self._shadow_exact(ro, pending, fidelity)
+                norm, ok = self._optimizer_step(compare)
                 grad_norms.append(norm)
                 skipped += int(not ok)
                 stepped += 1
+                pending = []
         means = self.dist.reduce_scalars(
             {
                 "loss": float(np.mean([st.loss for st in step_stats])),
@@ -262,12 +282,59 @@ class Trainer:
             "skipped_steps": skipped,
             **total.as_metrics(),
             "backward_passes_per_sample": total.backward_passes / len(ro.prompts) * train.train_batch_size,
+            **({} if fidelity is None else self._fidelity_row(fidelity)),
         }
 
-    def _optimizer_step(self) -> tuple[float, bool]:
-        """Clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
+    def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[RecordingLoss, Tensor | None]:
+        """The micro-batch's GRPO loss over its T trained steps (scaled 1 / (grad_accum * T)) and its stored
+        outputs where they are valid (on the rollout's weights), else None."""
+        steps = ro.at(idx, self.sigmas.to(self.device))
+        loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (self.cfg.train.grad_accum * len(steps.x)))
+        on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
+        return loss.recording(), steps.outputs.to(self.device) if on_rollout_weights else None
+
+    # ------------------------------------------------------------------ fidelity (log.fidelity_every)
+    def _block_cosines(self, ro: Rollout, idx: slice) -> dict[str, float]:
+        """Each aggregated block of the backward's plan on micro-batch ``idx`` vs exact over its steps."""
+        loss, outputs = self._update_inputs(ro, idx)
+        velocity = self.velocity(ro.cond.select(idx))
+        return block_cosines(self.backward, velocity, loss.loss, self.params, outputs)
+
+    def _shadow_exact(self, ro: Rollout, batches: list[slice], into: dict) -> Callable[[], None]:
+        """A closure for ``_optimizer_step``: the gradient about to be applied vs exact's update of the same
+        micro-batches at the same weights (computed, compared, discarded), appended to ``into``."""
+
+        def run_exact() -> None:
+            for idx in batches:
+                loss, _ = self._update_inputs(ro, idx)
+                self.backward.exact.backward(self.velocity(ro.cond.select(idx)), loss.loss)
+
+        def compare() -> None:
+            t0 = time.perf_counter()
+            cos, rel = compare_to_exact(self.params, run_exact)
+            into.setdefault("cosines", []).append(cos)
+            into.setdefault("rel_errs", []).append(rel)
+            into["time_fidelity_s"] = into.get("time_fidelity_s", 0.0) + time.perf_counter() - t0
+
+        return compare
+
+    @staticmethod
+    def _fidelity_row(f: dict) -> dict:
+        """The metrics of a fidelity iteration: means over its optimizer steps, and the per-block cosines."""
+        return {
+            "fidelity_cosine": float(np.mean(f["cosines"])),
+            "fidelity_rel_err": float(np.mean(f["rel_errs"])),
+            "fidelity_group_cosines": f["fidelity_group_cosines"],
+            "time_fidelity_s": f["time_fidelity_s"],
+        }
+
+    def _optimizer_step(self, compare: Callable[[], None] | None = None) -> tuple[float, bool]:
+        """Degrade (positive control), measure (``compare``, at a fidelity iteration), clip, then step unless
+        the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
         if self.control is not None:
-            degrade_gradients(self.params, self.control, self.cfg.train.control_cosine)
+            self.control.apply()
+        if compare is not None:
+            compare()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
         norm = float(full_tensor(norm))  # global norm (a DTensor under FSDP2): same on every rank
         if not math.isfinite(norm):
@@ -446,10 +513,24 @@ class Trainer:
         self._log(row)
         if self.dist.is_main:
             atomic_write_text(self.run_dir / "samples" / f"eval_{it:05d}.json", json.dumps(per_sample))
+        if self.cfg.log.save_eval_state:
+            self._save_eval_state(it, images)
         grid_every = self.cfg.log.grid_every
         if self.dist.is_main and (grid_every == 0 or it % grid_every == 0):
             save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
             self.trackers.log_images(images, it)
+
+    def _save_eval_state(self, it: int, images: Tensor) -> None:
+        """``samples/eval_<it>.rank<r>.pt``: this rank's held-out images and its part of the evaluated weights
+        (the EMA where there is one; a DTensor's local shard), float32. Two runs' files give the paired
+        divergence of their samples and weights (``experiments/curves.py``) without loading a checkpoint."""
+        weights = self.ema if self.ema is not None else self.params
+        local = [(w.to_local() if hasattr(w, "to_local") else w).detach().float().cpu() for w in weights]
+        path = self.run_dir / "samples" / f"eval_{it:05d}.rank{self.dist.rank}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"images": images.float().cpu(), "weights": local}, tmp)
+        tmp.replace(path)  # a reader never sees half a file
 
     def _log(self, row: dict) -> None:
         self.metrics.append(row)
