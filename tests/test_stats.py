@@ -146,3 +146,37 @@ def test_power_and_minimum_detectable_difference():
     assert minimum_detectable_difference(0.0, 6) == 0.0
     with pytest.raises(ValueError, match="n >= 2"):
         minimum_detectable_difference(1.0, 1)
+
+
+def test_dose_location_interpolates_from_the_reference_down():
+    from jagg.stats import dose_location
+
+    curve = [(1.0, 0.0), (0.95, -0.1), (0.8, -0.3), (0.5, -0.6)]
+    assert dose_location(curve, -0.1) == pytest.approx(0.95)
+    assert dose_location(curve, -0.2) == pytest.approx(0.875)
+    assert dose_location(curve, -0.45) == pytest.approx(0.65)
+    assert dose_location(curve, 0.2) == 1.0  # better than the reference: clamped to it
+    assert dose_location(curve, -0.9) == 0.5  # worse than the strongest control: clamped to it
+    # not monotone: the first crossing from the reference wins
+    assert dose_location([(1.0, 0.0), (0.8, -0.4), (0.5, -0.2)], -0.3) == pytest.approx(0.85)
+
+
+def test_located_cosine_recovers_a_planted_dose_and_its_interval_covers_it():
+    """Controls whose effect is linear in (1 - cosine) plus seed noise, and an arm built as a cosine-0.9
+    control: over 40 simulated experiments the points centre on 0.9 and the 95% intervals hold it in most
+    (bootstrap intervals with 12 seeds undercover a little); with no noise the interval collapses onto it."""
+    from jagg.stats import located_cosine
+
+    rng = np.random.default_rng(1)
+    cosines = (0.95, 0.8, 0.5)
+    noise = lambda: rng.normal(0, 0.02, 12)  # noqa: E731
+    points, covered = [], 0
+    for _ in range(40):
+        controls = {c: -(1 - c) + noise() for c in cosines}
+        loc = located_cosine(controls, -(1 - 0.9) + noise(), reference=0.0, n_boot=400)
+        points.append(loc.cosine)
+        covered += loc.lo <= 0.9 <= loc.hi
+    assert abs(np.mean(points) - 0.9) < 0.01 and covered >= 32
+    exact = located_cosine({c: [-(1 - c)] * 5 for c in cosines}, [-0.1] * 5, reference=0.0)
+    assert exact.cosine == exact.lo == exact.hi == pytest.approx(0.9)
+    assert str(located_cosine({c: [-(1 - c)] * 5 for c in cosines}, [-0.8] * 5, 0.0)).startswith("<=0.50")

@@ -14,6 +14,9 @@ Student's t with n - 1 degrees of freedom:
                       the smallest true mean difference a paired t-test detects with the given power
                       (noncentral t), from the paired standard deviation and n
     area_under_curve  trapezoidal mean of a metric over its evaluation iterations (one number per run)
+    dose_location     where a value falls on a dose-response curve (effect against a control's cosine)
+    located_cosine    that location with a bootstrap interval over the seeds ("behaves like a cosine-c
+                      gradient")
 
 The t quantiles, p-values and the noncentral t come from ``scipy.stats`` (tested against it).
 
@@ -210,3 +213,64 @@ def area_under_curve(x: Sequence[float], y: Sequence[float]) -> float:
     if x.size < 2:
         raise ValueError("area_under_curve needs at least two points")
     return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2) / (x[-1] - x[0]))
+
+
+def dose_location(curve: Sequence[tuple[float, float]], value: float) -> float:
+    """The dose (a control's cosine) at which the piecewise-linear ``curve`` of (cosine, effect) points reaches
+    ``value``, walking from the highest cosine (the reference: cosine 1, its own effect) down; the first
+    crossing counts. A value beyond both ends gives the nearer end (a clamp: the caller reports it as a
+    bound)."""
+    pts = sorted(curve, reverse=True)
+    for (c0, e0), (c1, e1) in zip(pts, pts[1:]):
+        if min(e0, e1) <= value <= max(e0, e1):
+            return c0 if e1 == e0 else c0 + (value - e0) / (e1 - e0) * (c1 - c0)
+    return pts[0][0] if abs(value - pts[0][1]) <= abs(value - pts[-1][1]) else pts[-1][0]
+
+
+@dataclass(frozen=True)
+class Located:
+    """An arm placed on a dose-response scale: the cosine whose control has its effect, with an interval."""
+
+    cosine: float
+    lo: float
+    hi: float
+    scale: tuple[float, ...]  # the cosines of the scale, 1 (the reference) included
+
+    def __str__(self) -> str:
+        def fmt(c: float) -> str:  # an end of the scale is a bound, not a value
+            return (
+                f"<={c:.2f}"
+                if c == min(self.scale)
+                else (f">={c:.2f}" if c == max(self.scale) else f"{c:.2f}")
+            )
+
+        return f"{fmt(self.cosine)} [{fmt(self.lo)}, {fmt(self.hi)}]"
+
+
+def located_cosine(
+    controls: dict[float, Sequence[float]],
+    arm: Sequence[float],
+    reference: float,
+    level: float = 0.95,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> Located:
+    """Where ``arm``'s mean effect falls on the controls' mean effects against their cosines.
+
+    ``controls`` maps each control's cosine to its per-seed effects and ``arm`` holds the arm's, all indexed by
+    the same seeds; ``reference`` is the reference's own effect (at cosine 1: 0 for a difference to exact).
+    The interval is the percentile bootstrap over seeds, resampled jointly for every control and the arm, so it
+    carries the scale's uncertainty as well as the arm's.
+    """
+    table = np.array([list(v) for v in controls.values()] + [list(arm)], dtype=float)
+    cosines = list(controls)
+
+    def place(cols: np.ndarray) -> float:
+        means = table[:, cols].mean(axis=1)
+        return dose_location([(1.0, reference), *zip(cosines, means[:-1])], float(means[-1]))
+
+    rng = np.random.default_rng(seed)
+    n = table.shape[1]
+    boot = [place(rng.integers(0, n, n)) for _ in range(n_boot)]
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return Located(place(np.arange(n)), float(lo), float(hi), (1.0, *cosines))

@@ -13,11 +13,15 @@ Under FSDP2 both compare local shards through all-reduced sums (``jagg.engine.di
 no rank holds a full gradient. Cost: one exact update per fidelity iteration, one more backward of each
 aggregated block and of the steps it spans on one micro-batch, and two float64 copies of this rank's gradient
 shard while comparing.
+
+``paired_divergence`` reads two runs' evaluated states (``log.save_eval_state``) and says how far one run's
+held-out samples and weights are from the other's (exact's, same seed) relative to how far exact moved.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -90,4 +94,47 @@ def block_cosines(
     finally:
         for p, g in zip(params, saved, strict=True):
             p.grad = g
+    return out
+
+
+def _eval_states(run_dir: Path) -> dict[int, list[dict]]:
+    """``{iteration: [rank 0's state, rank 1's, ...]}`` of the run's ``samples/eval_<it>.rank<r>.pt``
+    (``log.save_eval_state``)."""
+    found: dict[int, dict[int, Path]] = {}
+    for path in (Path(run_dir) / "samples").glob("eval_*.rank*.pt"):
+        it, rank = path.name[5:-3].split(".rank")
+        found.setdefault(int(it), {})[int(rank)] = path
+    return {
+        it: [torch.load(ranks[r], weights_only=True) for r in sorted(ranks)] for it, ranks in found.items()
+    }
+
+
+def _sq_dist(a: list[dict], b: list[dict], key: str) -> float:
+    """The squared distance of two runs' ``key`` (images or weights) over every rank's part, float64."""
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        xs, ys = (x[key], y[key]) if key == "weights" else ([x[key]], [y[key]])
+        total += sum(float(((u.double() - v.double()) ** 2).sum()) for u, v in zip(xs, ys, strict=True))
+    return total
+
+
+def paired_divergence(run_dir: Path, exact_dir: Path) -> dict[int, dict[str, float]]:
+    """How far a run has moved from exact's run of the same seed, at each evaluation both saved:
+
+        div_weights_rel = ||theta_run - theta_exact|| / ||theta_exact - theta_0||
+        div_samples_rel = ||x_run - x_exact|| / ||x_exact - x_0||   (all held-out images, same noise)
+
+    with theta_0 and x_0 exact's evaluation at iteration 0 (the base model, identical for every arm). 0 for
+    exact itself; runs are deterministic, so this measures "closer to exact" with no sampling noise beyond the
+    training's own. NaN where exact has not moved yet (iteration 0)."""
+    mine, exact = _eval_states(run_dir), _eval_states(exact_dir)
+    if 0 not in exact:
+        raise FileNotFoundError(f"{exact_dir}: no samples/eval_00000.rank*.pt (log.save_eval_state)")
+    out = {}
+    for it in sorted(set(mine) & set(exact)):
+        row = {}
+        for key, name in (("weights", "div_weights_rel"), ("images", "div_samples_rel")):
+            moved = _sq_dist(exact[it], exact[0], key)
+            row[name] = (_sq_dist(mine[it], exact[it], key) / moved) ** 0.5 if moved > 0 else float("nan")
+        out[it] = row
     return out
