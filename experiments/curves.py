@@ -37,10 +37,12 @@ from pathlib import Path
 import yaml
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.engine.strategies import STRATEGIES as ENGINE_STRATEGIES
+from jagg.engine.routing import BACKWARD_STRATEGIES
+from jagg.loop.fidelity import paired_divergence
 from jagg.stats import (
     area_under_curve,
     holm,
+    located_cosine,
     minimum_detectable_difference,
     one_sided_below,
     paired_interval,
@@ -65,18 +67,23 @@ QUICK = [
 
 
 # --------------------------------------------------------------------------- protocol
-def load_protocol(path: Path = PROTOCOL, long: bool = False) -> dict:
-    """The protocol as a dict; ``long`` merges its ``long`` section (more seeds, more recipes). Arms whose
-    strategy the engine does not register (``jagg_index`` before it exists) are dropped."""
+def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False) -> dict:
+    """The protocol as a dict; ``long`` merges its ``long`` section (more seeds, more recipes), ``pilot``
+    narrows it to its ``pilot`` section's seeds and arms. Arms whose strategy the engine does not register
+    (``jagg_index`` before it exists) are dropped."""
     proto = yaml.safe_load(Path(path).read_text())
     if long:
         proto["seeds"] = proto["long"]["seeds"]
         proto["recipes"] = {**proto["recipes"], **proto["long"]["recipes"]}
+    proto["is_pilot"] = pilot
+    if pilot:
+        proto["seeds"] = proto["pilot"]["seeds"]
+        proto["arms"] = {a: proto["arms"][a] for a in proto["pilot"]["arms"]}
     proto["arms"] = {
         name: overrides
         for name, overrides in proto["arms"].items()
         if all(
-            o.split("=", 1)[1] in ENGINE_STRATEGIES for o in overrides if o.startswith("backward.strategy=")
+            o.split("=", 1)[1] in BACKWARD_STRATEGIES for o in overrides if o.startswith("backward.strategy=")
         )
     }
     return proto
@@ -102,12 +109,9 @@ def metric_specs(recipe: dict) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- running
-def run_one(
-    config: str, overrides: list[str], seed: int, run_dir: Path, extra: list[str]
-) -> tuple[Path, float | None]:
-    """Train one (arm, seed); reuse a finished run, resume an interrupted one. Returns (dir, seconds it ran),
-    seconds None for a reused run."""
-    cmd = [
+def train_command(config: str, overrides: list[str], seed: int, run_dir: Path, extra: list[str]) -> list[str]:
+    """The ``python -m jagg.train`` command of one (arm, seed)."""
+    return [
         sys.executable,
         "-m",
         "jagg.train",
@@ -118,6 +122,14 @@ def run_one(
         f"log.run_dir={run_dir}",
         *extra,
     ]
+
+
+def run_one(
+    config: str, overrides: list[str], seed: int, run_dir: Path, extra: list[str]
+) -> tuple[Path, float | None]:
+    """Train one (arm, seed); reuse a finished run, resume an interrupted one. Returns (dir, seconds it ran),
+    seconds None for a reused run."""
+    cmd = train_command(config, overrides, seed, run_dir, extra)
     # `done` records the command: a finished run is reused only for the same config, overrides and seed (a
     # changed protocol or recipe reruns it instead of silently reusing the old run)
     stamp = " ".join(cmd[1:]) + "\n"
@@ -136,15 +148,17 @@ def run_one(
     return run_dir, time.time() - started
 
 
-def run_all(jobs: list[tuple], n_parallel: int) -> dict:
+def run_all(jobs: list[tuple], n_parallel: int, finished=lambda key, run_dir: None) -> dict:
     """Run every job ``(key, config, overrides, seed, run_dir, extra)``; print a line per finished run with
-    its time and the ETA (wall-clock per newly run job so far, parallel runs included, x jobs left)."""
+    its time and the ETA (wall-clock per newly run job so far, parallel runs included, x jobs left), and call
+    ``finished(key, run_dir)`` for each."""
     t0, done, fresh, dirs = time.time(), 0, 0, {}
     with ThreadPoolExecutor(n_parallel) as pool:
         futures = {pool.submit(run_one, *job[1:]): job[0] for job in jobs}
         for fut in as_completed(futures):
             key = futures[fut]
             dirs[key], seconds = fut.result()
+            finished(key, dirs[key])
             done, fresh = done + 1, fresh + (seconds is not None)
             elapsed = time.time() - t0
             # wall time per newly run job (runs in parallel) x jobs left
@@ -158,17 +172,22 @@ def run_all(jobs: list[tuple], n_parallel: int) -> dict:
     return dirs
 
 
-def collect(run_dir: Path, strategy: str, seed: int) -> list[dict]:
-    """metrics.jsonl rows with strategy, seed, cumulative wall-clock, and the per-sample agreement of the two
-    attribute judges at every evaluation (from ``samples/eval_*.json``)."""
+def collect(run_dir: Path, strategy: str, seed: int, exact_dir: Path | None = None) -> list[dict]:
+    """metrics.jsonl rows with strategy, seed, cumulative wall-clock, the per-sample agreement of the two
+    attribute judges at every evaluation (from ``samples/eval_*.json``) and, where both runs saved their
+    evaluated state, the paired divergence from ``exact_dir``'s run (``paired_divergence``)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    saved = exact_dir is not None and any((exact_dir / "samples").glob("eval_*.rank*.pt"))
+    divergence = paired_divergence(run_dir, exact_dir) if saved else {}
     clock = 0.0
     for r in rows:
         clock += r.get("time_iteration_s", 0.0)
         r.update(strategy=strategy, seed=seed, wall_clock_s=clock)
-        for key in ("calibration_cosines", "routing"):  # lists: keep them readable in a CSV cell
+        for key in ("calibration_cosines", "routing", "fidelity_group_cosines"):  # keep a CSV cell readable
             if key in r:
                 r[key] = json.dumps(r[key])
+        if "eval_pref_mean" in r or any(k.startswith("eval_") for k in r):
+            r.update(divergence.get(r["iteration"], {}))
         per = run_dir / "samples" / f"eval_{r['iteration']:05d}.json"
         if per.is_file() and "eval_attr_judge_mean" in r:
             s = json.loads(per.read_text())
@@ -178,10 +197,13 @@ def collect(run_dir: Path, strategy: str, seed: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- analysis (results/ only)
-def load(recipe_dir: Path):
+def load(recipe_dir: Path, proto: dict | None = None):
+    """Every run's CSV of a recipe; with ``proto``, only its arms (a results directory may also hold runs of
+    arms that the protocol does not name, which its analysis must not read)."""
     import pandas as pd
 
-    return pd.concat([pd.read_csv(p) for p in sorted(recipe_dir.glob("*_seed*.csv"))], ignore_index=True)
+    df = pd.concat([pd.read_csv(p) for p in sorted(recipe_dir.glob("*_seed*.csv"))], ignore_index=True)
+    return df if proto is None else df[df.strategy.isin(list(proto["arms"]))]
 
 
 def per_run(df, metrics: list[str] | None = None) -> dict:
@@ -454,6 +476,9 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             *judge,
             "",
         ]
+    lines += (
+        contrast_lines(stats, proto) + fidelity_lines(df, arms) + dose_lines(df, stats, proto, arms, specs)
+    )
     lines += [
         "### Time (wall-clock includes two runs sharing 2 cores)",
         "",
@@ -462,6 +487,157 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         *routing_lines(df),
     ]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- version 4's instruments
+def contrast_lines(stats: dict, proto: dict) -> list[str]:
+    """The pre-registered contrast (``contrast``: better - worse, one-sided); in a pilot, the sizing of the
+    analysis from the contrast's paired SD."""
+    c = proto.get("contrast")
+    if not c or not all((a, s) in stats["runs"] for a in (c["better"], c["worse"]) for s in proto["seeds"]):
+        return []
+    import numpy as np
+
+    k = 0 if c["summary"] == "end" else 1
+    runs = stats["runs"]
+    d = [
+        runs[(c["better"], s)][c["metric"]][k] - runs[(c["worse"], s)][c["metric"]][k] for s in proto["seeds"]
+    ]
+    alpha, power = proto["alpha"], proto["power"]
+    ci, p_t, p_flip = paired_interval(d), one_sided_below([-x for x in d]), sign_flip_test(d, "greater")
+    ok = p_t < alpha and p_flip < alpha
+    lines = [
+        f"### Pre-registered contrast: {c['better']} - {c['worse']} ({c['metric'][5:-5]}, {c['summary']})",
+        "",
+        f"{ci} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {p_t:.4f}, sign-flip p = "
+        f"{p_flip:.4f}: **{'shown' if ok else 'not shown'}** at alpha {alpha} (both tests must pass).",
+        "",
+    ]
+    if proto.get("is_pilot"):
+        sd = float(np.std(d, ddof=1))
+        need = {
+            f"{e:.3f}": next(
+                (
+                    n
+                    for n in range(3, 201)
+                    if minimum_detectable_difference(sd, n, alpha, power, "greater") <= e
+                ),
+                ">200",
+            )
+            for e in sorted({abs(float(np.mean(d))), 0.05, 0.1})
+            if e > 0
+        }
+        lines += [
+            f"Sizing (pilot): paired SD {sd:.4f}; seeds for power {power} at one-sided alpha {alpha} by true "
+            "effect: " + ", ".join(f"{e}: {n}" for e, n in need.items()) + ".",
+            "",
+        ]
+    return lines
+
+
+def fidelity_lines(df, arms: list[str]) -> list[str]:
+    """Per arm: the mean cosine of its applied update to exact's (log.fidelity_every), its relative error and
+    the paired divergence from exact's run at the last evaluation, mean [95% CI] over seeds."""
+    if "fidelity_cosine" not in df:
+        return []
+    cols = [
+        c for c in ("fidelity_cosine", "fidelity_rel_err", "div_weights_rel", "div_samples_rel") if c in df
+    ]
+    last = df.dropna(subset=[c for c in cols if c.startswith("div_")] or cols[:1])
+    last = last[last.iteration == last.iteration.max()] if cols[-1].startswith("div_") else last
+    lines = [
+        "### Fidelity to exact and divergence from exact's run",
+        "",
+        "fidelity: the cosine (relative error) of each arm's applied update to exact's on the same rollout and "
+        "weights, mean over the logged iterations; divergence: ||theta - theta_exact|| / ||theta_exact - "
+        "theta_0|| and the same for the held-out samples, at the last evaluation. Mean [95% CI] over seeds.",
+        "",
+        "| arm | " + " | ".join(cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for arm in arms:
+        cells = []
+        for c in cols:
+            src = df if c.startswith("fidelity") else last
+            per_seed = src[src.strategy == arm].dropna(subset=[c]).groupby("seed")[c].mean()
+            cells.append(str(paired_interval(list(per_seed))) if len(per_seed) >= 2 else "-")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def control_scale(proto: dict) -> dict[str, dict[float, str]]:
+    """The dose-response scales: ``{direction: {cosine: control arm}}`` from the control arms' overrides."""
+    scales: dict[str, dict[float, str]] = {}
+    for arm in proto.get("control_arms", []):
+        o = dict(x.split("=", 1) for x in proto["arms"].get(arm, []))
+        if "train.control_cosine" in o:
+            direction = o.get("train.control_direction", "fixed")
+            scales.setdefault(direction, {})[float(o["train.control_cosine"])] = arm
+    return scales
+
+
+def dose_values(df, stats: dict, name: str) -> dict[tuple[str, int], float]:
+    """One number per (arm, seed) for a dose metric ``metric:summary`` (end / auc of an eval metric or a
+    divergence, the training reward's mean over the last quarter of iterations, a fidelity's mean)."""
+    metric, summary = name.split(":")
+    if summary in ("end", "auc") and metric in stats["metrics"]:
+        return {key: v[metric][0 if summary == "end" else 1] for key, v in stats["runs"].items()}
+    if metric not in df:
+        return {}
+    out = {}
+    for (arm, seed), e in df.dropna(subset=[metric]).groupby(["strategy", "seed"]):
+        e = e.sort_values("iteration")
+        if summary == "last_quarter":
+            e = e[e.iteration > e.iteration.max() * 3 / 4]
+        out[(arm, int(seed))] = float(e[metric].iloc[-1] if summary == "end" else e[metric].mean())
+    return out
+
+
+def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict]) -> list[str]:
+    """The dose-response table: per dose metric, each control's effect [95% CI] and each other arm located on
+    the fixed-direction and the fresh-direction scale ("behaves like a cosine-c gradient", bootstrap 95%
+    interval over seeds). Effects are paired differences to exact, except divergence and fidelity, which are
+    already relative to exact (its own values: 0 and 1)."""
+    scales, names = control_scale(proto), proto.get("dose_metrics", [])
+    if not scales or not names:
+        return []
+    others = [a for a in arms if a != "exact" and a not in proto.get("control_arms", [])]
+    head = [f"{arm} ({d})" for d, sc in scales.items() for arm in sc.values()]
+    lines = [
+        "### Dose-response: every arm on the controls' cosine scale",
+        "",
+        "Control columns: the effect (paired difference to exact; raw for divergence and fidelity), mean [95% "
+        "CI]. Arm columns: the cosine c at which a control (direction fixed per run / fresh per step) has the "
+        "arm's effect, by linear interpolation from cosine 1 (exact) down; a bound (<=, >=) where the effect "
+        "lies beyond the scale. Bootstrap 95% intervals over seeds, resampled jointly for scale and arm.",
+        "",
+        "| metric | " + " | ".join(head + [f"{a} on {d}" for a in others for d in scales]) + " |",
+        "|---|" + "---|" * (len(head) + len(others) * len(scales)),
+    ]
+    for name in names:
+        values = dose_values(df, stats, name)
+        paired = not name.startswith(("div_", "fidelity_"))
+        seeds = sorted({s for a, s in values if a == "exact"} if paired else {s for _, s in values})
+
+        def effect(arm: str) -> list[float] | None:
+            if any((arm, s) not in values or (paired and ("exact", s) not in values) for s in seeds):
+                return None
+            return [values[(arm, s)] - (values[("exact", s)] if paired else 0.0) for s in seeds]
+
+        reference = 0.0 if paired or name.startswith("div_") else 1.0
+        cells = [
+            str(paired_interval(e)) if (e := effect(a)) and len(e) >= 2 else "-"
+            for sc in scales.values()
+            for a in sc.values()
+        ]
+        for arm in others:
+            for sc in scales.values():
+                curve = {c: effect(a) for c, a in sc.items()}
+                mine = effect(arm)
+                ok = mine and len(seeds) >= 2 and all(v is not None for v in curve.values())
+                cells.append(str(located_cosine(curve, mine, reference)) if ok else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def plot(name: str, df, png: Path, arms: list[str]) -> None:
@@ -495,9 +671,11 @@ def plot(name: str, df, png: Path, arms: list[str]) -> None:
     plt.close(fig)
 
 
-def render(csv_dir: Path, figures: Path, proto_path: Path = PROTOCOL, long: bool = False) -> None:
+def render(
+    csv_dir: Path, figures: Path, proto_path: Path = PROTOCOL, long: bool = False, pilot: bool = False
+) -> None:
     """summary.md and one figure per recipe (``reward_curves_<recipe>.png``) from the CSVs and the protocol."""
-    proto = load_protocol(proto_path, long)
+    proto = load_protocol(proto_path, long, pilot)
     recipes = sorted(p for p in csv_dir.iterdir() if p.is_dir() and any(p.glob("*_seed*.csv")))
     md = (
         "# Reward curves\n\n"
@@ -510,7 +688,7 @@ def render(csv_dir: Path, figures: Path, proto_path: Path = PROTOCOL, long: bool
         "`control_<c>` is the positive control: the exact gradient mixed with one random direction fixed per "
         "run, at cosine c to the exact one (`train.control_cosine`).\n\n"
     )
-    frames = {r: load(r) for r in recipes}
+    frames = {r: load(r, proto) for r in recipes}
     md += "\n".join(recipe_section(r.name, r, df, proto) for r, df in frames.items())
     atomic_write_text(csv_dir / "summary.md", md)
     for r, df in frames.items():
@@ -572,7 +750,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", "--strategies", nargs="+", default=None, help="default: every arm")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (one torch thread each)")
     ap.add_argument("--runs", default="runs/curves")
-    ap.add_argument("--out", default=None, help="default results/curves (results/curves_quick with --quick)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default results/curves (version 3's protocol) or results/curves_v<N>, _pilot / _quick added",
+    )
     ap.add_argument("--figures", default="paper_figures")
     ap.add_argument("--quick", action="store_true", help="a few iterations, two seeds (QUICK=1: a smoke run)")
     ap.add_argument(
@@ -584,11 +766,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="--pilot-report at this evaluation (default the last)",
     )
+    ap.add_argument("--pilot", action="store_true", help="the protocol's pilot (its seeds and arms) + sizing")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     set_threads(1)  # this process only orchestrates; each run uses one thread
     proto_path = Path(args.protocol)
-    proto = load_protocol(proto_path, args.long)
+    proto = load_protocol(proto_path, args.long, args.pilot)
     if args.pilot_report:
         print(
             pilot_report(
@@ -612,10 +795,15 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "_quick" if args.quick else ""
     seeds = proto["seeds"][: min(args.seeds or len(proto["seeds"]), 2 if args.quick else 99)]
     if len(seeds) < 2:
-        raise SystemExit("--seeds must be >= 2: the comparisons are paired over seeds")
+        raise SystemExit(
+            f"{proto_path.name}: --seeds and the protocol's seeds must give >= 2 seeds (the comparisons are "
+            f"paired over seeds), got {seeds}"
+        )
+    proto["seeds"] = seeds
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
     arms = args.arms or list(proto["arms"])
-    runs, out = Path(args.runs + suffix), Path(args.out or f"results/curves{suffix}")
+    runs = Path(args.runs + suffix)
+    out = Path(args.out or f"results/{default_out(proto_path, args.pilot)}{suffix}")
     jobs = [
         (
             (r, a, k),
@@ -629,27 +817,63 @@ def main(argv: list[str] | None = None) -> None:
         for k in seeds
         for a in arms
     ]
-    dirs = run_all(jobs, args.jobs)
-    tmp = out.with_name(out.name + ".partial")  # written whole, then swapped in: no half-written results
-    shutil.rmtree(tmp, ignore_errors=True)
-    for r, spec in recipes.items():
-        meta = run_metadata(
-            command=command_line("experiments/curves.py", argv),
-            config=spec["config"],
-            overrides=spec.get("overrides", []) + extra,
-            seed=seeds,
-            protocol=f"{proto_path.name} @ {protocol_sha(proto_path)}",
-            run_json=json.loads((dirs[(r, arms[0], seeds[0])] / "run.json").read_text())["config"],
-        )
-        for a in arms:
-            for k in seeds:
-                write_table(collect(dirs[(r, a, k)], a, k), tmp / r / f"{a}_seed{k}.csv", meta)
+    run_and_record(jobs, out, proto_path, argv, args.jobs)
     figures = Path(args.figures) / ("quick" if args.quick else "")
-    render(tmp, figures, proto_path, args.long)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    render(out, figures, proto_path, args.long, args.pilot)
     print((out / "summary.md").read_text())
     print(f"wrote {out}/<recipe>/*.csv, {out}/summary.md, {figures}/reward_curves_<recipe>.png")
+
+
+def default_out(proto_path: Path, pilot: bool) -> str:
+    """results/curves (versions 2-3's protocol file), results/curves_v<N> for a later version's file, plus
+    ``_pilot`` for its pilot."""
+    version = yaml.safe_load(proto_path.read_text())["protocol_version"]
+    base = "curves" if proto_path.resolve() == PROTOCOL.resolve() else f"curves_v{version}"
+    return base + ("_pilot" if pilot else "")
+
+
+def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_parallel: int) -> None:
+    """Run what ``out`` lacks and write each run's CSV as soon as it and exact's run of its seed are done.
+
+    ``out/<recipe>/<arm>_seed<k>.csv`` is the record a later session resumes from (run directories are not
+    committed): a run whose CSV was written by the same command is not run again. Exact's run of a seed is
+    (re)run whenever another arm of that seed runs, because the paired divergence reads its evaluated states.
+    Each CSV's meta records the command and the git SHA of the code that trained it.
+    """
+    by_key = {job[0]: job for job in jobs}
+    stamp = {key: " ".join(train_command(*job[1:])[1:]) for key, job in by_key.items()}
+
+    def csv(key: tuple) -> Path:
+        r, a, k = key
+        return out / r / f"{a}_seed{k}.csv"
+
+    def current(key: tuple) -> bool:
+        meta = csv(key).with_suffix(".meta.json")
+        return meta.is_file() and json.loads(meta.read_text()).get("run_command") == stamp[key]
+
+    todo = {key for key in by_key if not current(key)}
+    todo |= {(r, "exact", k) for r, _, k in todo if (r, "exact", k) in by_key}
+    done: dict = {}
+
+    def finished(key: tuple, run_dir: Path) -> None:
+        done[key] = run_dir
+        for r, a, k in [x for x in todo if x in done and not current(x)]:
+            exact = done.get((r, "exact", k))
+            if exact is None:
+                continue  # written once exact's run of this seed is done
+            job = by_key[(r, a, k)]
+            meta = run_metadata(
+                command=command_line("experiments/curves.py", argv),
+                run_command=stamp[(r, a, k)],
+                config=job[1],
+                overrides=[*job[2], *job[5]],
+                seed=k,
+                protocol=f"{proto_path.name} @ {protocol_sha(proto_path)}",
+                run_json=json.loads((done[(r, a, k)] / "run.json").read_text())["config"],
+            )
+            write_table(collect(done[(r, a, k)], a, k, exact), csv((r, a, k)), meta)
+
+    run_all([by_key[key] for key in by_key if key in todo], n_parallel, finished)
 
 
 if __name__ == "__main__":

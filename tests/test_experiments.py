@@ -101,7 +101,53 @@ def _curves(res, figs, root):
     )
 
 
-DRIVERS = {"theorem1": _theorem1, "table1": _table1, "cosine": _cosine, "curves": _curves}
+V4 = Path(curves.__file__).with_name("curves_protocol_v4.yaml")
+
+
+def _curves_v4(res, figs, root):
+    """Protocol version 4's instruments on tiny runs: a copy of its file with the jpeg reward as the metric,
+    two seeds, exact / jagg / endpoints and a fresh-direction control, 9 steps (2 blocks of 4), 2 iterations;
+    the runs directory is deleted after, as a new session's checkout lacks it."""
+    proto = yaml.safe_load(V4.read_text())
+    recipe = proto["recipes"]["authors"]
+    recipe["primary"] = {"metric": "eval_jpeg_mean", "summary": "end", "margin": 0.5}
+    recipe["secondary"] = [{"metric": "eval_jpeg_mean", "summary": "auc", "margin": 0.5}]
+    proto["contrast"]["metric"] = "eval_jpeg_mean"
+    proto["dose_metrics"] = [
+        "eval_jpeg_mean:end",
+        "reward_mean:last_quarter",
+        "div_weights_rel:end",
+        "fidelity_cosine:mean",
+    ]
+    proto["seeds"] = [1, 2]
+    (root / "protocol_v4.yaml").write_text(yaml.safe_dump(proto))
+    arms = ["exact", "jagg", "endpoints", "control_fresh_0.8"]
+    args = [
+        "--quick",
+        "--protocol",
+        str(root / "protocol_v4.yaml"),
+        "--arms",
+        *arms,
+        "--runs",
+        str(root / "runs_v4"),
+    ]
+    short = ["sampling.num_steps=9", "sampling.eval_num_steps=3", "train.iterations=2", "log.eval_every=1"]
+    args += ["--out", str(res / "curves_v4"), "--figures", str(figs), *TINY, *short, "log.fidelity_every=1"]
+    curves.main(args)
+    import shutil
+
+    shutil.rmtree(root / "runs_v4_quick")
+    curves.main(args)  # a later session: every CSV is current, nothing runs again
+    assert not (root / "runs_v4_quick").exists()
+
+
+DRIVERS = {
+    "theorem1": _theorem1,
+    "table1": _table1,
+    "cosine": _cosine,
+    "curves": _curves,
+    "curves_v4": _curves_v4,
+}
 
 
 def test_theorem1_quick(quick):
@@ -332,6 +378,25 @@ def test_judges_line_counts_agreement_and_moves():
     line = judges_line(first, last, "eval_0", "eval_9")
     assert "agree on 2 / 4 samples at eval_0 and 3 / 4 at eval_9" in line
     assert "by `attr` 2 / 1, by `attr_judge` 0 / 0" in line
+
+
+def test_curves_v4_quick_logs_fidelity_divergence_and_places_arms_on_the_controls_scale(quick):
+    res, _ = quick("curves_v4")
+    out = res / "curves_v4" / "authors"
+    df = pd.concat([pd.read_csv(p) for p in out.glob("*_seed*.csv")])
+    fid = df.dropna(subset=["fidelity_cosine"]).groupby("strategy").fidelity_cosine
+    assert fid.min()["exact"] == pytest.approx(1.0, abs=1e-5)
+    assert fid.max()["control_fresh_0.8"] == pytest.approx(0.8, abs=1e-4) == fid.min()["control_fresh_0.8"]
+    assert fid.max()["endpoints"] < 1 - 1e-4
+    last = df[df.iteration == df.iteration.max()]
+    assert (last[last.strategy == "exact"].div_weights_rel == 0).all()
+    assert (last[last.strategy == "control_fresh_0.8"].div_weights_rel > 0).all()
+    meta = _meta_ok(out / "jagg_seed1.csv")
+    assert "train.seed=1" in meta["run_command"] and meta["protocol"].startswith("protocol_v4.yaml @ ")
+    summary = (res / "curves_v4" / "summary.md").read_text()
+    for section in ("Pre-registered contrast: jagg - endpoints", "Fidelity to exact", "Dose-response"):
+        assert section in summary
+    assert "| fidelity_cosine:mean |" in summary and "jagg on fresh" in summary
 
 
 def test_curves_claims_an_attribute_gain_only_where_the_eval_only_judge_confirms_it():
