@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check check-weights hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check check-weights hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-v3 curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -90,10 +90,17 @@ knots: $(STAMP) pretrain ## Shared knots vs JAGG groups: cosine to exact vs back
 routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per world backbone x algorithm, timed vs jagg_frac 0.6 -> results/routing.{csv,md}
 	$(PY) experiments/routing.py
 
-curves: $(STAMP) pretrain ## Reward curves under experiments/curves_protocol.yaml: DanceGRPO x exact / jagg / auto / endpoints / uniform / jagg_index / positive control x 7 paired seeds, the same battery on every arm (~45 min; QUICK=1: a smoke run) -> results/curves/, paper_figures/reward_curves_*.png
-	$(PY) experiments/curves.py $(if $(QUICK),--quick,)
+V4 := experiments/curves_protocol_v4.yaml
+curves: $(STAMP) pretrain ## Reward curves under protocol v4 (experiments/curves_protocol_v4.yaml): the authors' structure, exact / jagg / jagg_index / endpoints / knots / controls at cosines 0.95, 0.8, 0.5 (fixed and fresh direction), fidelity, divergence, dose-response; resumes from results/curves_v4/ (hours; QUICK=1: a smoke run) -> results/curves_v4/, paper_figures/reward_curves_authors.png
+	$(PY) experiments/curves.py --protocol $(V4) $(if $(QUICK),--quick,)
 
-curves-long: $(STAMP) pretrain ## The protocol's long design: + Flow-GRPO-Fast, 12 paired seeds (~2 h) -> results/curves/
+curves-pilot: $(STAMP) pretrain ## Protocol v4's pilot (seeds 900-902, exact / jagg / endpoints / control 0.5) and the sizing of its seeds (~1 h) -> results/curves_v4_pilot/
+	$(PY) experiments/curves.py --protocol $(V4) --pilot
+
+curves-v3: $(STAMP) pretrain ## Protocol v3 as analysed (experiments/curves_protocol.yaml): DanceGRPO x exact / jagg / auto / endpoints / uniform / jagg_index / control 0.2 x 7 seeds (~45 min) -> results/curves/
+	$(PY) experiments/curves.py
+
+curves-long: $(STAMP) pretrain ## Protocol v3's long design: + Flow-GRPO-Fast, 12 paired seeds (~2 h) -> results/curves/
 	$(PY) experiments/curves.py --long
 
 judges-ood: $(STAMP) pretrain ## The three attribute judges on degradations none was trained on (~1 min) -> results/judges_ood.md

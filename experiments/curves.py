@@ -493,16 +493,14 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
     """The pre-registered contrast (``contrast``: better - worse, one-sided); in a pilot, the sizing of the
     analysis from the contrast's paired SD."""
-    c = proto.get("contrast")
-    if not c or not all((a, s) in stats["runs"] for a in (c["better"], c["worse"]) for s in proto["seeds"]):
+    c, runs = proto.get("contrast"), stats["runs"]
+    seeds = sorted(s for a, s in runs if c and a == c["better"] and (c["worse"], s) in runs)
+    if len(seeds) < 2 or c["metric"] not in stats["metrics"]:
         return []
     import numpy as np
 
     k = 0 if c["summary"] == "end" else 1
-    runs = stats["runs"]
-    d = [
-        runs[(c["better"], s)][c["metric"]][k] - runs[(c["worse"], s)][c["metric"]][k] for s in proto["seeds"]
-    ]
+    d = [runs[(c["better"], s)][c["metric"]][k] - runs[(c["worse"], s)][c["metric"]][k] for s in seeds]
     alpha, power = proto["alpha"], proto["power"]
     ci, p_t, p_flip = paired_interval(d), one_sided_below([-x for x in d]), sign_flip_test(d, "greater")
     ok = p_t < alpha and p_flip < alpha
@@ -818,7 +816,7 @@ def main(argv: list[str] | None = None) -> None:
         for a in arms
     ]
     run_and_record(jobs, out, proto_path, argv, args.jobs)
-    figures = Path(args.figures) / ("quick" if args.quick else "")
+    figures = Path(args.figures) / ("quick" if args.quick else "") / ("pilot" if args.pilot else "")
     render(out, figures, proto_path, args.long, args.pilot)
     print((out / "summary.md").read_text())
     print(f"wrote {out}/<recipe>/*.csv, {out}/summary.md, {figures}/reward_curves_<recipe>.png")

@@ -274,6 +274,22 @@ TARGETS = [
         ".",
         regenerator("curves.py", "render"),
     ),  # one reward_curves_<recipe>.png per recipe
+    (
+        "reward curves, protocol v4",
+        "curves_v4",
+        ".",
+        lambda path, png: runpy.run_path(str(EXPERIMENTS / "curves.py"))["render"](
+            path, png, EXPERIMENTS / "curves_protocol_v4.yaml"
+        ),
+    ),
+    (
+        "reward curves, protocol v4's pilot",
+        "curves_v4_pilot",
+        "pilot",
+        lambda path, png: runpy.run_path(str(EXPERIMENTS / "curves.py"))["render"](
+            path, png, EXPERIMENTS / "curves_protocol_v4.yaml", pilot=True
+        ),
+    ),
 ]
 
 
