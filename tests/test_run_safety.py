@@ -64,16 +64,16 @@ def _tiny_trainer(tmp_path, *overrides):
 
 
 def _count_saves(monkeypatch) -> list[int]:
-    import jagg.loop.trainer as trainer_module
+    import jagg.loop.checkpoint as checkpoint_module
 
     saved: list[int] = []
-    real = trainer_module.save_checkpoint
+    real = checkpoint_module.start_checkpoint
 
     def counted(run_dir, **kw):
         saved.append(kw["progress"].iteration)
         return real(run_dir, **kw)
 
-    monkeypatch.setattr(trainer_module, "save_checkpoint", counted)
+    monkeypatch.setattr(checkpoint_module, "start_checkpoint", counted)
     return saved
 
 
