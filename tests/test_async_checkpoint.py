@@ -47,7 +47,10 @@ def _same_checkpoints(a: Path, b: Path) -> None:
 
 
 def test_an_async_run_writes_the_checkpoints_a_sync_run_writes(tmp_path):
-    trainers = {a: build_trainer(tiny_config(tmp_path / a, *RUN, f"log.async_checkpoint={a}")) for a in ("false", "true")}
+    trainers = {
+        a: build_trainer(tiny_config(tmp_path / a, *RUN, f"log.async_checkpoint={a}"))
+        for a in ("false", "true")
+    }
     assert [t.checkpoints.asynchronous for t in trainers.values()] == [False, True]
     rows = {a: _strip(t.fit()) for a, t in trainers.items()}
     assert rows["true"] == rows["false"] and [r["iteration"] for r in rows["true"]] == [1, 2, 3]
@@ -96,7 +99,12 @@ def _live_state(trainer) -> dict:
 
 
 def test_an_async_save_is_a_snapshot_invisible_until_finished(tmp_path, gated_writes):
-    over = ("train.iterations=2", "log.checkpoint_every=0", "optim.ema_decay=0.5", "log.async_checkpoint=true")
+    over = (
+        "train.iterations=2",
+        "log.checkpoint_every=0",
+        "optim.ema_decay=0.5",
+        "log.async_checkpoint=true",
+    )
     trainer = build_trainer(tiny_config(tmp_path, *over))
     trainer._next_iteration(None)
     at_save = _live_state(trainer)
@@ -116,7 +124,9 @@ def test_an_async_save_is_a_snapshot_invisible_until_finished(tmp_path, gated_wr
         assert torch.equal(saved[key], value), key
     assert any(not torch.equal(later["tensors"][k], v) for k, v in at_save["tensors"].items())
     assert progress["iteration"] == 1 and progress["metrics"] == at_save["metrics"] != later["metrics"]
-    assert torch.equal(progress["rng"]["torch"], at_save["rng"]) and not torch.equal(at_save["rng"], later["rng"])
+    assert torch.equal(progress["rng"]["torch"], at_save["rng"]) and not torch.equal(
+        at_save["rng"], later["rng"]
+    )
 
 
 # --------------------------------------------------------------------------- 2 gloo ranks (FSDP2)

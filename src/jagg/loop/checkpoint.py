@@ -410,7 +410,9 @@ class PendingCheckpoint:
         """Wait for every rank's write, add the manifest and swap the directory in: from here on the save is the
         run's checkpoint. A collective. ``CheckpointError`` when the disk filled up on any rank."""
         dist, tmp = self.dist, self.final.with_name(CHECKPOINT + ".tmp")
-        digests = _gather_dicts(self._unless_full(self.written.result), dist)  # every rank's files are written
+        digests = _gather_dicts(
+            self._unless_full(self.written.result), dist
+        )  # every rank's files are written
         others = sorted(p.name for p in tmp.iterdir() if p.name not in digests)  # files DCP named otherwise
         digests |= _digest_share(tmp, others, dist)
         self._unless_full(lambda: _write_manifest(tmp, digests, dist))
@@ -429,7 +431,9 @@ class PendingCheckpoint:
             if not _is_disk_full(err):
                 raise
             result, full = None, True
-        if self.dist.reduce_scalars({"full": float(full)}, op="max")["full"] > 0:  # rank 0 alone may have hit it
+        if (
+            self.dist.reduce_scalars({"full": float(full)}, op="max")["full"] > 0
+        ):  # rank 0 alone may have hit it
             where = self.final.parent
             if self.dist.is_main:
                 shutil.rmtree(self.final.with_name(CHECKPOINT + ".tmp"), ignore_errors=True)
