@@ -129,6 +129,36 @@ def test_an_async_save_is_a_snapshot_invisible_until_finished(tmp_path, gated_wr
     )
 
 
+@pytest.mark.parametrize("asynchronous", ["false", "true"])
+def test_a_full_disk_during_a_write_is_one_error_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, asynchronous
+):
+    """ENOSPC inside DCP's writer reaches the caller as DCP's CheckpointException (a BaseException wrapping
+    each rank's error): one CheckpointError, from the save itself or, asynchronous, from its finish."""
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from jagg.errors import CheckpointError
+
+    calls, real = [], FileSystemWriter.write_data
+
+    def second_fills_the_disk(self, plan, planner):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", second_fills_the_disk)
+    over = ("train.iterations=2", "log.checkpoint_every=1", f"log.async_checkpoint={asynchronous}")
+    trainer = build_trainer(tiny_config(tmp_path, *over))
+    with pytest.raises(CheckpointError, match=r"disk full while writing checkpoint .* free on .* needed"):
+        trainer.fit()  # the second save fails (asynchronous: in the background; fit's end reports it)
+    assert not (tmp_path / "checkpoint.tmp").exists()
+    assert read_progress(tmp_path / "checkpoint")["iteration"] == 1
+    verify_checkpoint(tmp_path / "checkpoint", DistInfo())
+
+
 # --------------------------------------------------------------------------- 2 gloo ranks (FSDP2)
 TWO_RANKS = (  # one prompt group of 4 split 2 + 2 over the ranks
     "train.prompts_per_iter=1",

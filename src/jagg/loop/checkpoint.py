@@ -272,6 +272,14 @@ def _space(directory: Path, state: dict, progress: Progress, dist: DistInfo) -> 
     return free, needed, short
 
 
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: an OSError, or DCP's ``CheckpointException`` holding every rank's error (a
+    ``BaseException``, not a ``RuntimeError``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (OSError, RuntimeError, CheckpointException)
+
+
 def _is_disk_full(err: BaseException) -> bool:
     """An ENOSPC anywhere in the error, its causes or, for DCP's ``CheckpointException``, its ranks' failures."""
     seen = 0
@@ -373,7 +381,7 @@ def _write(tmp: Path, state: dict, meta: dict | None, dist: DistInfo, *, asynchr
             return _in_background(then_progress_and_digests, getattr(upload, "upload_completion", upload))
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.enabled)
         done.set_result(then_progress_and_digests())
-    except (OSError, RuntimeError) as err:  # DCP's CheckpointException is a RuntimeError
+    except _write_errors() as err:
         if not _is_disk_full(err):
             raise
         done.set_exception(err)  # PendingCheckpoint.finish reports it on every rank
@@ -410,9 +418,8 @@ class PendingCheckpoint:
         """Wait for every rank's write, add the manifest and swap the directory in: from here on the save is the
         run's checkpoint. A collective. ``CheckpointError`` when the disk filled up on any rank."""
         dist, tmp = self.dist, self.final.with_name(CHECKPOINT + ".tmp")
-        digests = _gather_dicts(
-            self._unless_full(self.written.result), dist
-        )  # every rank's files are written
+        mine = self._unless_full(self.written.result)  # waits for this rank's write
+        digests = _gather_dicts(mine, dist)  # past it, every rank's files are on disk
         others = sorted(p.name for p in tmp.iterdir() if p.name not in digests)  # files DCP named otherwise
         digests |= _digest_share(tmp, others, dist)
         self._unless_full(lambda: _write_manifest(tmp, digests, dist))
@@ -427,21 +434,20 @@ class PendingCheckpoint:
         full = False
         try:
             result = step()
-        except (OSError, RuntimeError) as err:  # DCP's CheckpointException is a RuntimeError
+        except _write_errors() as err:
             if not _is_disk_full(err):
                 raise
             result, full = None, True
-        if (
-            self.dist.reduce_scalars({"full": float(full)}, op="max")["full"] > 0
-        ):  # rank 0 alone may have hit it
-            where = self.final.parent
-            if self.dist.is_main:
-                shutil.rmtree(self.final.with_name(CHECKPOINT + ".tmp"), ignore_errors=True)
-            raise CheckpointError(
-                f"disk full while writing checkpoint {self.final}: {format_bytes(shutil.disk_usage(where).free)} "
-                f"free on {where}, {format_bytes(self.needed)} needed; free some space and resume with --resume"
-            )
-        return result
+        if self.dist.reduce_scalars({"full": float(full)}, op="max")["full"] == 0:  # rank 0 alone may hit it
+            return result
+        where = self.final.parent
+        if self.dist.is_main:
+            shutil.rmtree(self.final.with_name(CHECKPOINT + ".tmp"), ignore_errors=True)
+        free = format_bytes(shutil.disk_usage(where).free)
+        raise CheckpointError(
+            f"disk full while writing checkpoint {self.final}: {free} free on {where}, "
+            f"{format_bytes(self.needed)} needed; free some space and resume with --resume"
+        )
 
 
 def _write_manifest(tmp: Path, digests: dict, dist: DistInfo) -> None:
