@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv smoke test test-dist lint format bench gpu-check plan-check check-weights hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-v3 curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv smoke test test-dist lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-v3 curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -53,6 +53,9 @@ format: $(STAMP) ## Auto-format with ruff
 
 bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image backbones -> results/bench_group_backward.csv
 	$(PY) experiments/bench_group_backward.py --repeats 15 --out results/bench_group_backward.csv
+
+bench-checkpoint: $(STAMP) ## Training blocked by a checkpoint save, synchronous vs asynchronous (log.async_checkpoint), random-init Flux on the CPU -> results/checkpoint_async.csv
+	$(PY) experiments/checkpoint_bench.py --repeats 5 --out results/checkpoint_async.csv
 
 gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights, stages with time budgets (a failing one does not stop the rest): environment + SDPA kernels, Qwen meta load, Flux / Qwen-Image blocks at real width, full-depth Flux LoRA 512 px, VAE + rewards 720 px, AdamW + DCP save, every JAGG mode's update -> results/gpu/gpu_check.json (without CUDA: tiny versions -> runs/gpu_check/)
 	$(PY) experiments/gpu_check.py

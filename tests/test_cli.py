@@ -254,14 +254,15 @@ def test_resume_compares_config_and_keeps_run_json(tmp_path, capsys):
     err = _fails(capsys, [*cli, "--resume", "backward.strategy=exact", "optim.lr=0.001"])
     assert "differs from" in err and "backward.strategy: 'jagg' -> 'exact'" in err and "optim.lr" in err
     assert _meta(run_dir) == first
-    assert main([*cli, "--resume", "train.iterations=2"]) == 0  # a longer run needs no flag
+    # a longer run, or checkpoints written in the background from now on, needs no flag
+    assert main([*cli, "--resume", "train.iterations=2", "log.async_checkpoint=true"]) == 0
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2]
     assert main([*cli, "train.iterations=3", "--resume", "--allow-config-change", "optim.lr=0.001"]) == 0
     meta = _meta(run_dir)
     assert {k: meta[k] for k in first} == first  # config, SHA, argv of the first run kept
     assert meta["config"]["optim"]["lr"] == first["config"]["optim"]["lr"]
     assert [r["config_changes"] for r in meta["resumes"]] == [
-        {"train.iterations": [1, 2]},
+        {"log.async_checkpoint": ["auto", True], "train.iterations": [1, 2]},
         {"optim.lr": [first["config"]["optim"]["lr"], 0.001], "train.iterations": [1, 3]},
     ]
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2, 3]

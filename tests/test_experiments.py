@@ -14,6 +14,7 @@ import yaml
 from jagg.config import TINY_OVERRIDES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import checkpoint_bench  # noqa: E402
 import cosine  # noqa: E402
 import curves  # noqa: E402
 import figures  # noqa: E402
@@ -227,6 +228,16 @@ def test_cosine_quick(quick):
     assert (au[au.reading == "sorted_subset"].step_span_mean >= 4).all()
     assert au.cosine.between(-1, 1).all() and "authors' recipe" in (res / "cosine.md").read_text()
     _meta_ok(res / "cosine_authors.csv")
+
+
+def test_checkpoint_bench_quick(tmp_path):
+    out = tmp_path / "checkpoint_async.csv"
+    checkpoint_bench.main(["--quick", "--out", str(out)])
+    rows = pd.read_csv(out)
+    assert sorted(rows["mode"]) == ["async", "sync"] and (rows.checkpoint_bytes > 0).all()
+    assert np.allclose(rows.blocking_s, rows.block_at_save_s + rows.block_at_finish_s)
+    assert "| flux tiny |" in out.with_suffix(".md").read_text()
+    _meta_ok(out)
 
 
 def test_curves_quick(quick):

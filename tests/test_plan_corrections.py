@@ -64,13 +64,33 @@ def test_recompute_term_has_2b_rows_in_the_batched_mode():
 
 def test_precomputed_embeddings_stage_the_text_encoder_on_the_host():
     """Qwen-Image DanceGRPO precomputes: every rank still loads Qwen2.5-VL-7B (bf16) once; rank 0 also holds
-    the 20.4B transformer in bf16. ~57 GiB rank 0 / ~19 GiB other ranks (was 49 / 11: HPSv2.1's staging)."""
-    cfg, mp = _plan(QWEN_DANCE)
+    the 20.4B transformer in bf16. ~57 GiB rank 0 / ~19 GiB other ranks (was 49 / 11: HPSv2.1's staging).
+    Synchronous checkpoints: no CPU copy of a save (next test)."""
+    cfg, mp = _plan(QWEN_DANCE, "log.async_checkpoint=false")
     qwen_vl = aux_params("qwen25_vl_7b") * 2
     n_all = sum(p.numel() for p in meta_transformer(cfg)[0].parameters())
     assert mp.host["other ranks"] == pytest.approx(HOST_BASELINE + qwen_vl)
     assert mp.host["rank 0"] == pytest.approx(HOST_BASELINE + qwen_vl + n_all * 2)
     assert 56 < mp.host["rank 0"] / GIB < 59 and 18 < mp.host["other ranks"] / GIB < 21
+
+
+def test_async_checkpoints_hold_a_cpu_copy_of_each_ranks_share():
+    """A CUDA run (auto) writes asynchronously from a CPU copy of each rank's share of the checkpoint (Qwen-Image
+    full fine-tuning: 228 GiB / 8); it is held during training, so it counts against the loading's transients
+    (the larger of the two), not on top of them."""
+    cfg, mp = _plan(QWEN_DANCE)
+    _, sync = _plan(QWEN_DANCE, "log.async_checkpoint=false")
+    share = disk_plan(cfg, meta_transformer(cfg)[0])["checkpoint"] / 8
+    assert (
+        cfg.train.device == "cuda"
+        and mp.checkpoint_copy == pytest.approx(share)
+        and sync.checkpoint_copy == 0
+    )
+    loading = sync.host["other ranks"] - HOST_BASELINE
+    assert mp.host["other ranks"] == pytest.approx(HOST_BASELINE + max(loading, share))
+    assert 28 < share / GIB < 29 and mp.host["rank 0"] == sync.host["rank 0"]  # rank 0's loading is larger
+    _, cpu = _plan(QWEN_DANCE, "train.device=cpu")
+    assert cpu.checkpoint_copy == 0
 
 
 def test_dry_run_states_disk():

@@ -64,16 +64,16 @@ def _tiny_trainer(tmp_path, *overrides):
 
 
 def _count_saves(monkeypatch) -> list[int]:
-    import jagg.loop.trainer as trainer_module
+    import jagg.loop.checkpoint as checkpoint_module
 
     saved: list[int] = []
-    real = trainer_module.save_checkpoint
+    real = checkpoint_module.start_checkpoint
 
     def counted(run_dir, **kw):
         saved.append(kw["progress"].iteration)
         return real(run_dir, **kw)
 
-    monkeypatch.setattr(trainer_module, "save_checkpoint", counted)
+    monkeypatch.setattr(checkpoint_module, "start_checkpoint", counted)
     return saved
 
 
@@ -610,6 +610,81 @@ def test_disk_full_while_saving_is_one_line_and_the_next_start_cleans_up(tmp_pat
     assert main(_cli(tmp_path, "--resume", "train.iterations=2", "log.checkpoint_every=1")) == 0
     assert not (run / "checkpoint.tmp").exists() and not list(run.glob(".*.tmp"))
     assert [r["iteration"] for r in _rows(run)] == [1, 2]
+
+
+SECOND_WRITE_NEVER_ENDS = (  # jagg.train whose second checkpoint write hangs (a slow disk) until killed
+    "import sys, time\nfrom pathlib import Path\n"
+    "from torch.distributed.checkpoint.filesystem import FileSystemWriter\nfrom jagg.train import main\n"
+    "calls, real = [], FileSystemWriter.write_data\n"
+    "def write_data(self, plan, planner):\n"
+    "    calls.append(1)\n"
+    "    if len(calls) == 2:\n"
+    "        Path(sys.argv[1]).write_text('in flight')\n"
+    "        time.sleep(600)\n"
+    "    return real(self, plan, planner)\n"
+    "FileSystemWriter.write_data = write_data\nsys.exit(main(sys.argv[2:]))\n"
+)
+
+
+def _iterations_logged(run) -> list[int]:
+    """The iterations of metrics.jsonl's complete lines (a live run may be writing the last one)."""
+    path = run / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(x)["iteration"] for x in lines]
+
+
+def test_kill_9_during_an_async_write_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """The second save (iteration 2) of a run with log.async_checkpoint never finishes writing; training goes
+    on (iteration 3 is logged) until the next save waits for it, then kill -9. What is left: iteration 1's
+    checkpoint, complete and verified, and checkpoint.tmp/; the resume removes the latter, redoes iterations
+    2-4 and ends where an uninterrupted synchronous run ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jagg.distributed import DistInfo
+    from jagg.loop.checkpoint import find_checkpoint, read_checkpoint, read_progress, verify_checkpoint
+
+    run, marker = tmp_path / "run", tmp_path / "in_flight"
+    every = ["train.iterations=4", "log.checkpoint_every=1"]
+    args = _cli(tmp_path, *every, "log.async_checkpoint=true")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SECOND_WRITE_NEVER_ENDS, str(marker), *args],
+            stdout=log,
+            stderr=log,
+            env=env,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not (marker.exists() and 3 in _iterations_logged(run)):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+                time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert find_checkpoint(run) == run / "checkpoint" and read_progress(run / "checkpoint")["iteration"] == 1
+    verify_checkpoint(run / "checkpoint", DistInfo())
+    assert (run / "checkpoint.tmp").is_dir() and not (run / "checkpoint.tmp" / "manifest.json").exists()
+    assert main(_cli(tmp_path, "--resume", *every, "log.async_checkpoint=true")) == 0
+    assert sorted(p.name for p in run.glob("checkpoint*")) == ["checkpoint"]
+    assert main(_cli(tmp_path / "b", *every)) == 0  # uninterrupted, synchronous
+    assert _rows(run) == _rows(tmp_path / "b" / "run") and [r["iteration"] for r in _rows(run)] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    resumed, uninterrupted = (
+        read_checkpoint(run / "checkpoint"),
+        read_checkpoint(tmp_path / "b" / "run" / "checkpoint"),
+    )
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
 def test_a_moved_run_directory_resumes(tmp_path):

@@ -82,12 +82,15 @@ def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpo
     assert m["onpolicy_ratio_max_dev"] <= (0.0 if reuse or endpoints != "batched" else 1e-6)
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_cfg):
+@pytest.mark.parametrize("asynchronous", ["false", "true"])
+def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_cfg, asynchronous):
+    """With log.async_checkpoint the interrupt finds iteration 2's save in flight: fit finishes it on the way out
+    (one process), so the resume starts from it as from a synchronous one."""
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     over = ("train.iterations=4", "log.checkpoint_every=2", "log.eval_every=2", "reward.eval=[jpeg]")
     full = build_trainer(tiny_cfg(*over, run_dir=full_dir)).fit()
 
-    cfg = tiny_cfg(*over, run_dir=cut_dir)
+    cfg = tiny_cfg(*over, f"log.async_checkpoint={asynchronous}", run_dir=cut_dir)
     trainer = build_trainer(cfg)
 
     def kill_after_third(row):
@@ -109,13 +112,19 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_cfg):
     assert [json.loads(x)["iteration"] for x in lines] == [0, 1, 2, 3, 4]
 
 
-def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypatch, tiny_cfg):
+@pytest.mark.parametrize("asynchronous", ["false", "true"])
+def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypatch, tiny_cfg, asynchronous):
     class NaNReward:
         def __call__(self, images, prompts):
             return torch.full((images.shape[0],), float("nan"))
 
     monkeypatch.setitem(REWARDS, "nan_test", lambda device=None: NaNReward())
-    cfg = tiny_cfg("reward.weights={nan_test: 1.0}", "train.iterations=5", "train.max_consecutive_skips=3")
+    cfg = tiny_cfg(
+        "reward.weights={nan_test: 1.0}",
+        "train.iterations=5",
+        "train.max_consecutive_skips=3",
+        f"log.async_checkpoint={asynchronous}",
+    )
     trainer = build_trainer(cfg)
     before = [p.detach().clone() for p in trainer.params]
     # two optimizer steps per iteration: 2 skips after iteration 1, 4 >= 3 after iteration 2
@@ -123,7 +132,8 @@ def test_nan_rewards_skip_updates_then_abort_with_checkpoint(tmp_path, monkeypat
         trainer.fit()
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))  # no update went through
     assert trainer.metrics[-1]["skipped_steps"] == 2 and trainer.iteration == 2
-    assert find_checkpoint(tmp_path) is not None
+    assert find_checkpoint(tmp_path) is not None and trainer.checkpoints.pending is None
+    assert not (tmp_path / "checkpoint.tmp").exists()  # complete before the abort
 
 
 def test_gradient_checkpointing_gives_identical_training(tmp_path, tiny_cfg):

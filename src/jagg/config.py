@@ -310,6 +310,11 @@ class LogConfig:
     # 1 | 2: also keep the previous checkpoint (checkpoint.prev/), which --resume falls back to, with a warning,
     # when the newest fails its size / SHA-256 check (one more checkpoint's worth of disk at rest)
     keep_checkpoints: int = 1
+    # write a checkpoint's shards in the background (DCP async_save: the state is first copied to CPU memory,
+    # then written while training goes on; the save becomes the checkpoint only once complete, as a synchronous
+    # one); auto (null in the dataclass): on CUDA, where the copy is fast and the write is not. Costs host memory
+    # for this rank's share of a checkpoint while it is written.
+    async_checkpoint: bool | None = _auto(None, "true, false or 'auto'")
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
     report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
     # jagg.loop.fidelity: every N iterations also compute exact's update on the same rollout and weights (not
@@ -325,6 +330,10 @@ class LogConfig:
     # checkpoint, ...); every thread's stack to run_dir/hang_rank<r>.txt once one lasts phase_timeout_s; 0 = off
     heartbeat_s: float = 300.0
     phase_timeout_s: float = 1800.0
+
+    def writes_async(self, device_type: str) -> bool:
+        """Whether checkpoints are written in the background on a ``device_type`` ("cuda" / "cpu") run."""
+        return device_type == "cuda" if self.async_checkpoint is None else self.async_checkpoint
 
 
 @dataclass(kw_only=True)

@@ -37,10 +37,21 @@ the needed space (the partial ``checkpoint.tmp/`` is removed, and the next run s
 
 The optimizer is saved once it has stepped (its state exists); saving before that writes the weights only,
 because building an AdamW state dict of a fresh optimizer would take a zero step and change the live run.
+
+Asynchronous saves (``log.async_checkpoint``; ``CheckpointWriter``): ``start_checkpoint`` copies the state to
+CPU memory (DCP's ``async_save`` stages before it returns) and captures progress.pt's contents (metrics, RNG
+states) before returning, so training goes on while a background thread writes the shards, then progress.pt,
+and hashes this rank's files. Nothing of it is visible until ``PendingCheckpoint.finish`` (a collective, at
+the next save, at the end of ``fit``, before an abort, before a resume): it waits for every rank's write,
+writes the manifest and swaps the directory in exactly as a synchronous save does (``save_checkpoint`` is
+``start_checkpoint(...).finish()``), so at any instant ``find_checkpoint`` sees only finished, verified saves; a
+kill during the write leaves ``checkpoint.tmp/``, which the next start removes. Under torchrun DCP's
+collectives in the background run on a gloo group of their own, never interleaved with the training's.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -48,8 +59,10 @@ import pickle
 import random
 import shutil
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -77,12 +90,11 @@ class Progress:
     placement: str | None = None  # backward.placement=auto (knots): the last measured placement rule
 
 
-@contextmanager
-def _single_process_ok():
-    """DCP warns on every save / load without a process group; that is the intended world-size-1 mode."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
-        yield
+def _single_process_ok() -> None:
+    """DCP warns on every save / load without a process group; that is the intended world-size-1 mode. The
+    filter stays (for this one message): an asynchronous save warns from its writer thread, after any
+    ``catch_warnings`` block of the caller would have ended (and that is not thread-safe)."""
+    warnings.filterwarnings("ignore", message="torch.distributed is .*unavailable or uninitialized")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -260,6 +272,14 @@ def _space(directory: Path, state: dict, progress: Progress, dist: DistInfo) -> 
     return free, needed, short
 
 
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: an OSError, or DCP's ``CheckpointException`` holding every rank's error (a
+    ``BaseException``, not a ``RuntimeError``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (OSError, RuntimeError, CheckpointException)
+
+
 def _is_disk_full(err: BaseException) -> bool:
     """An ENOSPC anywhere in the error, its causes or, for DCP's ``CheckpointException``, its ranks' failures."""
     seen = 0
@@ -273,7 +293,13 @@ def _is_disk_full(err: BaseException) -> bool:
     return False
 
 
-def save_checkpoint(
+def save_checkpoint(run_dir: str | Path, **kwargs) -> Path:
+    """Atomically write ``run_dir/checkpoint/`` with its manifest (module docstring) and return it: a synchronous
+    ``start_checkpoint(run_dir, **kwargs).finish()``. A collective: every rank calls it."""
+    return start_checkpoint(run_dir, **kwargs).finish()
+
+
+def start_checkpoint(
     run_dir: str | Path,
     *,
     model: nn.Module,
@@ -282,10 +308,14 @@ def save_checkpoint(
     config: dict,
     dist: DistInfo,
     keep: int = 1,
-) -> Path:
-    """Atomically write ``run_dir/checkpoint/`` with its manifest (module docstring); ``keep=2`` keeps the
-    previous one as ``checkpoint.prev/``. A collective: every rank calls it. ``CheckpointError`` when the
-    disk has not the space it needs (checked first) or fills up while it writes."""
+    asynchronous: bool = False,
+    group=None,
+) -> PendingCheckpoint:
+    """Start a save of ``run_dir/checkpoint/`` (``keep=2`` keeps the previous one as ``checkpoint.prev/``) from a
+    snapshot of the state taken before it returns; the shards are written here or, ``asynchronous``, by a
+    background thread (DCP's collectives on ``group``, a gloo group, under torchrun). The result's ``finish()``
+    makes it the run's checkpoint. A collective. ``CheckpointError`` when the disk has not the space it needs
+    (checked first)."""
     final = checkpoint_dir(run_dir)
     tmp, prev = final.with_name(CHECKPOINT + ".tmp"), final.with_name(CHECKPOINT + ".prev")
     if dist.is_main:
@@ -301,40 +331,14 @@ def save_checkpoint(
             f"{format_bytes(needed)} needed (the previous checkpoint stays until the new one is complete); "
             "free some space and resume with --resume"
         )
-    full = False
-    try:
-        _write(tmp, state, progress, config, dist, stepped)
-    except (OSError, RuntimeError) as err:  # DCP's CheckpointException is a RuntimeError
-        if not _is_disk_full(err):
-            raise
-        full = True
-    if dist.reduce_scalars({"full": float(full)}, op="max")["full"] > 0:  # rank 0 alone may have hit it
-        if dist.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        free = format_bytes(shutil.disk_usage(final.parent).free)
-        raise CheckpointError(
-            f"disk full while writing checkpoint {final}: {free} free on {final.parent}, "
-            f"{format_bytes(needed)} needed; free some space and resume with --resume"
-        )
-    if dist.is_main:
-        _swap_in(tmp, final, prev if keep >= 2 else final.with_name(CHECKPOINT + ".old"))
-    dist.barrier()
-    return final
+    meta = _progress_meta(progress, config, stepped, dist) if dist.is_main else None
+    written = _write(tmp, state, meta, dist, asynchronous=asynchronous, group=group)
+    previous = prev if keep >= 2 else final.with_name(CHECKPOINT + ".old")
+    return PendingCheckpoint(final=final, previous=previous, needed=needed, dist=dist, written=written)
 
 
-def _write(tmp: Path, state: dict, progress: Progress, config: dict, dist: DistInfo, stepped: bool) -> None:
-    """Every rank's shards into ``tmp``, hashed in parallel; rank 0 adds progress.pt and the manifest."""
-    import torch.distributed.checkpoint as dcp
-
-    if dist.is_main:
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    with _single_process_ok():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.enabled)
-    dist.barrier()  # every shard is on disk before any rank hashes the files
-    digests = _digest_share(tmp, [p.name for p in tmp.iterdir()], dist)
-    if not dist.is_main:
-        return
+def _progress_meta(progress: Progress, config: dict, stepped: bool, dist: DistInfo) -> dict:
+    """progress.pt's contents, copied now: an asynchronous save writes them later, when the run has moved on."""
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     meta = {
         "iteration": progress.iteration,
@@ -348,10 +352,108 @@ def _write(tmp: Path, state: dict, progress: Progress, config: dict, dist: DistI
         "optimizer_saved": stepped,
         "world_size": dist.world_size,
     }
-    torch.save(meta, tmp / PROGRESS)
-    digests[PROGRESS] = file_digest(tmp / PROGRESS)
-    manifest = {"checksum": "sha256", "files": dict(sorted(digests.items()))}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return copy.deepcopy(meta)
+
+
+def _write(tmp: Path, state: dict, meta: dict | None, dist: DistInfo, *, asynchronous: bool, group) -> Future:
+    """Every rank's shards into ``tmp``, then rank 0's progress.pt (``meta``); the future holds this rank's
+    digests of the files it wrote, or a full disk's error. Asynchronous: ``async_save`` returns once ``state``
+    is copied to CPU memory, and a thread writes and hashes. Any other error is raised here."""
+    import torch.distributed.checkpoint as dcp
+
+    def then_progress_and_digests(upload: Future | None = None) -> dict:
+        if upload is not None:
+            upload.result()
+        if meta is not None:
+            torch.save(meta, tmp / PROGRESS)
+        return {n: file_digest(tmp / n) for n in _own_files(tmp, dist)}  # from the page cache
+
+    done: Future = Future()
+    try:
+        if dist.is_main:
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        _single_process_ok()
+        if asynchronous:
+            upload = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.enabled
+            )
+            return _in_background(then_progress_and_digests, getattr(upload, "upload_completion", upload))
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.enabled)
+        done.set_result(then_progress_and_digests())
+    except _write_errors() as err:
+        if not _is_disk_full(err):
+            raise
+        done.set_exception(err)  # PendingCheckpoint.finish reports it on every rank
+    return done
+
+
+def _in_background(fn: Callable, *args) -> Future:
+    """``fn(*args)`` on a thread of its own, which ends with it (interpreter exit waits for it)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="jagg-checkpoint")
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _own_files(tmp: Path, dist: DistInfo) -> list[str]:
+    """The files this rank wrote into ``tmp``: its DCP shards ``__<rank>_<i>.distcp``; rank 0 also DCP's
+    ``.metadata`` and progress.pt. (``PendingCheckpoint.finish`` hashes anything else it finds.)"""
+    names = sorted(p.name for p in tmp.glob(f"__{dist.rank}_*.distcp"))
+    return names + ([".metadata", PROGRESS] if dist.is_main else [])
+
+
+@dataclass
+class PendingCheckpoint:
+    """A started save (``start_checkpoint``): its state is a snapshot, its files may still be being written."""
+
+    final: Path
+    previous: Path  # where ``finish`` moves the current checkpoint: checkpoint.prev (kept) or checkpoint.old
+    needed: float  # bytes the save needs (the disk-full message names them)
+    dist: DistInfo
+    written: Future = field(repr=False)  # this rank's {file: digest} once its files are on disk
+
+    def finish(self) -> Path:
+        """Wait for every rank's write, add the manifest and swap the directory in: from here on the save is the
+        run's checkpoint. A collective. ``CheckpointError`` when the disk filled up on any rank."""
+        dist, tmp = self.dist, self.final.with_name(CHECKPOINT + ".tmp")
+        mine = self._unless_full(self.written.result)  # waits for this rank's write
+        digests = _gather_dicts(mine, dist)  # past it, every rank's files are on disk
+        others = sorted(p.name for p in tmp.iterdir() if p.name not in digests)  # files DCP named otherwise
+        digests |= _digest_share(tmp, others, dist)
+        self._unless_full(lambda: _write_manifest(tmp, digests, dist))
+        if dist.is_main:
+            _swap_in(tmp, self.final, self.previous)
+        dist.barrier()
+        return self.final
+
+    def _unless_full(self, step: Callable):
+        """``step()``'s result; a full disk on any rank (one reduction, so every rank decides alike) removes
+        ``checkpoint.tmp/`` and is one ``CheckpointError`` naming the free and the needed space."""
+        full = False
+        try:
+            result = step()
+        except _write_errors() as err:
+            if not _is_disk_full(err):
+                raise
+            result, full = None, True
+        if self.dist.reduce_scalars({"full": float(full)}, op="max")["full"] == 0:  # rank 0 alone may hit it
+            return result
+        where = self.final.parent
+        if self.dist.is_main:
+            shutil.rmtree(self.final.with_name(CHECKPOINT + ".tmp"), ignore_errors=True)
+        free = format_bytes(shutil.disk_usage(where).free)
+        raise CheckpointError(
+            f"disk full while writing checkpoint {self.final}: {free} free on {where}, "
+            f"{format_bytes(self.needed)} needed; free some space and resume with --resume"
+        )
+
+
+def _write_manifest(tmp: Path, digests: dict, dist: DistInfo) -> None:
+    if dist.is_main:
+        manifest = {"checksum": "sha256", "files": dict(sorted(digests.items()))}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _swap_in(tmp: Path, final: Path, previous: Path) -> None:
@@ -362,6 +464,54 @@ def _swap_in(tmp: Path, final: Path, previous: Path) -> None:
         final.rename(previous)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """A run's saves, one at a time. ``asynchronous`` (``log.async_checkpoint``): the newest may still be written
+    in the background until ``finish`` (the next ``save`` finishes it first). Under torchrun an asynchronous
+    writer makes a gloo group of its own for DCP's background collectives (so every rank constructs it)."""
+
+    def __init__(self, run_dir: str | Path, dist: DistInfo, *, keep: int, asynchronous: bool) -> None:
+        self.run_dir, self.dist, self.keep, self.asynchronous = Path(run_dir), dist, keep, asynchronous
+        self.pending: PendingCheckpoint | None = None
+        self.group = None
+        if asynchronous and dist.enabled:
+            import torch.distributed
+
+            self.group = torch.distributed.new_group(backend="gloo")
+
+    def save(self, **state) -> None:
+        """Finish the save in flight, then start one of ``state`` (``start_checkpoint``'s model, optimizer,
+        progress, config); a synchronous writer finishes it at once. A collective."""
+        self.finish()
+        self.pending = start_checkpoint(
+            self.run_dir,
+            dist=self.dist,
+            keep=self.keep,
+            asynchronous=self.asynchronous,
+            group=self.group,
+            **state,
+        )
+        if not self.asynchronous:
+            self.finish()
+
+    def finish(self) -> Path | None:
+        """Make the save in flight the run's checkpoint (waiting for its write; a collective); None if none is."""
+        pending, self.pending = self.pending, None
+        return pending.finish() if pending is not None else None
+
+    @contextmanager
+    def finishing(self):
+        """Finish the save in flight when the block ends; after an exception only on one process: under torchrun
+        another rank may be inside another collective (that save is lost: the previous checkpoint stays and the
+        next start removes ``checkpoint.tmp/``)."""
+        try:
+            yield
+        except BaseException:
+            if not self.dist.enabled:
+                self.finish()
+            raise
+        self.finish()
 
 
 def read_progress(path: str | Path) -> dict:
@@ -388,8 +538,8 @@ def load_checkpoint(
     meta = _readable(path, lambda: read_progress(path))
     with_optim = meta["optimizer_saved"]
     state = _state(model, optimizer if with_optim else None, ema)
-    with _single_process_ok():
-        _readable(path, lambda: dcp.load(state, checkpoint_id=str(path), no_dist=not dist.enabled))
+    _single_process_ok()
+    _readable(path, lambda: dcp.load(state, checkpoint_id=str(path), no_dist=not dist.enabled))
     if with_optim:
         set_state_dict(
             model,
@@ -472,8 +622,8 @@ def load_weights(path: str | Path, model: nn.Module, *, ema: bool = False) -> No
     names = trainable_names(model)
     key = "ema" if ema else "model"
     state = {key: {n: params[n].detach() for n in names}}  # DCP loads into these views in place
-    with _single_process_ok():
-        _readable(Path(path), lambda: dcp.load(state, checkpoint_id=str(path), no_dist=not dist.enabled))
+    _single_process_ok()
+    _readable(Path(path), lambda: dcp.load(state, checkpoint_id=str(path), no_dist=not dist.enabled))
 
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
@@ -490,6 +640,6 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         for k, m in meta.items()
         if isinstance(m, TensorStorageMetadata)
     }
-    with _single_process_ok():
-        dcp.load(out, storage_reader=reader, no_dist=True)
+    _single_process_ok()
+    dcp.load(out, storage_reader=reader, no_dist=True)
     return out

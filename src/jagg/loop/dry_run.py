@@ -157,7 +157,13 @@ def add_memory_section(
         "host memory per rank",
         f"rank 0 ~{gib(mp.host['rank 0'])} (loaded transformer once + largest other model + runtime), "
         f"other ranks ~{gib(mp.host['other ranks'])}; node ~"
-        f"{gib(mp.host['rank 0'] + (world_size - 1) * mp.host['other ranks'])}; checkpoints: shards only",
+        f"{gib(mp.host['rank 0'] + (world_size - 1) * mp.host['other ranks'])}; checkpoints: shards only"
+        + (
+            f", written asynchronously from a {gib(mp.checkpoint_copy)} CPU copy per rank (included; "
+            "log.async_checkpoint=false: none)"
+            if mp.checkpoint_copy
+            else ""
+        ),
     )
     if world_size > 1:
         gathered = all_gather_bytes(cfg, model, all_gathers, world_size)

@@ -30,7 +30,8 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
     host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
                   largest other model on the host while loading (the text encoders too when embeddings are
                   precomputed: loaded, used, freed); the in-memory prompt embeddings (the encoders return CPU
-                  tensors); checkpoints move shards only; export gathers
+                  tensors); checkpoints move shards only, but an asynchronous save (``log.async_checkpoint``, on
+                  CUDA by default) holds a CPU copy of the rank's share while it is written; export gathers
                   the exported weights on rank 0 once
 """
 
@@ -116,6 +117,7 @@ class MemoryPlan:
     # the AdamW step's temporaries: after the backward, not at the same time as its activations
     step: float = 0.0
     expandable_segments: bool = True  # the allocator setting the run will have (ALLOCATOR_SLACK)
+    checkpoint_copy: float = 0.0  # host bytes per rank of an asynchronous save's CPU copy (included in host)
 
     def transient(self, checkpointing: bool | None = None) -> float:
         """The largest of the phases that never overlap: update activations, a no-grad forward, the step."""
@@ -242,9 +244,14 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     staging = max(
         [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in staged.items()], default=0
     )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
+    # log.async_checkpoint: a save's CPU copy of this rank's share, held while it is written; that is during
+    # training, after the loading's transients, so the larger of the two counts. The plan is for a GPU node
+    # unless train.device=cpu.
+    device = "cpu" if train.device == "cpu" else "cuda"
+    ckpt_copy = checkpoint_bytes(cfg, n_train) / r if cfg.log.writes_async(device) else 0.0
     host = {
-        "rank 0": HOST_BASELINE + load_bytes + staging + host_prompts,
-        "other ranks": HOST_BASELINE + staging + host_prompts,
+        "rank 0": HOST_BASELINE + host_prompts + max(load_bytes + staging, ckpt_copy),
+        "other ranks": HOST_BASELINE + host_prompts + max(staging, ckpt_copy),
     }
     return MemoryPlan(
         gpu=gpu,
@@ -254,6 +261,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         checkpointing=model_cfg.gradient_checkpointing,
         step=step,
         expandable_segments=expandable_segments(),
+        checkpoint_copy=ckpt_copy,
     )
 
 
@@ -293,14 +301,19 @@ def embedding_bytes(cfg: Config, model) -> int:
     return rows * (width * 2 + 8)
 
 
+def checkpoint_bytes(cfg: Config, n_train: int) -> float:
+    """One checkpoint's tensors (``jagg.loop.checkpoint``): the trained parameters in their master dtype, two
+    fp32 AdamW moments, the EMA copy (``ignore_frozen_params``: nothing frozen)."""
+    master = 8 if cfg.train.precision == "fp64" else 4
+    ema = n_train * master if cfg.optim.ema_decay > 0 else 0
+    return float(n_train * (master + 8) + ema)
+
+
 def disk_plan(cfg: Config, model) -> dict[str, float]:
-    """Bytes on disk: one checkpoint (``jagg.loop.checkpoint``: trained parameters in their master dtype, two
-    fp32 AdamW moments, the EMA copy; ``ignore_frozen_params``) and the embedding cache (one file per train and
+    """Bytes on disk: one checkpoint (``checkpoint_bytes``) and the embedding cache (one file per train and
     eval prompt, ``embedding_bytes`` each) when ``data.embedding_cache`` is set."""
     data = cfg.data
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
-    master = 8 if cfg.train.precision == "fp64" else 4
-    ema = n_train * master if cfg.optim.ema_decay > 0 else 0
     prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
     cache = prompts * embedding_bytes(cfg, model) if data.embedding_cache else 0
-    return {"checkpoint": float(n_train * (master + 8) + ema), "embedding cache": float(cache)}
+    return {"checkpoint": checkpoint_bytes(cfg, n_train), "embedding cache": float(cache)}

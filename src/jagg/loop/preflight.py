@@ -48,8 +48,9 @@ REWARD_NAMES = (
 REWARD_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # reward.kwargs.<name>.dtype (jagg.loop.rewards.REWARD_DTYPES)
 # Keys a resumed run may change without --allow-config-change: iteration `it` depends only on (seed, it) and
 # the restored state, so a longer run continues the shorter one exactly.
-# log.report_to only adds where the same rows go; log.run_dir is where the directory is now (moved or copied).
-RESUMABLE_KEYS = ("train.iterations", "log.report_to", "log.run_dir")
+# log.report_to only adds where the same rows go; log.run_dir is where the directory is now (moved or copied);
+# log.async_checkpoint changes when a checkpoint is written, not what it holds.
+RESUMABLE_KEYS = ("train.iterations", "log.report_to", "log.run_dir", "log.async_checkpoint")
 
 
 def _did_you_mean(name: str, known: Iterable[str]) -> str:

@@ -48,7 +48,7 @@ from jagg.engine.routing import BackwardSetting
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
 from jagg.loop.calibration import measure_setting, record, restore
-from jagg.loop.checkpoint import Progress, checkpoint_dir, resume_checkpoint, save_checkpoint
+from jagg.loop.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.fidelity import block_cosines, compare_to_exact
 from jagg.loop.grids import save_grid
@@ -116,6 +116,13 @@ class Trainer:
         self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
         self.metrics: list[dict] = []
         self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
+        # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
+        self.checkpoints = CheckpointWriter(
+            self.run_dir,
+            self.dist,
+            keep=cfg.log.keep_checkpoints,
+            asynchronous=cfg.log.writes_async(self.device.type),
+        )
         # How the update runs its backward: fixed by the config, or (backward.jagg_frac=auto) None until
         # ``calibrate`` has measured the routing.
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
@@ -430,7 +437,9 @@ class Trainer:
         return checkpoint_dir(self.run_dir)
 
     def save_checkpoint(self) -> None:
-        """Atomically write the sharded checkpoint; a collective: every rank writes its own shards."""
+        """Start the sharded checkpoint of now (a collective: every rank writes its own shards); it becomes the
+        run's checkpoint, atomically, at once or, with ``log.async_checkpoint``, at ``self.checkpoints.finish()``
+        (the next save, the end of ``fit``, an abort, a resume)."""
         self.watch.enter("checkpoint", self.iteration)
         progress = Progress(
             iteration=self.iteration,
@@ -439,14 +448,8 @@ class Trainer:
             ema=self.ema,
             **record(self.backward),
         )
-        save_checkpoint(
-            self.run_dir,
-            model=self.backbone,
-            optimizer=self.optimizer,
-            progress=progress,
-            config=self.cfg.to_dict(),
-            dist=self.dist,
-            keep=self.cfg.log.keep_checkpoints,
+        self.checkpoints.save(
+            model=self.backbone, optimizer=self.optimizer, progress=progress, config=self.cfg.to_dict()
         )
         self.checkpointed_at = self.iteration
 
@@ -454,6 +457,7 @@ class Trainer:
         """Restore weights, optimizer, EMA, RNG states, counters, metrics and a measured backward from the run's
         newest checkpoint that verifies (each rank reads its shards; the checkpoint may come from another world
         size)."""
+        self.checkpoints.finish()  # this trainer's save in flight, if any, is the newest checkpoint
         progress, _ = resume_checkpoint(
             self.run_dir, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
         )
@@ -477,34 +481,39 @@ class Trainer:
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.watch.start()
-        if self.iteration == 0 and log.eval_every:
-            self._evaluate_and_log(0, {"iteration": 0})
-        while self.iteration < train.iterations:
-            row = self.train_iteration(self.iteration)
-            self.iteration += 1
-            if log.eval_every and (
-                self.iteration % log.eval_every == 0 or self.iteration == train.iterations
-            ):
-                self._evaluate_and_log(self.iteration, row)
-            else:
-                self._log(row)
-            if progress:
-                progress(row)
-            if self.consecutive_skips >= train.max_consecutive_skips:
+        with self.checkpoints.finishing():  # the last save is complete when fit returns
+            if self.iteration == 0 and log.eval_every:
+                self._evaluate_and_log(0, {"iteration": 0})
+            while self.iteration < train.iterations:
+                self._next_iteration(progress)
+            if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
                 self.save_checkpoint()
-                self.watch.stop()
-                raise TrainingAborted(
-                    f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
-                    f"(train.max_consecutive_skips={train.max_consecutive_skips}); "
-                    f"last checkpoint: {self.checkpoint_path}"
-                )
-            if log.checkpoint_every and self.iteration % log.checkpoint_every == 0:
-                self.save_checkpoint()
-        if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
-            self.save_checkpoint()
         self.watch.stop()
         self.trackers.close()
         return self.metrics
+
+    def _next_iteration(self, progress: Callable[[dict], None] | None) -> None:
+        """Train, log (evaluate when due), then checkpoint when due or abort after too many skipped steps."""
+        log, train = self.cfg.log, self.cfg.train
+        row = self.train_iteration(self.iteration)
+        self.iteration += 1
+        if log.eval_every and (self.iteration % log.eval_every == 0 or self.iteration == train.iterations):
+            self._evaluate_and_log(self.iteration, row)
+        else:
+            self._log(row)
+        if progress:
+            progress(row)
+        if self.consecutive_skips >= train.max_consecutive_skips:
+            self.save_checkpoint()
+            self.checkpoints.finish()  # complete on every rank before the abort
+            self.watch.stop()
+            raise TrainingAborted(
+                f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
+                f"(train.max_consecutive_skips={train.max_consecutive_skips}); "
+                f"last checkpoint: {self.checkpoint_path}"
+            )
+        if log.checkpoint_every and self.iteration % log.checkpoint_every == 0:
+            self.save_checkpoint()
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
         self.watch.enter("evaluate", it)
