@@ -638,6 +638,49 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
     return lines + [""]
 
 
+def plot_dose(name: str, df, proto: dict, png: Path) -> None:
+    """Per dose metric: each scale's mean effect against the control's cosine (cosine 1: exact's), and every
+    other arm's mean effect as a horizontal line. Nothing without a scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    scales, names = control_scale(proto), proto.get("dose_metrics", [])
+    stats = per_run(df, [m.split(":")[0] for m in names if m.startswith("eval_")] or None)
+    arms = [a for a in df.strategy.unique() if a != "exact" and a not in proto.get("control_arms", [])]
+    if not scales or not names:
+        return
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.2), squeeze=False)
+    for ax, metric in zip(axes[0], names, strict=True):
+        values = dose_values(df, stats, metric)
+        paired = not metric.startswith(("div_", "fidelity_"))
+        ref = 0.0 if paired or metric.startswith("div_") else 1.0
+
+        def mean_effect(arm: str) -> float:
+            seeds = [s for a, s in values if a == arm and (not paired or ("exact", s) in values)]
+            diffs = [values[(arm, s)] - (values[("exact", s)] if paired else 0.0) for s in seeds]
+            return float(np.mean(diffs)) if diffs else float("nan")
+
+        for direction, sc in scales.items():
+            xs = [1.0, *sorted(sc, reverse=True)]
+            ax.plot(
+                xs, [ref] + [mean_effect(sc[c]) for c in xs[1:]], marker="o", label=f"control ({direction})"
+            )
+        for arm in arms:
+            ax.axhline(mean_effect(arm), ls="--", lw=1, color=f"C{2 + arms.index(arm)}", label=arm)
+        ax.set(title=metric, xlabel="control cosine")
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{name}: dose-response (means over seeds; effects vs exact)", fontsize=10)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=75)
+    plt.close(fig)
+
+
 def plot(name: str, df, png: Path, arms: list[str]) -> None:
     """Mean over seeds +- one standard error, vs iteration and vs wall-clock seconds."""
     import matplotlib
@@ -691,6 +734,7 @@ def render(
     atomic_write_text(csv_dir / "summary.md", md)
     for r, df in frames.items():
         plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(proto["arms"]))
+        plot_dose(r.name, df, proto, figures / f"dose_response_{r.name}.png")
 
 
 def pilot_report(

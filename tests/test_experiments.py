@@ -299,6 +299,8 @@ def test_figures_regenerate_from_results_alone(quick):
         "memory_per_mode.png",
         "cosine_per_group.png",
         "reward_curves_dancegrpo.png",
+        "reward_curves_authors.png",  # protocol v4 (curves_v4), with its dose-response figure
+        "dose_response_authors.png",
         "table1_authors.png",  # the authors' recipe sections, drawn by the table1 / cosine renderers
         "cosine_authors.png",
     }
@@ -408,6 +410,7 @@ def test_curves_v4_quick_logs_fidelity_divergence_and_places_arms_on_the_control
     for section in ("Pre-registered contrast: jagg - endpoints", "Fidelity to exact", "Dose-response"):
         assert section in summary
     assert "| fidelity_cosine:mean |" in summary and "jagg on fresh" in summary
+    assert (figs / "quick" / "dose_response_authors.png").is_file()
 
 
 def test_curves_claims_an_attribute_gain_only_where_the_eval_only_judge_confirms_it():
