@@ -487,6 +487,12 @@ def _not_auto(key: str, tp, value, allowed: str):
         raise ConfigError(f"{key} must be {allowed}, got {value!r}") from None
 
 
+def paper_config_paths(root: str | Path = ".") -> list[Path]:
+    """Every paper run config under ``root``: configs/paper/**/<backbone>_<recipe>.yaml, sorted (SD3.5-M's in
+    configs/paper/sd3/; base.yaml, which they inherit, is not a run)."""
+    return sorted(Path(root, "configs", "paper").glob("**/*_*.yaml"))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file (with inheritance) <- ``a.b=value`` overrides, then ``validate``."""
     data = load_yaml(path) if path else {}
