@@ -806,7 +806,7 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
             "",
             f"simulated in {info['seconds']:.0f} s; passes at depth {info['first_run']} (fwd, bwd, fwd from stored outputs): "
             f"{info['passes']}; fake scalar reads: {info['scalar_reads']}; meta attributes filled: "
-            f"{len(info['patched'])}; peak at depth {list(info['depth_runs'])}: "
+            f"{len(info['patched'])}; peak at depth [{', '.join(info['depth_runs'])}]: "
             + ", ".join(f"{v:.2f}" for v in info["depth_runs"].values())
             + f" GiB; fake-cuda device check: {info['device_check']}; plan total per GPU (everything): "
             f"{info['plan_total_gib']:.1f} GiB, of which CUDA context + NCCL {info['plan_context_gib']:.1f} and "
