@@ -44,9 +44,9 @@ MAX_SEED = 2**32 - 1
 
 # The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
 # config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
-# by the JPEG reward (the world rewards need the pretrained cache). TINY_RUN adds the smallest batch (TINY_BATCH:
-# one iteration of 2 prompts x 2 images in one micro-batch, no evaluation). Later overrides win, so a caller appends
-# what it needs to differ, e.g. ``load_config(path, [*TINY_RUN, "sampling.num_steps=4"])``.
+# by the JPEG reward (the world rewards need the pretrained cache). TINY_RUN adds the smallest batch
+# (TINY_BATCH: one iteration of 2 prompts x 2 images in one micro-batch, no evaluation). Later overrides win, so a
+# caller appends what it needs to differ, e.g. ``load_config(path, [*TINY_RUN, "sampling.num_steps=4"])``.
 TINY_OVERRIDES = ("model.source=tiny", "reward.weights={jpeg: 1.0}", "reward.eval=[jpeg]")
 # The gradient-geometry experiments' plain DanceGRPO loss (make cosine, make knots): the paper-scale eta 0.3, the
 # pref reward, per-group advantages, no KL, no EMA, so their numbers do not move when the world recipe is re-tuned.
