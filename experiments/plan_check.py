@@ -1,6 +1,7 @@
 """``make plan-check``: a simulated 8-GPU node on the CPU, one real-size update per paper config, next to the plan.
 
-For each ``configs/paper/*.yaml``: the published architecture (``jagg.scale.architectures.KNOWN_CONFIGS``) is placed by the
+For each paper config (``jagg.config.paper_config_paths``: configs/paper/**/*_*.yaml, SD3.5-M's in
+configs/paper/sd3/): the published architecture (``jagg.scale.architectures.KNOWN_CONFIGS``) is placed by the
 trainer's own code (``jagg.loop.placement``: LoRA, gradient checkpointing, fp32 master weights and bf16 frozen
 base, FSDP2 ``fully_shard`` per block with the bf16 / fp32-reduce policy) under fake tensors
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no data) as rank 1 of a fake
@@ -11,22 +12,24 @@ step loss, grad-norm clipping and a foreach AdamW step. ``FSDPMemTracker`` recor
 category (sharded / unsharded parameters, gradients, optimizer state, activations, temporaries, collectives).
 
 What is simulated and what is not (also written into the report):
-    depth           each config runs at two reduced depths (Flux: 2+4 and 3+6 double + single blocks;
-                    Qwen-Image: 2 and 3 blocks; both with interior blocks, so the peak falls at the same point) and every category is extrapolated linearly to the full depth
-                    (19+38 / 60): the per-block terms (shards, gradients, optimizer state, checkpointed block
-                    inputs) grow with depth, the in-flight terms (two unsharded blocks, one recomputed block)
-                    do not. The full depth takes ~40 x longer under fake tensors than fits 10 minutes on 2 cores.
+    depth           each config runs at reduced depths (``REDUCED``: Flux 3+6 and 4+8 double + single blocks;
+                    Qwen-Image 3 and 4 blocks; SD3.5-M 2+1, 3+1 and 2+2 dual-attention + plain blocks; all with
+                    interior blocks, so the peak falls at the same point) and every category is extrapolated
+                    linearly in the count of each kind of block to the full depth (19+38 / 60 / 13+11): the
+                    per-block terms (shards, gradients, optimizer state, checkpointed block inputs) grow with
+                    depth, the in-flight terms (two unsharded blocks, one recomputed block) do not. The full
+                    depth takes ~40 x longer under fake tensors than fits 10 minutes on 2 cores.
     not simulated   loading from rank 0 (the fake process group carries no data, so the weight broadcast is
                     skipped), the rollout / evaluation forwards (no grad, transient), text encoders, VAE and
                     reward models (the plan's own numbers are listed beside), the CUDA context and allocator
                     fragmentation, and the ``.item()`` values of fake tensors (losses read as 0.0; counted).
     device          the memory run uses the CPU device: without a CUDA driver the autograd engine cannot run a
-                    backward on fake ``cuda`` tensors. A second pass (``device_check``) places a one-block model
-                    on a fake ``cuda`` device and runs the velocity (under CUDA autocast's op lists where
-                    available), the step loss and an AdamW step there, so a tensor left on the CPU in any of them
-                    raises ``FakeTensorDeviceMismatchError``.
+                    backward on fake ``cuda`` tensors. A second pass (``device_check``) places the smallest
+                    reduced model on a fake ``cuda`` device and runs the velocity (under CUDA autocast's op lists
+                    where available), the step loss and an AdamW step there, so a tensor left on the CPU in any
+                    of them raises ``FakeTensorDeviceMismatchError``.
 
-    python experiments/plan_check.py [--configs configs/paper/*.yaml] [--out results/plan_check.csv]
+    python experiments/plan_check.py [--configs configs/paper/X.yaml ...] [--out results/plan_check.csv]
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import glob
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,21 +47,31 @@ import torch.distributed as dist
 from torch import Tensor
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
-from jagg.config import Config, load_config
+from jagg.config import Config, load_config, paper_config_paths
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.loop.memory_model import CUDA_CONTEXT, GIB, memory_plan
+from jagg.loop.memory_model import CUDA_CONTEXT, GIB, memory_plan, text_tokens
 from jagg.loop.placement import apply_run_lora, parameter_dtypes, place_backbone
 from jagg.models import BACKBONES, TextCond
-from jagg.scale.architectures import KNOWN_CONFIGS
+from jagg.scale.architectures import CFG_TWO_CALLS, KNOWN_CONFIGS, TRUE_CFG
 from jagg.scale.distributed import DistInfo, cast_parameters
+from jagg.scale.pretrained import adapter_kwargs
 
 WORLD_SIZE = 8
 PROPAGATING: list[bool] = []  # non-empty while DTensor's sharding propagation runs (``simulation_shims``)
 SIM_RANK = 1  # a rank without the loaded weights (rank 0's GPU holds the same)
 DEPTHS = (3, 4)  # reduced depths (units: Flux 1 double + 2 single blocks; Qwen-Image 1 block)
-FULL_DEPTH = {"flux": 19, "qwenimage": 60}
+# Per backbone: the reduced models simulated, as counts of each kind of block, and the full model's counts
+# (``reduced_config``). Flux: units of 1 double + 2 single blocks (19 : 38 in FLUX.1-dev); Qwen-Image: blocks.
+# SD3.5-M: 13 dual-attention (MMDiT-X) blocks and 11 plain joint blocks, which differ in size, so each kind gets
+# its own slope (``extrapolate``): a base run (2 + 1), one dual block more, one plain block more. Its last block
+# (plain, without the text stream's output layers: context_pre_only) is the base's plain block in every run.
+REDUCED = {
+    "flux": ([(d,) for d in DEPTHS], (19,)),
+    "qwenimage": ([(d,) for d in DEPTHS], (60,)),
+    "sd3": ([(2, 1), (3, 1), (2, 2)], (13, 11)),
+}
 OUT = "results/plan_check.csv"
 # FSDPMemTracker categories -> the plan's groups (jagg.loop.memory_model.memory_plan)
 CATEGORIES = {
@@ -161,27 +173,32 @@ def simulation_shims(reads: ScalarReads) -> Iterator[None]:
             fake_impls.op_implementations_dict[op] = impl
 
 
-def reduced_config(backbone: str, depth: int, arch: dict | None = None) -> dict:
-    """The published transformer config with ``depth`` units of blocks (``DEPTHS``), ``arch`` overriding."""
+def reduced_config(backbone: str, units: tuple[int, ...], arch: dict | None = None) -> dict:
+    """The published transformer config with ``units`` blocks of each kind (``REDUCED``), ``arch`` overriding."""
     config = dict(KNOWN_CONFIGS[backbone], **(arch or {}))
-    config["num_layers"] = depth
+    if backbone == "sd3":  # the dual-attention blocks first, as in SD3.5-M (0..12 of 24)
+        dual, plain = units
+        return config | dict(num_layers=dual + plain, dual_attention_layers=tuple(range(dual)))
+    (config["num_layers"],) = units
     if "num_single_layers" in config:
-        config["num_single_layers"] = 2 * depth  # 19 : 38 in FLUX.1-dev
+        config["num_single_layers"] = 2 * config["num_layers"]  # 19 : 38 in FLUX.1-dev
     return config
 
 
-def meta_backbone(cfg: Config, depth: int, arch: dict | None = None):
+def label(units: tuple[int, ...]) -> str:
+    """A reduced model's block counts as the report writes them (``3``; SD3 ``2+1``: dual + plain)."""
+    return "+".join(map(str, units))
+
+
+def meta_backbone(cfg: Config, units: tuple[int, ...], arch: dict | None = None):
     """The backbone on the meta device with LoRA applied (``apply_run_lora``, the trainer's call) and the
     config that places it without applying LoRA a second time. LoRA goes on before the fake mode: peft moves
     new adapters with ``Module.to``, which cannot swap fake parameters."""
     m = cfg.model
     cls = BACKBONES[m.backbone]
     with torch.device("meta"):
-        transformer = cls.transformer_cls.from_config(reduced_config(m.backbone, depth, arch))
-    adapter = (
-        {"guidance_scale": m.guidance_scale} if m.backbone == "flux" else {"true_cfg_scale": m.true_cfg_scale}
-    )
-    backbone = cls(transformer, **adapter)
+        transformer = cls.transformer_cls.from_config(reduced_config(m.backbone, units, arch))
+    backbone = cls(transformer, **adapter_kwargs(m))
     if m.lora_rank > 0:
         apply_run_lora(cfg, backbone)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0))
@@ -261,19 +278,15 @@ def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss
     sigma, sigma_next = sig[steps.T].to(device), sig[steps.T + 1].to(device)  # small: real constants
     b, n_steps = steps.shape
     config = backbone.transformer.config
-    width = config.joint_attention_dim
-    txt = m.max_sequence_length if m.backbone == "flux" else 64  # the plan's text lengths
-    embeds = torch.randn(b, txt, width, dtype=torch.bfloat16, device=device)
+    txt = text_tokens(m)  # the plan's text lengths
+    embeds = torch.randn(b, txt, config.joint_attention_dim, dtype=torch.bfloat16, device=device)
     mask = torch.ones(b, txt, dtype=torch.long, device=device)
-    cond = TextCond(
-        embeds=embeds,
-        mask=mask,
-        pooled=torch.randn(b, config.pooled_projection_dim, dtype=torch.bfloat16, device=device)
-        if m.backbone == "flux"
-        else None,
-    )
-    if m.backbone == "qwenimage" and m.true_cfg_scale > 1:
+    pooled = getattr(config, "pooled_projection_dim", None)  # Flux's CLIP-L, SD3's CLIP-L + CLIP-G vector
+    pooled = None if pooled is None else torch.randn(b, pooled, dtype=torch.bfloat16, device=device)
+    cond = TextCond(embeds=embeds, mask=mask, pooled=pooled)
+    if m.backbone in TRUE_CFG and m.true_cfg_scale > 1:  # the negative prompt's conditioning, same shapes
         cond.neg_embeds, cond.neg_mask = embeds.clone(), mask.clone()
+        cond.neg_pooled = None if pooled is None else pooled.clone()
     shape = (n_steps, b, backbone.latent_channels, s.latent_size, s.latent_size)
     steps = TrainedSteps(
         x=torch.randn(shape, device=device),
@@ -298,8 +311,14 @@ def velocity_fn(backbone, cond: TextCond, device: torch.device):
     return v
 
 
-def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = None) -> dict:
-    """Per-rank peak bytes by FSDPMemTracker category of one micro-batch update + optimizer step at ``depth``.
+def simulate_runs(cfg: Config) -> list[dict]:
+    """``simulate`` at each of the config's reduced depths (``REDUCED``)."""
+    return [simulate(cfg, units) for units in REDUCED[cfg.model.backbone][0]]
+
+
+def simulate(cfg: Config, units: tuple[int, ...], *, fake: bool = True, arch: dict | None = None) -> dict:
+    """Per-rank peak bytes by FSDPMemTracker category of one micro-batch update + optimizer step with ``units``
+    blocks (``reduced_config``).
 
     ``fake=False`` runs the same update on real CPU tensors (uninitialised weights: memory, not values), to
     compare the tracker's attribution under fake tensors with a real run; ``arch`` overrides the transformer
@@ -309,7 +328,7 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
     fake_process_group()
     device = torch.device("cpu")
     reads = ScalarReads()
-    backbone, place_cfg = meta_backbone(cfg, depth, arch)
+    backbone, place_cfg = meta_backbone(cfg, units, arch)
     backward = cfg.backward
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -339,7 +358,7 @@ def simulate(cfg: Config, depth: int, *, fake: bool = True, arch: dict | None = 
         peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_kind = {str(k).rsplit(".", 1)[-1]: float(v) for k, v in peak.items()}
     return dict(
-        depth=depth,
+        units=units,
         peak=by_kind,
         phase_peaks={k: v["Total"] for k, v in tracker.phase_peaks.items()},
         phase_snapshots=dict(tracker.phase_peaks),  # per phase: the categories at that phase's peak
@@ -370,8 +389,8 @@ def per_block(cfg: Config, phase: str) -> tuple[str, ...]:
 
 
 def true_cfg(cfg: Config) -> bool:
-    """Qwen-Image with true CFG: two transformer calls per velocity."""
-    return cfg.model.backbone == "qwenimage" and cfg.model.true_cfg_scale > 1
+    """True CFG in two transformer calls per velocity (Qwen-Image; SD3 batches both prompts in one call)."""
+    return cfg.model.backbone in CFG_TWO_CALLS and cfg.model.true_cfg_scale > 1
 
 
 def held_cfg_gradients(cfg: Config, runs: list[dict]) -> float:
@@ -380,24 +399,25 @@ def held_cfg_gradients(cfg: Config, runs: list[dict]) -> float:
     if not true_cfg(cfg):
         return 0.0
     lo, hi = (r["phase_snapshots"]["update"].get("TEMP", 0.0) for r in runs)
-    per_block = (hi - lo) / (runs[1]["depth"] - runs[0]["depth"])
-    return per_block * FULL_DEPTH[cfg.model.backbone]
+    (d0,), (d1,) = (r["units"] for r in runs)  # one kind of block (Qwen-Image)
+    (full,) = REDUCED[cfg.model.backbone][1]
+    return (hi - lo) / (d1 - d0) * full
 
 
-def extrapolate(runs: list[dict], full: int, linear=PER_BLOCK, key: str = "peak") -> dict[str, float]:
-    """The per-block categories (``linear``) linearly in depth through the two runs' ``key`` snapshot,
-    evaluated at ``full``; the in-flight ones as the larger of the two runs (which block's reduce-scatter is
-    still in flight at the peak can differ by one between depths: a straight line through that would grow by
-    a block per block)."""
-    lo, hi = (r[key] if key == "peak" else r["phase_snapshots"][key] for r in runs)
-    depths = [r["depth"] for r in runs]
+def extrapolate(
+    runs: list[dict], full: tuple[int, ...], linear=PER_BLOCK, key: str = "peak"
+) -> dict[str, float]:
+    """The per-block categories (``linear``) through the runs' ``key`` snapshots, linear in the count of each
+    kind of block (one run more than kinds: solved exactly), evaluated at the ``full`` counts; the in-flight
+    ones as the largest of the runs (which block's reduce-scatter is still in flight at the peak can differ
+    by one between depths: a straight line through that would grow by a block per block)."""
+    snaps = [r[key] if key == "peak" else r["phase_snapshots"][key] for r in runs]
+    design = torch.tensor([[1.0, *r["units"]] for r in runs], dtype=torch.float64)
+    at = torch.tensor([1.0, *full], dtype=torch.float64)
     out = {}
-    for k in hi:
-        a, b = lo.get(k, 0.0), hi[k]
-        if k in linear:
-            out[k] = a + (b - a) / (depths[1] - depths[0]) * (full - depths[0])
-        elif k != "Total":
-            out[k] = max(a, b)
+    for k in dict.fromkeys(k for snap in snaps for k in snap if k != "Total"):
+        values = torch.tensor([snap.get(k, 0.0) for snap in snaps], dtype=torch.float64)
+        out[k] = float(at @ torch.linalg.solve(design, values)) if k in linear else float(values.max())
     out["Total"] = sum(out.values())
     return out
 
@@ -421,7 +441,7 @@ def narrow_update(depth: int, track) -> float:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     torch.manual_seed(0)
-    config = dict(reduced_config("flux", depth, NARROW), in_channels=64)
+    config = dict(reduced_config("flux", (depth,), NARROW), in_channels=64)
     model = FluxTransformer2DModel.from_config(config).to(torch.bfloat16)
     model.enable_gradient_checkpointing()
     rows, img, txt = 4, 64, 32
@@ -470,19 +490,20 @@ def attribution_check(depths: tuple[int, ...] = DEPTHS) -> dict:
         sampling=dataclasses.replace(cfg.sampling, latent_size=16),
         model=dataclasses.replace(cfg.model, max_sequence_length=32),
     )
-    fake, real = (simulate(small, depths[0], fake=f, arch=NARROW)["peak"] for f in (True, False))
+    fake, real = (simulate(small, (depths[0],), fake=f, arch=NARROW)["peak"] for f in (True, False))
     out["fake_vs_real_mib"] = {k: (fake.get(k, 0.0) / 2**20, real.get(k, 0.0) / 2**20) for k in real}
     return out
 
 
 # --------------------------------------------------------------------------- fake cuda device check
 def device_check(cfg: Config) -> str:
-    """A one-block model placed on a fake ``cuda`` device (one process), its velocity, the step loss and an
-    AdamW step there: 'ok', or the device mismatch that fake mode raised. No backward (needs a driver)."""
+    """The smallest reduced model (``REDUCED``: every kind of block) placed on a fake ``cuda`` device (one
+    process), its velocity, the step loss and an AdamW step there: 'ok', or the device mismatch that fake mode
+    raised. No backward (needs a driver)."""
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 
     device = torch.device("cuda")
-    backbone, place_cfg = meta_backbone(cfg, 1)
+    backbone, place_cfg = meta_backbone(cfg, REDUCED[cfg.model.backbone][0][0])
     single = dataclasses.replace(
         place_cfg, model=dataclasses.replace(place_cfg.model, gradient_checkpointing=False)
     )
@@ -537,7 +558,9 @@ def plan_terms(cfg: Config) -> dict[str, float]:
     opt = sum(v for k, v in g.items() if k.startswith(("AdamW", "EMA")))
     held = sum(v for k, v in g.items() if k.startswith("unsharded gradients held"))  # joint / true CFG
     return {
-        "weights (sharded)": g["transformer weights (sharded)"] + g.get("frozen base (replicated)", 0.0),
+        "weights (sharded)": g["transformer weights (sharded)"]
+        + g.get("frozen base (replicated)", 0.0)
+        + g.get("transformer buffers (replicated)", 0.0),  # the tracker's BUFFER is in this group too
         "gradients (sharded)": g["gradients (sharded)"],
         "AdamW moments (+ EMA)": opt,
         "unsharded blocks": g["unsharded blocks in flight"],
@@ -566,7 +589,7 @@ def grouped(snapshot: dict[str, float]) -> dict[str, float]:
 
 def phase_extrapolations(cfg: Config, runs: list[dict]) -> dict[str, dict[str, float]]:
     """Each phase's peak snapshot (update, clip, step) extrapolated to the full depth (``per_block``)."""
-    full = FULL_DEPTH[cfg.model.backbone]
+    full = REDUCED[cfg.model.backbone][1]
     phases = [p for p in PHASE_PER_BLOCK if all(p in r["phase_snapshots"] for r in runs)]
     return {p: extrapolate(runs, full, per_block(cfg, p), key=p) for p in phases}
 
@@ -580,7 +603,7 @@ def config_rows(path: str) -> tuple[list[dict], dict]:
     the update, step and overall peaks against the plan's transformer terms."""
     cfg = load_config(path)
     name = Path(path).stem
-    runs = [simulate(cfg, d) for d in DEPTHS]
+    runs = simulate_runs(cfg)
     phases = phase_extrapolations(cfg, runs)
     update = grouped(phases["update"])
     held = held_cfg_gradients(cfg, runs)  # counted as TEMP by the tracker, as gradients by the plan
@@ -625,7 +648,9 @@ def config_rows(path: str) -> tuple[list[dict], dict]:
         plan_context_gib=plan["CUDA context + NCCL (assumed, not simulated)"] / GIB,
         plan_fragmentation_gib=plan["allocator fragmentation (assumed, not simulated)"] / GIB,
         device_check=device_check(cfg),
-        depth_runs={r["depth"]: r["peak"]["Total"] / GIB for r in runs},
+        depth_runs={label(r["units"]): r["peak"]["Total"] / GIB for r in runs},
+        first_run=label(runs[0]["units"]),
+        last_run=label(runs[-1]["units"]),
         phases={k: v / GIB for k, v in runs[-1]["phase_peaks"].items()},
         full_depth_phases={k: v["Total"] / GIB for k, v in phases.items()},
     )
@@ -689,6 +714,29 @@ EXPLANATION = [
     "  fragmentation (2% of the allocated peak with `expandable_segments`, the default of CUDA runs; 10%",
     "  without), listed per config below.",
     "",
+    "## SD3.5-M (issue 31): what adding it found, and where it differs",
+    "",
+    "- **Two kinds of block.** SD3.5-M's first 13 blocks have a second, image-only attention (MMDiT-X), the",
+    "  other 11 do not: 43 d^2 against 36 d^2 parameters (d = 1536; the frozen bf16 base grows by 0.189 and",
+    "  0.158 GiB per block in the simulation). A line through one kind would count 24 dual blocks, so it runs",
+    "  at 2+1, 3+1 and 2+2 dual + plain blocks and each kind gets its own slope (`REDUCED`, `extrapolate`).",
+    "- **The positional table, which the plan did not count.** SD3's patch embedding keeps a",
+    "  pos_embed_max_size^2 x hidden table (384^2 x 1536) as a buffer; FSDP2 shards parameters only and",
+    "  placement casts floating buffers to fp32, so every rank holds 0.84 GiB (the tracker's BUFFER). The plan",
+    "  now counts floating buffers (`transformer buffers (replicated)`; Flux and Qwen-Image have none).",
+    "- **One call, not two.** SD3 batches the negative prompt into the same transformer call (2B rows, the",
+    "  unconditional half detached), so no block gradient waits for a second call's backward and each step",
+    "  all-gathers once: the plan's held true-CFG gradients and doubled all-gathers are now Qwen-Image's only",
+    "  (`CFG_TWO_CALLS`); the simulated unsharded block gradients (0.003 GiB, LoRA) agree.",
+    "- **Still different, not tuned away.** The replicated frozen base is ACT to the tracker (as in",
+    "  flux_flowgrpo_fast): weights 0.85 vs 5.03 GiB, activations 10.08 vs 5.19; together 10.93 vs 10.22",
+    "  (plan 6.5% low). Inside the activations two errors of the plan partly cancel: the simulated peak is in",
+    "  the backward of the last dual block, with 13 checkpointed block inputs alive (36 rows = 9 samples x 2",
+    "  CFG x 2 batched endpoints, x 1229 tokens x 1536 x 2 bytes = 0.127 GiB each) and the plain blocks'",
+    "  inputs already freed, where the plan counts all 24 (+1.39 GiB); and what the recomputed dual block",
+    "  holds is ~4.3 GiB in the simulation (activations at 2+1 blocks minus the frozen base and two inputs),",
+    "  about twice the plan's 34 bytes per token and hidden unit of a plain transformer layer (2.15 GiB).",
+    "",
     "## Where plan and simulation still differ (not tuned away)",
     "",
     "- flux_flowgrpo_fast (`model.shard_frozen_base: false`): the replicated bf16 base is a plain parameter",
@@ -734,9 +782,10 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
         f"`{meta['command']}` ({meta['wall_s']:.0f} s).",
         "",
         "Per rank, GiB = 2^30 bytes, one micro-batch of the configured update plus the AdamW step, simulated at",
-        f"reduced depth ({DEPTHS} units: Flux 1+2 double+single blocks per unit, Qwen-Image 1 block) and",
-        "extrapolated to the full depth: per-block categories linearly, in-flight ones as the larger of the two",
-        "runs (`extrapolate`; see experiments/plan_check.py for what is not",
+        f"reduced depth ({DEPTHS} units: Flux 1+2 double+single blocks per unit, Qwen-Image 1 block; SD3.5-M",
+        "2+1, 3+1 and 2+2 dual-attention + plain blocks) and extrapolated to the full depth: per-block categories",
+        "linearly in the count of each kind of block, in-flight ones as the largest of the runs",
+        "(`extrapolate`; see experiments/plan_check.py for what is not",
         "simulated: weight loading, rollout / eval forwards, text encoders, VAE, rewards, CUDA context).",
         "`plan` = `jagg.loop.memory_model.memory_plan`'s terms for the same things. Simulated `activations` = the",
         "tracker's ACT + TEMP; the AdamW step's temporaries are a transient after the backward (the plan's",
@@ -755,14 +804,14 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
         lines += [
             f"## {name}",
             "",
-            f"simulated in {info['seconds']:.0f} s; passes at depth {DEPTHS[0]} (fwd, bwd, fwd from stored outputs): "
+            f"simulated in {info['seconds']:.0f} s; passes at depth {info['first_run']} (fwd, bwd, fwd from stored outputs): "
             f"{info['passes']}; fake scalar reads: {info['scalar_reads']}; meta attributes filled: "
-            f"{len(info['patched'])}; peak at depth {list(info['depth_runs'])}: "
+            f"{len(info['patched'])}; peak at depth [{', '.join(info['depth_runs'])}]: "
             + ", ".join(f"{v:.2f}" for v in info["depth_runs"].values())
             + f" GiB; fake-cuda device check: {info['device_check']}; plan total per GPU (everything): "
             f"{info['plan_total_gib']:.1f} GiB, of which CUDA context + NCCL {info['plan_context_gib']:.1f} and "
             f"allocator fragmentation {info['plan_fragmentation_gib']:.1f} (assumed, not simulated); "
-            f"simulated peak by phase at depth {DEPTHS[-1]} (GiB): "
+            f"simulated peak by phase at depth {info['last_run']} (GiB): "
             + ", ".join(f"{k} {v:.2f}" for k, v in info["phases"].items())
             + "; at full depth: "
             + ", ".join(f"{k} {v:.2f}" for k, v in info["full_depth_phases"].items()),
@@ -778,7 +827,7 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=sorted(glob.glob("configs/paper/*_*.yaml")))
+    ap.add_argument("--configs", nargs="+", default=[str(p) for p in paper_config_paths()])
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     set_threads(1)
@@ -794,8 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         config=vars(args),
         seed=0,
         world_size=WORLD_SIZE,
-        depths=DEPTHS,
-        full_depth=FULL_DEPTH,
+        reduced=REDUCED,
         runs=infos,
         attribution=attribution_check(),
         wall_s=time.perf_counter() - start,

@@ -16,9 +16,15 @@ endpoints, no stored outputs, W + 2 forwards per block), the same with t-weights
 (batched + stored outputs) with both weight rules; and, interleaved with them, the exact baseline and the
 authors' method with checkpointing off, as the published script runs (docs/references.md#the-jagg-authors-code).
 
-    python experiments/table1.py [--scale world|paper] [--iterations N] [--quick] [--only paper|authors]
+A fourth times SD3.5-M's Flow-GRPO recipe (configs/paper/sd3/sd35m_flowgrpo.yaml) with Table 1's strategies on a
+tiny random-init SD3 pipeline of the real classes (the world has no SD3 backbone; ``jagg.loop.timing.SD3_TIMING``
+says what is kept and what changed), at every scale.
+
+    python experiments/table1.py [--scale world|paper] [--iterations N] [--quick]
+                                 [--only paper|authors|practitioners|sd3]
     -> results/table1.csv, results/table1.md, results/table1.tex, results/table1_sweep.csv,
-       results/table1_authors.csv (``--only authors`` re-runs that section alone and re-renders the rest)
+       results/table1_authors.csv, results/table1_practitioners.csv / .md, results/table1_sd3.csv
+       (``--only X`` re-runs that section alone and re-renders the rest from their CSVs)
 """
 
 from __future__ import annotations
@@ -46,12 +52,16 @@ from jagg.loop.timing import (
     AUTHORS_BATCH,
     AUTHORS_SETUPS,
     QUICK,
+    SD3_SETUP,
     TIMING_SETUPS,
+    sd3_timing_config,
     time_settings,
     timing_config,
     update_with,
 )
 from jagg.loop.trainer import Trainer
+from jagg.scale.tiny_pipeline import write_tiny_sd3_run
+from jagg.world import World
 from plotting import figure_footer, save_figure, world_scale
 
 SETUPS = TIMING_SETUPS
@@ -284,35 +294,69 @@ def _authors_columns(trainer: Trainer, settings, rows: list[dict], ckpt: bool) -
     return rows
 
 
+TABLE1_COLS = [
+    ("backbone", "{}"),
+    ("algorithm", "{}"),
+    ("strategy", "{}"),
+    ("mode", "{}"),
+    ("W", "{}"),
+    ("jagg_frac", "{:g}"),
+    ("iter_s", "{:.2f}"),
+    ("sample_s", "{:.2f}"),
+    ("reward_s", "{:.2f}"),
+    ("update_s", "{:.2f}"),
+    ("update_fwd_s", "{:.2f}"),
+    ("update_bwd_s", "{:.2f}"),
+    ("bwd_per_sample", "{:g}"),
+    ("peak_activation_mb", "{:.1f}"),
+    ("reduction_iter_pct", "{:+.1f}%"),
+    ("reduction_update_pct", "{:+.1f}%"),
+    ("ideal_reduction_update_pct", "{:+.1f}%"),
+    ("paper", "{}"),
+]
+
+
+def _provenance(meta: dict) -> str:
+    return (
+        f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}, seed {meta['seed']}, "
+        f"{meta['iterations']} timed iterations per setup, strategies interleaved on the same rollouts."
+    )
+
+
 def to_markdown(rows: list[dict], meta: dict) -> str:
-    cols = [
-        ("backbone", "{}"),
-        ("algorithm", "{}"),
-        ("strategy", "{}"),
-        ("mode", "{}"),
-        ("W", "{}"),
-        ("jagg_frac", "{:g}"),
-        ("iter_s", "{:.2f}"),
-        ("sample_s", "{:.2f}"),
-        ("reward_s", "{:.2f}"),
-        ("update_s", "{:.2f}"),
-        ("update_fwd_s", "{:.2f}"),
-        ("update_bwd_s", "{:.2f}"),
-        ("bwd_per_sample", "{:g}"),
-        ("peak_activation_mb", "{:.1f}"),
-        ("reduction_iter_pct", "{:+.1f}%"),
-        ("reduction_update_pct", "{:+.1f}%"),
-        ("ideal_reduction_update_pct", "{:+.1f}%"),
-        ("paper", "{}"),
-    ]
     lines = [
         "# Table 1: wall-clock per training iteration (medians; reductions vs exact, positive = faster)",
         "",
-        f"Hardware: {meta['hardware']}. git {meta['git_sha']}, torch {meta['versions']['torch']}, seed {meta['seed']}, "
-        f"{meta['iterations']} timed iterations per setup, strategies interleaved on the same rollouts.",
+        _provenance(meta),
         f"Command: `{meta['command']}`",
         "",
-        *_markdown_rows(cols, rows),
+        *_markdown_rows(TABLE1_COLS, rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def sd3_markdown(rows: list[dict], meta: dict) -> str:
+    """The SD3 section of table1.md: what the tiny SD3 run keeps of the recipe (from its config), its rows."""
+    c, v = meta["config"], meta["versions"]
+    m, s, a, t = c["model"], c["sampling"], c["algorithm"], c["train"]
+    lines = [
+        "## SD3.5-M's Flow-GRPO recipe on a tiny random-init SD3 (configs/paper/sd3/sd35m_flowgrpo.yaml)",
+        "",
+        f"{_provenance(meta)} diffusers {v.get('diffusers', '?')}, transformers {v.get('transformers', '?')}. "
+        f"Command: `{meta['command']}`",
+        "",
+        "A tiny SD3 pipeline of the real classes (`jagg.scale.tiny_pipeline`: SD3Transformer2DModel of 2 joint "
+        "blocks, hidden 32; CLIP-L, CLIP-G and T5 text encoders; VAE), random init (the world has no SD3 "
+        f"backbone). The recipe's true CFG {m['true_cfg_scale']:g} with the empty negative prompt (one "
+        f"transformer call of 2B rows), {s['num_steps']} steps of the scheduler's schedule, the "
+        f"{a['sde_kind']} SDE on every step, KL {a['kl_beta']:g} (a reference forward per trained step in every "
+        f"row), clip range {a['clip_range']:g}, LoRA r{m['lora_rank']} on the attention projections; "
+        f"{t['prompts_per_iter']} prompts x {t['images_per_prompt']} images in micro-batches of "
+        f"{t['train_batch_size']}, {t['precision']}, gradient checkpointing {m['gradient_checkpointing']}, "
+        f"{s['latent_size']} x {s['latent_size']} latents, JPEG for PickScore (`jagg.loop.timing.SD3_TIMING`). "
+        "Timings of a random-init model measure the passes, not the model's quality.",
+        "",
+        *_markdown_rows(TABLE1_COLS, rows),
     ]
     return "\n".join(lines) + "\n"
 
@@ -343,16 +387,21 @@ def sweep_strategies(cfg) -> list[BackwardSetting]:
     return [_setting("exact", 2, 0.0)] + [_setting("jagg", w, f) for w in ws for f in (0.6, 1.0)]
 
 
+def _timed_setup(setup: tuple[str, str], cfg, iterations: int, eta) -> tuple[Trainer, list[dict]]:
+    """The trainer of ``cfg`` and the summarised rows of ``strategies_for`` timed on its shared rollouts."""
+    trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
+    strategies = strategies_for(cfg, setup[1])
+    return trainer, summarise(setup, trainer, time_settings(trainer, strategies, iterations, eta), strategies)
+
+
 def _paper_section(args, argv, eta) -> None:
     """Table 1's own setups and the W / jagg_frac sweep -> ``args.out`` and table1_sweep.csv."""
     rows, sweep_rows, cfg = [], [], None
     for backbone, algo in SETUPS:
         cfg = timing_config((backbone, algo), scale=args.scale, quick=args.quick, overrides=args.overrides)
-        trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
-        strategies = strategies_for(cfg, algo)
-        timed = time_settings(trainer, strategies, args.iterations, eta)
-        rows += summarise((backbone, algo), trainer, timed, strategies)
-        print(to_markdown(rows[-len(strategies) :], _meta(args, argv, cfg)).split("\n", 6)[-1], flush=True)
+        trainer, timed_rows = _timed_setup((backbone, algo), cfg, args.iterations, eta)
+        rows += timed_rows
+        print(to_markdown(timed_rows, _meta(args, argv, cfg)).split("\n", 6)[-1], flush=True)
         if (backbone, algo) == SETUPS[0]:
             sweep = sweep_strategies(cfg)
             timed = time_settings(trainer, sweep, args.sweep_iterations, eta)
@@ -380,6 +429,17 @@ def _authors_section(args, argv, eta) -> None:
         rows += _authors_rows(setup, trainer, settings, args.iterations, eta)
         print(authors_markdown(rows, _meta(args, argv, cfg)).split("\n", 8)[-1], flush=True)
     write_table(rows, Path(args.out).with_name("table1_authors.csv"), _meta(args, argv, cfg))
+
+
+def _sd3_section(args, argv, eta) -> None:
+    """SD3.5-M's Flow-GRPO recipe on a tiny random-init SD3 pipeline (``sd3_timing_config``, written under
+    runs/table1/sd3 with the world's train prompts), Table 1's strategies on shared rollouts -> table1_sd3.csv."""
+    pipeline, prompts = write_tiny_sd3_run(Path("runs/table1/sd3"), World().train_prompts)
+    cfg = sd3_timing_config(pipeline, prompts, quick=args.quick, overrides=args.overrides)
+    _, rows = _timed_setup(SD3_SETUP, cfg, args.iterations, eta)
+    meta = _meta(args, argv, cfg)
+    print(sd3_markdown(rows, meta), flush=True)
+    write_table(rows, Path(args.out).with_name("table1_sd3.csv"), meta)
 
 
 # --------------------------------------------------------------------------- where practitioners train
@@ -505,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
     ap.add_argument(
         "--only",
-        choices=["paper", "authors", "practitioners"],
+        choices=["paper", "authors", "practitioners", "sd3"],
         help="run one section (the other's CSV, if there, is kept and re-rendered)",
     )
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
@@ -516,9 +576,13 @@ def main(argv: list[str] | None = None) -> None:
     paper_steps = len(SETUPS) * args.iterations + args.sweep_iterations
     authors_steps = len(AUTHORS_SETUPS) * args.iterations
     practitioners_steps = len(PRACTITIONERS) * args.iterations if args.scale == "world" else 0
-    steps = {"paper": paper_steps, "authors": authors_steps, "practitioners": practitioners_steps}.get(
-        args.only, paper_steps + authors_steps + practitioners_steps
-    )
+    sections = {
+        "paper": paper_steps,
+        "authors": authors_steps,
+        "practitioners": practitioners_steps,
+        "sd3": args.iterations,
+    }
+    steps = sections.get(args.only, sum(sections.values()))
     eta = ProgressETA(steps, "table1")
     if args.only in (None, "paper"):
         _paper_section(args, argv, eta)
@@ -526,6 +590,8 @@ def main(argv: list[str] | None = None) -> None:
         _authors_section(args, argv, eta)
     if args.only in (None, "practitioners") and args.scale == "world":
         _practitioners_section(args, argv, eta)
+    if args.only in (None, "sd3"):
+        _sd3_section(args, argv, eta)
     out = Path(args.out)
     render(out, Path(args.figure))
     print(out.with_suffix(".md").read_text())
@@ -538,6 +604,7 @@ def render(csv: Path, png: Path) -> None:
 
     sweep_csv = csv.with_name("table1_sweep.csv")
     authors_csv = csv.with_name("table1_authors.csv")
+    sd3_csv = csv.with_name("table1_sd3.csv")
     rows, md, tex = [], "", ""
     if csv.is_file():
         meta = json.loads(csv.with_suffix(".meta.json").read_text())
@@ -552,6 +619,10 @@ def render(csv: Path, png: Path) -> None:
         md += "\n" + authors_markdown(authors, authors_meta)
         tex += "\n" + authors_latex(authors)
         render_authors(authors_csv, png.with_name("table1_authors.png"))
+    if sd3_csv.is_file():
+        sd3 = pd.read_csv(sd3_csv).fillna("").to_dict("records")
+        md += "\n" + sd3_markdown(sd3, json.loads(sd3_csv.with_suffix(".meta.json").read_text()))
+        tex += "\n" + to_latex(sd3)
     atomic_write_text(csv.with_suffix(".md"), md)
     atomic_write_text(csv.with_suffix(".tex"), tex)
     if rows:

@@ -216,3 +216,37 @@ def build_trainer(cfg):
     from jagg.loop.trainer import Trainer
 
     return Trainer(cfg, build_components(cfg), cfg.log.run_dir)
+
+
+# --------------------------------------------------------------------------- paper configs on tiny pipelines
+# One iteration of a paper config on a tiny pipeline folder, as a new user runs it through the CLI (the multi-rank
+# tests): the recipe's precision, checkpointing and LoRA kept (``TINY_PIPELINE``), 8x8 latents, 4 steps, 2 samples
+# in micro-batches of 1, evaluation after the iteration.
+PAPER_TINY_RUN = (
+    "sampling.latent_size=8",
+    "sampling.num_steps=4",
+    "sampling.eval_num_steps=2",
+    "algorithm.sde_window_range=[0, 3]",
+    "train.iterations=1",
+    "train.prompts_per_iter=1",
+    "train.images_per_prompt=2",
+    "train.train_batch_size=1",
+    "train.grad_accum=1",
+    "log.eval_every=1",
+    "log.eval_prompts=2",
+)
+
+
+def paper_tiny_argv(config, pipeline, prompts, run_dir, *extra: str) -> list[str]:
+    """The CLI's argv for ``config`` on the tiny pipeline folder ``pipeline`` with ``prompts`` (a file):
+    ``tiny_pipeline_overrides``, ``PAPER_TINY_RUN``, the run directory, then ``extra`` (later ones win)."""
+    from jagg.config import tiny_pipeline_overrides
+
+    return [
+        "--config",
+        str(config),
+        *tiny_pipeline_overrides(pipeline, prompts),
+        *PAPER_TINY_RUN,
+        f"log.run_dir={run_dir}",
+        *extra,
+    ]

@@ -212,6 +212,14 @@ def test_table1_quick(quick):
     assert set(full["T"]) == {8} and passes[("full trajectory, 20 of 20", "knotsK4")] == 4  # quick: 9 steps
     assert (pr[pr.setup == "DanceGRPO, 12 of 20"]["iter_vs_dancegrpo_12_of_20"] == 1).all()
     _meta_ok(res / "table1_practitioners.csv")
+    # SD3.5-M's recipe on a tiny random-init SD3 pipeline, the same strategies (quick: 6 steps, 5 trained per
+    # sample; JAGG's one group of 3 saves one backward pass)
+    sd3 = pd.read_csv(res / "table1_sd3.csv")
+    assert len(sd3) == 6 and set(zip(sd3.backbone, sd3.algorithm)) == {("sd3", "flowgrpo")}
+    assert sd3[sd3.strategy == "exact"].bwd_per_sample.tolist() == [5]
+    assert (sd3[sd3.strategy != "exact"].bwd_per_sample == 4).all()
+    assert "SD3.5-M's Flow-GRPO recipe" in (res / "table1.md").read_text()
+    _meta_ok(res / "table1_sd3.csv")
 
 
 def test_cosine_quick(quick):

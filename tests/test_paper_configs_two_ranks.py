@@ -1,5 +1,5 @@
-"""Every paper config (configs/paper/*.yaml, both backbones) through the CLI on 2 gloo ranks, as a new user runs
-it, on the tiny random-init pipelines of the real classes that ``tests/test_pretrained_pipeline.py`` builds.
+"""Every paper config (configs/paper/*.yaml, both backbones; SD3.5-M's, in configs/paper/sd3/, in test_sd3.py)
+through the CLI on 2 gloo ranks, as a new user runs it, on the tiny random-init pipelines of the real classes that ``tests/test_pretrained_pipeline.py`` builds.
 
 One ``dist_harness.run_ranks`` job (one process start per rank) calls ``jagg.train.main`` once per config with
 the config's own precision (bf16 autocast over fp32 master weights), gradient checkpointing, LoRA or full
@@ -20,42 +20,23 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from helpers import paper_tiny_argv
 
 WORLD = 2
 CONFIGS = sorted(p.stem for p in Path("configs/paper").glob("*.yaml") if p.stem != "base")
 
 
 def _argv(out: Path, name: str) -> list[str]:
-    backbone = name.split("_")[0]
-    pipe = out / backbone
-    return [
-        "--config",
+    # the authors' recipe trains whole blocks of W = 4: 8 usable steps = 2 blocks, 1 of them trained
+    authors = ["sampling.num_steps=9"] if name.endswith("_authors") else []
+    return paper_tiny_argv(
         f"configs/paper/{name}.yaml",
-        f"model.path={pipe}",
-        "model.max_sequence_length=16",
-        "sampling.latent_size=8",
-        "sampling.num_steps=4",
-        "sampling.eval_num_steps=2",
-        "algorithm.sde_window_range=[0, 3]",
-        "train.device=cpu",
-        "train.iterations=1",
-        "train.prompts_per_iter=1",
-        "train.images_per_prompt=2",
-        "train.train_batch_size=1",
-        "train.grad_accum=1",
-        "reward.weights={jpeg: 1.0}",
-        "reward.eval=[jpeg]",
-        "reward.kwargs={}",
-        f"data.train_prompts={out / 'prompts.txt'}",
-        f"data.eval_prompts={out / 'prompts.txt'}",
-        "data.eval_limit=null",
+        out / name.split("_")[0],
+        out / "prompts.txt",
+        out / "runs" / name,
         f"data.embedding_cache={out / 'emb' / name}",
-        "log.eval_every=1",
-        "log.eval_prompts=2",
-        f"log.run_dir={out / 'runs' / name}",
-        # the authors' recipe trains whole blocks of W = 4: 8 usable steps = 2 blocks, 1 of them trained
-        *(["sampling.num_steps=9"] if name.endswith("_authors") else []),
-    ]
+        *authors,
+    )
 
 
 def paper_worker(rank: int, out_dir: str) -> None:

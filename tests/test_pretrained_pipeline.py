@@ -17,6 +17,7 @@ from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
 from jagg.models import build_tiny_backbone
 from jagg.rewards import REWARDS
+from jagg.scale import tiny_pipeline
 from jagg.scale.pipelines import CachedTextEncoder, VaeDecoder
 
 PROMPTS = [
@@ -29,21 +30,9 @@ PROMPTS = [
 
 def tiny_bpe(max_length: int = 64):
     """A 300-token byte-level BPE with the special tokens the Qwen chat template uses."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "</s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(PROMPTS + ["Describe the image by detailing the color, shape, size"], trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", model_max_length=max_length
-    )
+    texts = PROMPTS + ["Describe the image by detailing the color, shape, size"]
+    specials = ("<pad>", "</s>", "<|im_start|>", "<|im_end|>")
+    return tiny_pipeline.tiny_bpe(texts, specials, model_max_length=max_length)
 
 
 def save_flux_pipeline(root) -> None:

@@ -11,63 +11,17 @@ import json
 import pytest
 import torch
 
-from helpers import make_grpo_step_loss
-from jagg.config import load_config
+from helpers import make_grpo_step_loss, paper_tiny_argv
+from jagg.config import load_config, tiny_pipeline_overrides
 from jagg.engine.sampling import sample_trajectory
 from jagg.engine.strategies import ENDPOINT_MODES, group_backward
 from jagg.errors import ConfigError, WeightsUnavailableError
 from jagg.models import TextCond, build_tiny_backbone
 from jagg.models.sd3 import SD3Backbone
+from jagg.scale.tiny_pipeline import save_tiny_sd3_pipeline
 
 PROMPTS = ["a red circle on the left", "a photo of a cat", "an astronaut riding a horse", "a blue square"]
 LATENT = 16  # latent size (VAE factor 1 here); pos_embed_max_size 16 covers 16 / patch 2 = 8 patches a side
-
-
-def tiny_t5_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(PROMPTS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
-
-
-def save_sd3_pipeline(root) -> None:
-    """A tiny pipeline folder in SD3.5-M's layout: CLIP-L and CLIP-G hidden 16 (their token embeddings side by side
-    fill T5's 32), projections 16 + 16 = the transformer's pooled 32, T5 d_model 32 = joint_attention_dim."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    from jagg.scale.rewards import clip_bpe_tokenizer
-
-    torch.manual_seed(0)
-    build_tiny_backbone("sd3", seed=1).transformer.save_pretrained(root / "transformer")
-    FlowMatchEulerDiscreteScheduler(shift=3.0).save_config(root / "scheduler")  # SD3.5-M's scheduler config
-    AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",),
-        block_out_channels=(8,),
-        latent_channels=16,
-        norm_num_groups=4,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).save_pretrained(root / "vae")
-    for i, sub in enumerate(("", "_2")):
-        clip = dict(vocab_size=49408, hidden_size=16, intermediate_size=32, num_hidden_layers=2)
-        clip |= dict(num_attention_heads=2, projection_dim=16)
-        torch.manual_seed(10 + i)
-        CLIPTextModelWithProjection(CLIPTextConfig(**clip)).save_pretrained(root / f"text_encoder{sub}")
-        clip_bpe_tokenizer().save_pretrained(root / f"tokenizer{sub}")
-    t5 = T5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
-    T5EncoderModel(t5).save_pretrained(root / "text_encoder_3")
-    tiny_t5_tokenizer().save_pretrained(root / "tokenizer_3")
 
 
 def reference_pipeline(root):
@@ -96,7 +50,7 @@ def reference_pipeline(root):
 @pytest.fixture(scope="module")
 def pipeline_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("sd3")
-    save_sd3_pipeline(root / "sd3")
+    save_tiny_sd3_pipeline(root / "sd3", PROMPTS)
     (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     return root
 
@@ -107,8 +61,7 @@ def sd3_cfg(pipeline_dir, tmp_path, *overrides):
     return load_config(
         "configs/paper/sd3/sd35m_flowgrpo.yaml",
         [
-            f"model.path={pipeline_dir / 'sd3'}",
-            "model.max_sequence_length=16",
+            *tiny_pipeline_overrides(pipeline_dir / "sd3", pipeline_dir / "prompts.txt"),
             "model.gradient_checkpointing=false",
             "model.lora_rank=4",
             "model.lora_alpha=8",
@@ -116,7 +69,6 @@ def sd3_cfg(pipeline_dir, tmp_path, *overrides):
             "sampling.num_steps=4",
             "sampling.eval_num_steps=3",
             "algorithm.clip_range=0.2",
-            "train.device=cpu",
             "train.precision=fp32",
             "train.iterations=2",
             "train.prompts_per_iter=2",
@@ -124,12 +76,6 @@ def sd3_cfg(pipeline_dir, tmp_path, *overrides):
             "train.train_batch_size=2",
             "train.grad_accum=1",
             "optim.lr=1e-3",
-            "reward.weights={jpeg: 1.0}",
-            "reward.eval=[jpeg]",
-            "reward.kwargs={}",
-            f"data.train_prompts={pipeline_dir / 'prompts.txt'}",
-            f"data.eval_prompts={pipeline_dir / 'prompts.txt'}",
-            "data.eval_limit=null",
             "log.eval_every=2",
             "log.eval_prompts=2",
             f"log.run_dir={tmp_path}",
@@ -309,31 +255,9 @@ def test_dry_run_plan_of_the_paper_config(capsys):
 
 # --------------------------------------------------------------------------- FSDP2 on 2 gloo ranks
 def _two_rank_argv(out, name: str, *extra: str) -> list[str]:
-    return [
-        "--config",
-        "configs/paper/sd3/sd35m_flowgrpo.yaml",
-        f"model.path={out / 'sd3'}",
-        "model.max_sequence_length=16",
-        "sampling.latent_size=8",
-        "sampling.num_steps=4",
-        "sampling.eval_num_steps=2",
-        "train.device=cpu",
-        "train.iterations=1",
-        "train.prompts_per_iter=1",
-        "train.images_per_prompt=2",
-        "train.train_batch_size=1",
-        "train.grad_accum=1",
-        "reward.weights={jpeg: 1.0}",
-        "reward.eval=[jpeg]",
-        "reward.kwargs={}",
-        f"data.train_prompts={out / 'prompts.txt'}",
-        f"data.eval_prompts={out / 'prompts.txt'}",
-        "data.eval_limit=null",
-        "log.eval_every=1",
-        "log.eval_prompts=2",
-        f"log.run_dir={out / 'runs' / name}",
-        *extra,
-    ]
+    return paper_tiny_argv(
+        "configs/paper/sd3/sd35m_flowgrpo.yaml", out / "sd3", out / "prompts.txt", out / "runs" / name, *extra
+    )
 
 
 TWO_RANK_RUNS = {  # the paper config as it is (bf16, checkpointing, LoRA on a replicated base), and full FT
@@ -360,7 +284,7 @@ def sd3_two_rank_worker(rank: int, out_dir: str) -> None:
 def test_paper_config_trains_on_two_ranks(tmp_path):
     from dist_harness import run_ranks
 
-    save_sd3_pipeline(tmp_path / "sd3")
+    save_tiny_sd3_pipeline(tmp_path / "sd3", PROMPTS)
     (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
     run_ranks("test_sd3:sd3_two_rank_worker", 2, tmp_path)
     for r in range(2):

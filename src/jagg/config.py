@@ -45,9 +45,9 @@ MAX_SEED = 2**32 - 1
 
 # The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
 # config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
-# by the JPEG reward (the world rewards need the pretrained cache). TINY_RUN adds the smallest batch: one
-# iteration of 2 prompts x 2 images in one micro-batch, no evaluation. Later overrides win, so a caller appends
-# what it needs to differ, e.g. ``load_config(path, [*TINY_RUN, "sampling.num_steps=4"])``.
+# by the JPEG reward (the world rewards need the pretrained cache). TINY_RUN adds the smallest batch
+# (TINY_BATCH: one iteration of 2 prompts x 2 images in one micro-batch, no evaluation). Later overrides win, so a
+# caller appends what it needs to differ, e.g. ``load_config(path, [*TINY_RUN, "sampling.num_steps=4"])``.
 TINY_OVERRIDES = ("model.source=tiny", "reward.weights={jpeg: 1.0}", "reward.eval=[jpeg]")
 # The gradient-geometry experiments' plain DanceGRPO loss (make cosine, make knots): the paper-scale eta 0.3, the
 # pref reward, per-group advantages, no KL, no EMA, so their numbers do not move when the world recipe is re-tuned.
@@ -59,14 +59,36 @@ PLAIN_DANCEGRPO_LOSS = (
     "algorithm.init_same_noise=false",
     "optim.ema_decay=0.0",
 )
-TINY_RUN = (
-    *TINY_OVERRIDES,
+TINY_BATCH = (
     "train.iterations=1",
     "train.prompts_per_iter=2",
     "train.images_per_prompt=2",
     "train.train_batch_size=4",
     "log.eval_every=0",
 )
+TINY_RUN = (*TINY_OVERRIDES, *TINY_BATCH)
+# A paper config on a tiny random-init pipeline folder of the real classes (jagg.scale.tiny_pipeline) on the CPU:
+# its recipe kept (precision, checkpointing, LoRA, CFG, schedule, SDE, KL), the paper's rewards (they need their
+# weights) replaced by JPEG, T5 shortened. ``tiny_pipeline_overrides`` adds the folder and the prompts file.
+TINY_PIPELINE = (
+    "model.max_sequence_length=16",
+    "train.device=cpu",
+    "reward.weights={jpeg: 1.0}",
+    "reward.eval=[jpeg]",
+    "reward.kwargs={}",
+    "data.eval_limit=null",
+)
+
+
+def tiny_pipeline_overrides(pipeline: str | Path, prompts: str | Path) -> list[str]:
+    """``TINY_PIPELINE`` with ``model.path`` = the tiny pipeline folder and ``prompts`` (a file, one prompt a
+    line) for training and evaluation."""
+    return [
+        *TINY_PIPELINE,
+        f"model.path={pipeline}",
+        f"data.train_prompts={prompts}",
+        f"data.eval_prompts={prompts}",
+    ]
 
 
 @dataclass(kw_only=True)
@@ -503,6 +525,12 @@ def _not_auto(key: str, tp, value, allowed: str):
         return _coerce(key, concrete, value)
     except ConfigError:
         raise ConfigError(f"{key} must be {allowed}, got {value!r}") from None
+
+
+def paper_config_paths(root: str | Path = ".") -> list[Path]:
+    """Every paper run config under ``root``: configs/paper/**/<backbone>_<recipe>.yaml, sorted (SD3.5-M's in
+    configs/paper/sd3/; base.yaml, which they inherit, is not a run)."""
+    return sorted(Path(root, "configs", "paper").glob("**/*_*.yaml"))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

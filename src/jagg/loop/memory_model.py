@@ -10,9 +10,10 @@ transformer terms with a simulated 8-GPU node (``results/plan_check.md``).
 Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as sold):
     transformer   sharded weights (trained fp32 master, frozen LoRA base in the compute dtype; in full on every
                   rank with ``model.shard_frozen_base: false``, when only the adapters are gathered), gradients,
-                  AdamW moments, EMA, two unsharded blocks in
-                  flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the gradients the
-                  ``joint`` endpoint mode and true CFG hold, the KL reference copy
+                  AdamW moments, EMA, floating buffers (replicated, fp32: SD3's positional table), two unsharded
+                  blocks in flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the
+                  gradients the ``joint`` endpoint mode and two-call true CFG (Qwen-Image) hold, the KL
+                  reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
                   ViT-H-14, CLIPScore ViT-L/14, ImageReward, HPSv3's Qwen2-VL-7B; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
@@ -45,7 +46,14 @@ import torch
 
 from jagg.config import Config
 from jagg.loop.node import expandable_segments
-from jagg.scale.architectures import AUX_MODELS, KNOWN_CONFIGS, TEXT_ENCODERS, TRUE_CFG, aux_params
+from jagg.scale.architectures import (
+    AUX_MODELS,
+    CFG_TWO_CALLS,
+    KNOWN_CONFIGS,
+    TEXT_ENCODERS,
+    TRUE_CFG,
+    aux_params,
+)
 
 GIB = 2**30
 GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
@@ -98,6 +106,15 @@ def meta_transformer(cfg: Config):
                 model_cfg.lora_targets or DEFAULT_TARGETS[model_cfg.backbone],
             )
     return model, source
+
+
+def text_tokens(model_cfg) -> int:
+    """Text tokens per prompt in the transformer's sequence: Flux pads T5 to the max; SD3 the 77 CLIP tokens +
+    T5 padded to the max; Qwen-Image a typical prompt (it truncates, not pads)."""
+    return {
+        "flux": model_cfg.max_sequence_length,
+        "sd3": 77 + model_cfg.max_sequence_length,
+    }.get(model_cfg.backbone, 64)
 
 
 def _reward_dtype_bytes(kwargs: dict) -> int:
@@ -178,11 +195,17 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     )
     if replicated:  # resident; only the adapters are all-gathered
         gpu["frozen base (replicated)"] = (n_all - n_train) * compute
+    # FSDP2 shards parameters only; placement casts floating buffers to the master dtype (cast_parameters).
+    # SD3's positional table (pos_embed_max_size^2 x hidden: 0.84 GiB for SD3.5-M) is one; Flux / Qwen-Image none
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    if buffers:
+        gpu["transformer buffers (replicated)"] = buffers * master
     # current + prefetched block
     gpu["unsharded blocks in flight"] = 2 * (n_block_train if replicated else n_block) * compute
     gpu["unsharded gradients of one block"] = n_block_train * (compute + 4)  # + fp32 reduce-scatter copy
     cfg_mult = 2 if model_cfg.backbone in TRUE_CFG and model_cfg.true_cfg_scale > 1 else 1
-    held = [why for why, on in (("joint", held_grad), ("true CFG", cfg_mult > 1)) if on]
+    two_calls = cfg_mult > 1 and model_cfg.backbone in CFG_TWO_CALLS
+    held = [why for why, on in (("joint", held_grad), ("true CFG", two_calls)) if on]
     if held:
         # joint endpoints under FSDP2: the later graph's gradient for a unit waits unsharded until the earlier
         # graph reaches that unit; true CFG: the backward of one of the two transformer calls per velocity runs
@@ -213,11 +236,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         host_prompts = prompts * embedding_bytes(cfg, model)
     # activations of the update: per graph, B samples x tokens x hidden x layers
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
-    txt = {  # Flux pads T5 to the max; SD3 the 77 CLIP tokens + T5 padded to the max; Qwen: typical prompt
-        "flux": model_cfg.max_sequence_length,
-        "sd3": 77 + model_cfg.max_sequence_length,
-    }.get(model_cfg.backbone, 64)
-    tokens = (sampling.latent_size // 2) ** 2 + txt
+    tokens = (sampling.latent_size // 2) ** 2 + text_tokens(model_cfg)
     per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
     # the batched endpoint mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
     backward = cfg.backward
@@ -276,9 +295,9 @@ def all_gather_bytes(cfg: Config, model, all_gathers: int, world_size: int) -> d
     compute = 2 if train.precision == "bf16" else (8 if train.precision == "fp64" else 4)
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
-    cfg_mult = 2 if model_cfg.backbone in TRUE_CFG and model_cfg.true_cfg_scale > 1 else 1
+    calls = 2 if model_cfg.backbone in CFG_TWO_CALLS and model_cfg.true_cfg_scale > 1 else 1  # per velocity
     n_micro = max(1, train.prompts_per_iter * train.images_per_prompt // world_size // train.train_batch_size)
-    rounds = n_micro * (all_gathers + sampling.num_steps * cfg_mult)
+    rounds = n_micro * (all_gathers + sampling.num_steps * calls)
     base = (n_all - n_train) * compute * rounds
     total = n_all * compute * rounds
     if not model_cfg.shard_frozen_base:

@@ -177,7 +177,10 @@ TEXT_ENCODERS = {
     "qwenimage": ("qwen25_vl_7b",),
     "sd3": ("t5_xxl", "clip_l_text", "clip_g_text"),
 }
-TRUE_CFG = ("qwenimage", "sd3")  # backbones whose model.true_cfg_scale > 1 doubles every transformer call
+TRUE_CFG = ("qwenimage", "sd3")  # backbones whose model.true_cfg_scale > 1 doubles the transformer's work
+# ... in two calls per velocity (Qwen-Image's pipeline); SD3 batches the negative prompt into one call of 2B rows
+# (SD3Backbone, as StableDiffusion3Pipeline and Flow-GRPO): one all-gather per step, no gradient held between calls
+CFG_TWO_CALLS = ("qwenimage",)
 _aux_cache: dict[str, int] = {}
 
 

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from jagg.config import Config
+from jagg.config import Config, ModelConfig
 from jagg.distributed import DistInfo
 from jagg.engine.sde import diffusers_sigmas
 from jagg.errors import ConfigError
@@ -227,6 +227,15 @@ def sd3_sigmas(scheduler_config: dict, num_steps: int, dtype=torch.float64) -> t
     return sched.sigmas.to(dtype)
 
 
+def adapter_kwargs(m: ModelConfig) -> dict:
+    """The backbone adapter's guidance arguments from ``model`` (the loader's and ``make plan-check``'s)."""
+    return {
+        "flux": {"guidance_scale": m.guidance_scale},  # embedded guidance
+        "qwenimage": {"true_cfg_scale": m.true_cfg_scale},
+        "sd3": {"guidance_scale": m.true_cfg_scale},  # true CFG (SD3Backbone)
+    }[m.backbone]
+
+
 def build_pretrained_components(cfg: Config) -> Components:
     """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
 
@@ -240,13 +249,8 @@ def build_pretrained_components(cfg: Config) -> Components:
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
     device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
     dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    adapter = {
-        "flux": {"guidance_scale": m.guidance_scale},
-        "qwenimage": {"true_cfg_scale": m.true_cfg_scale},
-        "sd3": {"guidance_scale": m.true_cfg_scale},  # true CFG (SD3Backbone)
-    }[m.backbone]
     info = DistInfo.current()
-    backbone = load_backbone(m.backbone, m.path, dtype=dtype, meta=not info.is_main, **adapter)
+    backbone = load_backbone(m.backbone, m.path, dtype=dtype, meta=not info.is_main, **adapter_kwargs(m))
     decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=dtype), device=device)
     if decoder.vae.config.get("latent_channels", decoder.vae.config.get("z_dim")) != backbone.latent_channels:
         raise ConfigError(f"model.path={m.path}: VAE latent channels do not match the transformer's")
