@@ -402,7 +402,7 @@ def test_judges_line_counts_agreement_and_moves():
 
 
 def test_curves_v4_quick_logs_fidelity_divergence_and_places_arms_on_the_controls_scale(quick):
-    res, _ = quick("curves_v4")
+    res, figs = quick("curves_v4")
     out = res / "curves_v4" / "authors"
     df = pd.concat([pd.read_csv(p) for p in out.glob("*_seed*.csv")])
     fid = df.dropna(subset=["fidelity_cosine"]).groupby("strategy").fidelity_cosine

@@ -9,7 +9,7 @@ import torch
 
 from jagg.engine.routing import Routing
 from jagg.engine.strategies import Interpolation
-from jagg.loop.fidelity import block_parts
+from jagg.loop.fidelity import block_cosines, block_parts
 
 FP64 = ("train.precision=fp64", "optim.max_grad_norm=1e9", "train.grad_accum=2")  # one optimizer step
 
@@ -130,8 +130,10 @@ def test_block_cosines_of_a_two_step_group_are_exact(tiny_trainer):
         trainer = tiny_trainer(
             *FP64, "backward.strategy=jagg", f"backward.group_size={size}", "backward.jagg_frac=1"
         )
-        ro = trainer.rollout(0)
-        cosines = trainer._block_cosines(ro, slice(0, 3))
+        ro, idx = trainer.rollout(0), slice(0, 3)
+        loss, outputs = trainer._update_inputs(ro, idx)
+        velocity = trainer.velocity(ro.cond.select(idx))
+        cosines = block_cosines(trainer.backward, velocity, loss.loss, trainer.params, outputs)
         assert cosines
         assert all((abs(c - 1) < 1e-10) == exact for c in cosines.values()), (size, cosines)
 

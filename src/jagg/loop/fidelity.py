@@ -20,6 +20,7 @@ held-out samples and weights are from the other's (exact's, same seed) relative 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -95,6 +96,41 @@ def block_cosines(
         for p, g in zip(params, saved, strict=True):
             p.grad = g
     return out
+
+
+class FidelityRecord:
+    """The measurements of one fidelity iteration, made where the update reaches them: the blocks before the
+    first micro-batch, then each optimizer step's update; ``row`` gives the metrics."""
+
+    def __init__(self) -> None:
+        self.cosines: list[float] = []
+        self.rel_errs: list[float] = []
+        self.group_cosines: dict[str, float] = {}
+        self.seconds = 0.0
+
+    def measure_blocks(
+        self, setting: BackwardSetting, velocity: Velocity, loss: StepLoss, params, outputs
+    ) -> None:
+        t0 = time.perf_counter()
+        self.group_cosines = block_cosines(setting, velocity, loss, params, outputs)
+        self.seconds += time.perf_counter() - t0
+
+    def measure_step(self, params: Sequence[torch.nn.Parameter], run_exact: Callable[[], None]) -> None:
+        """The gradient about to be applied vs ``run_exact``'s (``compare_to_exact``)."""
+        t0 = time.perf_counter()
+        cos, rel = compare_to_exact(params, run_exact)
+        self.cosines.append(cos)
+        self.rel_errs.append(rel)
+        self.seconds += time.perf_counter() - t0
+
+    def row(self) -> dict:
+        """Means over the iteration's optimizer steps, the per-block cosines and the seconds it all took."""
+        return {
+            "fidelity_cosine": sum(self.cosines) / len(self.cosines),
+            "fidelity_rel_err": sum(self.rel_errs) / len(self.rel_errs),
+            "fidelity_group_cosines": self.group_cosines,
+            "time_fidelity_s": self.seconds,
+        }
 
 
 def _eval_states(run_dir: Path) -> dict[int, list[dict]]:

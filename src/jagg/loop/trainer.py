@@ -22,6 +22,7 @@ advantages. Only rank 0 writes metrics and sample grids; every rank writes its o
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -50,7 +51,7 @@ from jagg.engine.strategies import GroupStats
 from jagg.loop.calibration import measure_setting, record, restore
 from jagg.loop.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
-from jagg.loop.fidelity import block_cosines, compare_to_exact
+from jagg.loop.fidelity import FidelityRecord
 from jagg.loop.grids import save_grid
 from jagg.loop.heartbeat import PhaseWatch
 from jagg.loop.optimizer import build_optimizer
@@ -250,11 +251,11 @@ class Trainer:
         if self.control is not None:
             self.control.start_iteration(self.iteration)
         every = self.cfg.log.fidelity_every
-        fidelity = {} if every and self.iteration % every == 0 else None  # log.fidelity_every
+        fidelity = FidelityRecord() if every and self.iteration % every == 0 else None  # log.fidelity_every
         if fidelity is not None:
-            t0 = time.perf_counter()
-            fidelity["fidelity_group_cosines"] = self._block_cosines(ro, batches[0])
-            fidelity["time_fidelity_s"] = time.perf_counter() - t0
+            loss, outputs = self._update_inputs(ro, batches[0])
+            velocity = self.velocity(ro.cond.select(batches[0]))
+            fidelity.measure_blocks(self.backward, velocity, loss.loss, self.params, outputs)
         pending: list[slice] = []  # the micro-batches of the coming optimizer step
         for k, idx in enumerate(batches):
             loss, outputs = self._update_inputs(ro, idx)
@@ -265,7 +266,10 @@ class Trainer:
             if stepped == 0:
                 onpolicy_dev = max(onpolicy_dev, max(st.ppo.ratio_max_dev for st in step_stats))
             if (k + 1) % train.grad_accum == 0 or k == len(batches) - 1:
-                compare = None if fidelity is None else self._shadow_exact(ro, pending, fidelity)
+                exact = functools.partial(self._exact_update, ro, pending)
+                compare = (
+                    None if fidelity is None else functools.partial(fidelity.measure_step, self.params, exact)
+                )
                 norm, ok = self._optimizer_step(compare)
                 grad_norms.append(norm)
                 skipped += int(not ok)
@@ -289,7 +293,7 @@ class Trainer:
             "skipped_steps": skipped,
             **total.as_metrics(),
             "backward_passes_per_sample": total.backward_passes / len(ro.prompts) * train.train_batch_size,
-            **({} if fidelity is None else self._fidelity_row(fidelity)),
+            **({} if fidelity is None else fidelity.row()),
         }
 
     def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[RecordingLoss, Tensor | None]:
@@ -300,40 +304,11 @@ class Trainer:
         on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
         return loss.recording(), steps.outputs.to(self.device) if on_rollout_weights else None
 
-    # ------------------------------------------------------------------ fidelity (log.fidelity_every)
-    def _block_cosines(self, ro: Rollout, idx: slice) -> dict[str, float]:
-        """Each aggregated block of the backward's plan on micro-batch ``idx`` vs exact over its steps."""
-        loss, outputs = self._update_inputs(ro, idx)
-        velocity = self.velocity(ro.cond.select(idx))
-        return block_cosines(self.backward, velocity, loss.loss, self.params, outputs)
-
-    def _shadow_exact(self, ro: Rollout, batches: list[slice], into: dict) -> Callable[[], None]:
-        """A closure for ``_optimizer_step``: the gradient about to be applied vs exact's update of the same
-        micro-batches at the same weights (computed, compared, discarded), appended to ``into``."""
-
-        def run_exact() -> None:
-            for idx in batches:
-                loss, _ = self._update_inputs(ro, idx)
-                self.backward.exact.backward(self.velocity(ro.cond.select(idx)), loss.loss)
-
-        def compare() -> None:
-            t0 = time.perf_counter()
-            cos, rel = compare_to_exact(self.params, run_exact)
-            into.setdefault("cosines", []).append(cos)
-            into.setdefault("rel_errs", []).append(rel)
-            into["time_fidelity_s"] = into.get("time_fidelity_s", 0.0) + time.perf_counter() - t0
-
-        return compare
-
-    @staticmethod
-    def _fidelity_row(f: dict) -> dict:
-        """The metrics of a fidelity iteration: means over its optimizer steps, and the per-block cosines."""
-        return {
-            "fidelity_cosine": float(np.mean(f["cosines"])),
-            "fidelity_rel_err": float(np.mean(f["rel_errs"])),
-            "fidelity_group_cosines": f["fidelity_group_cosines"],
-            "time_fidelity_s": f["time_fidelity_s"],
-        }
+    def _exact_update(self, ro: Rollout, batches: list[slice]) -> None:
+        """Exact's backward of ``batches`` at the current weights, added to ``.grad`` (the fidelity's shadow)."""
+        for idx in batches:
+            loss, _ = self._update_inputs(ro, idx)
+            self.backward.exact.backward(self.velocity(ro.cond.select(idx)), loss.loss)
 
     def _optimizer_step(self, compare: Callable[[], None] | None = None) -> tuple[float, bool]:
         """Degrade (positive control), measure (``compare``, at a fidelity iteration), clip, then step unless
