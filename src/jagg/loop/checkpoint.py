@@ -75,6 +75,7 @@ class Progress:
     routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
     group_size: int | None = None  # backward.group_size=auto: the last calibrated W
     placement: str | None = None  # backward.placement=auto (knots): the last measured placement rule
+    windows: list[list] | None = None  # jagg_frac=auto under MixGRPO: [window start, routed] per window
 
 
 @contextmanager
@@ -343,6 +344,7 @@ def _write(tmp: Path, state: dict, progress: Progress, config: dict, dist: DistI
         "routing": progress.routing,
         "group_size": progress.group_size,
         "placement": progress.placement,
+        "windows": progress.windows,
         "rng": rng,
         "config": config,
         "optimizer_saved": stepped,
@@ -413,6 +415,7 @@ def load_checkpoint(
         routing=meta.get("routing"),
         group_size=meta.get("group_size"),
         placement=meta.get("placement"),
+        windows=meta.get("windows"),
     )
 
 
