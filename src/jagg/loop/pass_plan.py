@@ -184,9 +184,10 @@ def advice(cfg: Config, T: int, setting, micro_batches: int) -> tuple[dict[str, 
         )
     else:
         best = max((n for n in saved if n != "exact"), key=lambda n: saved[n][1])
+        configured = " (as configured)" if candidates[best] == setting.routing else ""
         line = (
-            f"largest predicted saving: {best}, {_saving(saved[best][1])} per iteration ({_saving(saved[best][0])} "
-            "update); "
+            f"largest predicted saving: {best}{configured}, {_saving(saved[best][1])} per iteration "
+            f"({_saving(saved[best][0])} update); "
             "its gradient quality is not predicted: measure it (backward.jagg_frac / placement auto, make knots)"
         )
     return saved, line
