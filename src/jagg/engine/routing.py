@@ -8,7 +8,9 @@ gradient to its exact one (``jagg.engine.diagnostics``), the groups at or above 
 the W whose routed update the cost model predicts cheapest kept. The cost model (``group_cost``,
 ``trajectory_cost``, ``update_cost``) predicts the pass counts ``GroupStats`` measures (tested equal), and is
 what the dry-run plan, the bench and Table 1 use. ``BackwardSetting`` is a routing plus how each group's
-endpoint backward runs: everything an update needs to know about its backward.
+endpoint backward runs: everything an update needs to know about its backward. Where the trained steps are one
+window that moves (MixGRPO), ``calibrate_windows`` measures per window position and its ``WindowRouting`` is
+looked up by the window's first step (``BackwardSetting.at_window``).
 """
 
 from __future__ import annotations
