@@ -149,3 +149,11 @@ def test_window_routing_needs_w_that_holds_the_window(size):
         ConfigError, match=r"backward.group_size must be an integer >= algorithm.group_size=4"
     ):
         load_config(CONFIG, ["backward.jagg_frac=auto", f"backward.group_size={size}", auto])
+
+
+def test_dry_run_says_the_routing_is_per_window_position(capsys, monkeypatch):
+    from jagg.train import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--config", "configs/paper/flux_mixgrpo.yaml", "--dry-run", "backward.jagg_frac=auto"]) == 0
+    assert "cos(JAGG, exact) per window position" in capsys.readouterr().out

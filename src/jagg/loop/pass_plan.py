@@ -67,9 +67,14 @@ def _routing_lines(p: Plan, cfg: Config, T: int, routing) -> None:
             f"steps {list(plan.steps)} -> {plan.strategy}" + (" (if its cosine qualifies)" * auto),
         )
     if auto:
+        from jagg.engine.algorithms import ALGORITHMS
+
+        algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, backward)
+        windowed = algorithm.windows(cfg.sampling.num_steps, range(1)) is not None
+        where = "window position (the windows trained until the next calibration)" if windowed else "group"
         p.add(
             "routing",
-            f"auto: cos(JAGG, exact) per group measured at iteration 0 and every {backward.calibrate_every}; "
+            f"auto: cos(JAGG, exact) per {where} measured at iteration 0 and every {backward.calibrate_every}; "
             f"JAGG where >= {backward.min_cosine}; the costs below assume every group qualifies",
         )
 
