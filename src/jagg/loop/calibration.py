@@ -4,9 +4,9 @@
 routes the positions that reach ``backward.min_cosine`` (``calibrate_routing``; with ``backward.group_size: auto``
 also W, by the cost model). ``backward.placement: auto`` (knots) keeps the placement rule whose micro-batch
 gradient is closest to exact (``calibrate_knots``). Both run on one micro-batch and leave ``.grad`` as it was.
-Under MixGRPO (``Algorithm.windows``) the trained steps are one window that slides toward low noise, where
-interpolation is worst, so ``jagg_frac: auto`` measures per window position instead (``window_losses``,
-``measure_windows``): a ``WindowRouting`` keyed by the window's first step.
+Under MixGRPO (``Algorithm.windows``) the trained steps are one window that slides along the trajectory, and how
+well interpolation does depends on where it is, so ``jagg_frac: auto`` measures per window position instead
+(``window_losses``, ``measure_windows``): a ``WindowRouting`` keyed by the window's first step.
 A checkpoint stores the measured routing (``record``), and a resumed run restores it (``restore``) rather than
 measuring again before its next calibration.
 """
