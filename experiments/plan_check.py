@@ -6,7 +6,8 @@ trainer's own code (``jagg.loop.placement``: LoRA, gradient checkpointing, fp32 
 base, FSDP2 ``fully_shard`` per block with the bf16 / fp32-reduce policy) under fake tensors
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no data) as rank 1 of a fake
 8-rank process group (``FakeStore``, backend ``fake``: collectives are no-ops). One micro-batch of the configured
-update then runs as the trainer runs it: ``BackwardSetting.backward`` with the configured strategy, group size,
+update (with ``train.grad_accum > 1`` a later one of the step, every gradient already allocated) then runs as the
+trainer runs it: ``BackwardSetting.backward`` with the configured strategy, group size,
 jagg_frac and endpoint mode (stored rollout outputs when ``backward.reuse_rollout``), bf16 autocast, the GRPO
 step loss, grad-norm clipping and a foreach AdamW step. ``FSDPMemTracker`` records the per-rank peak by
 category (sharded / unsharded parameters, gradients, optimizer state, activations, temporaries, collectives).
@@ -343,7 +344,9 @@ def simulate(cfg: Config, units: tuple[int, ...], *, fake: bool = True, arch: di
         for p in params:  # steady state: the AdamW moments exist before the update (iteration >= 2)
             p.grad = torch.zeros_like(p)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # a step over several micro-batches peaks in a later one: every gradient exists through its forward
+        # (the first micro-batch allocates them during its backward, after some activations are freed)
+        optimizer.zero_grad(set_to_none=cfg.train.grad_accum == 1)
         cond, loss, outputs = update_inputs(cfg, backbone, device)
         tracker = node_mem_tracker(backbone.transformer, optimizer)
         tracker.track_inputs((cond.embeds, loss.x, loss.x_next, outputs))

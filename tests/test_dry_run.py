@@ -11,15 +11,15 @@ import torch
 from jagg.config import load_config
 from jagg.train import main
 
-# The six paper recipes in this repository's reading (MixGRPO's window is one group: jagg_frac 1.0); the JAGG
-# authors' own recipe is tested on its own below.
+# The eight paper recipes in this repository's reading (MixGRPO's window is one group: jagg_frac 1.0; every step
+# trained through shared knots: *_dancegrpo_knots); the JAGG authors' own recipe is tested on its own below.
 AUTHORS = "configs/paper/qwenimage_dancegrpo_authors.yaml"
 PAPER = sorted(p for p in glob.glob("configs/paper/*_*.yaml") if p != AUTHORS)
 
 
-def test_all_six_paper_configs_exist():
+def test_all_eight_paper_configs_exist():
     names = {p.split("/")[-1] for p in PAPER}
-    algorithms = ("dancegrpo", "flowgrpo_fast", "mixgrpo")
+    algorithms = ("dancegrpo", "dancegrpo_knots", "flowgrpo_fast", "mixgrpo")
     assert names == {f"{b}_{a}.yaml" for b in ("flux", "qwenimage") for a in algorithms}
 
 
@@ -30,15 +30,16 @@ def test_dry_run_prints_plan_offline(tmp_path, capsys, monkeypatch, config):
     assert main(["--config", config, "--dry-run", "--world-size", "8", f"log.run_dir={run_dir}"]) == 0
     out = capsys.readouterr().out
     cfg = load_config(config)
-    for text in (
-        "trained steps per sample",
-        "cost per sample by endpoint mode",
-        "memory per rank",
-        "group 0",
-    ):
+    for text in ("trained steps per sample", "cost per sample by endpoint mode", "memory per rank"):
         assert text in out
-    assert f"W={cfg.backward.group_size}, jagg_frac={cfg.backward.jagg_frac}" in out
-    assert "-> jagg" in out and "over 8" in out
+    backward = cfg.backward
+    if backward.strategy == "knots":  # every step trained, K shared knots
+        assert f"K={backward.knots}, placement={backward.placement}" in out
+        assert "knots (positions among the trained steps)" in out
+    else:
+        assert f"W={backward.group_size}, jagg_frac={backward.jagg_frac}" in out
+        assert "group 0" in out and "-> jagg" in out
+    assert "over 8" in out
     assert not run_dir.exists()  # a dry run writes nothing
     # the memory plan counts every resident model and says per GPU size whether the run fits
     encoder = "T5-XXL encoder" if cfg.model.backbone == "flux" else "Qwen2.5-VL-7B"
@@ -133,16 +134,13 @@ def test_paper_recipes_follow_the_references():
 
 
 def _plan(config, *overrides, world_size=8):
-    from jagg.engine.routing import trajectory_cost
     from jagg.loop.memory_model import memory_plan
     from jagg.loop.pass_plan import trained_steps_per_sample
 
     cfg = load_config(config, list(overrides))
     setting = cfg.backward.fixed_setting()
-    plans = setting.routing.plans(trained_steps_per_sample(cfg))
-    cost = trajectory_cost(plans, endpoints=setting.endpoints)
-    joint = setting.routing.strategy != "exact" and setting.endpoints == "joint"
-    return memory_plan(cfg, world_size, cost.graphs_alive, joint)
+    cost = setting.cost(trained_steps_per_sample(cfg))
+    return memory_plan(cfg, world_size, cost.graphs_alive, setting.holds_gradients)
 
 
 PRECOMPUTED = ("data.precompute_embeddings=true", "data.embedding_cache=cache/embeddings")
@@ -151,7 +149,7 @@ PRECOMPUTED = ("data.precompute_embeddings=true", "data.embedding_cache=cache/em
 @pytest.mark.parametrize("config", PAPER)
 def test_memory_plan_verdicts_for_8_gpus(config):
     """Every paper config, as configured, fits 8 x 80 GB and 8 x 141 GB (none fits 80 GB without gradient
-    checkpointing). Qwen-Image DanceGRPO and MixGRPO fit only because their configs precompute the prompt
+    checkpointing). Qwen-Image DanceGRPO (every-step knots too) and MixGRPO fit only because their configs precompute the prompt
     embeddings to a disk cache (the text encoder freed): with the text encoder kept (full fine-tuning of 20.4B
     parameters + Qwen2.5-VL-7B on every GPU) they would exceed 80 GB."""
     mp = _plan(config)
@@ -160,7 +158,9 @@ def test_memory_plan_verdicts_for_8_gpus(config):
     precomputed = _plan(config, *PRECOMPUTED)
     assert precomputed.fits(80)
     kept = _plan(config, "data.precompute_embeddings=false")
-    full_qwen = config.endswith(("qwenimage_dancegrpo.yaml", "qwenimage_mixgrpo.yaml"))
+    full_qwen = config.endswith(
+        ("qwenimage_dancegrpo.yaml", "qwenimage_dancegrpo_knots.yaml", "qwenimage_mixgrpo.yaml")
+    )
     assert kept.fits(80) == (not full_qwen)
     assert sum(kept.gpu.values()) - sum(precomputed.gpu.values()) > 8 * 2**30  # T5-XXL / Qwen2.5-VL freed
 
@@ -330,3 +330,18 @@ def test_advisor_on_every_shipped_config(config):
     else:
         assert line.startswith("largest predicted saving: ")
         assert max(u for u, _ in saved.values()) > 0
+
+
+@pytest.mark.parametrize("config", [p for p in PAPER if p.endswith("_knots.yaml")])
+def test_every_step_knots_configs_train_every_usable_step_and_the_advisor_agrees(config):
+    """The paper's every-step variants: all S - 1 usable steps trained through K = 4 shared knots; the advisor
+    finds the configured knots the largest saving on them and says so."""
+    from jagg.loop.pass_plan import advice, trained_steps_per_sample
+
+    cfg = load_config(config)
+    base = load_config(config.replace("_knots", ""))
+    t = trained_steps_per_sample(cfg)
+    assert t == cfg.sampling.num_steps - 1 > trained_steps_per_sample(base)
+    assert cfg.backward.planned_setting().cost(t).backward_passes == cfg.backward.knots == 4
+    _, line = advice(cfg, t, cfg.backward.planned_setting(), micro_batches=12)
+    assert line.startswith("largest predicted saving: knots K=4 (as configured), ")

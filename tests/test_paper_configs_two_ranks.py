@@ -36,6 +36,8 @@ def _argv(out: Path, name: str) -> list[str]:
         out / "runs" / name,
         f"data.embedding_cache={out / 'emb' / name}",
         *authors,
+        # every step trained: 3 of 4 steps, interpolated through 2 knots (4 would make every step a knot)
+        *(["backward.knots=2"] if name.endswith("_knots") else []),
     )
 
 
@@ -106,13 +108,16 @@ def test_meta_built_qwenimage_gets_the_rotary_tables_of_a_real_build():
 
 
 def test_every_paper_config_is_found():
-    """The four recipes of the paper, MixGRPO and the JAGG authors' Qwen-Image recipe, both backbones."""
+    """The four recipes of the paper, MixGRPO, every step trained through knots and the JAGG authors' Qwen-Image
+    recipe, both backbones."""
     assert CONFIGS == [
         "flux_dancegrpo",
+        "flux_dancegrpo_knots",
         "flux_flowgrpo_fast",
         "flux_mixgrpo",
         "qwenimage_dancegrpo",
         "qwenimage_dancegrpo_authors",
+        "qwenimage_dancegrpo_knots",
         "qwenimage_flowgrpo_fast",
         "qwenimage_mixgrpo",
     ]

@@ -38,6 +38,7 @@ class SeedStream(IntEnum):
     FINETUNE = 50_000  # the short RL fine-tune that moves the policy before a measurement (cosine, after_rl)
     CONTROL = 60_000  # the positive control's fixed gradient direction (train.control_cosine): index 0 only
     KNOTS = 70_000  # the measurement rollouts of experiments/knots.py
+    CALIBRATION = 80_000  # index = iteration: the SDE noise of the windows a MixGRPO calibration rebuilds
 
 
 def generator(seed: int, stream: SeedStream, index: int = 0) -> torch.Generator:

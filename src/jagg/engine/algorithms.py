@@ -70,6 +70,12 @@ class Algorithm:
         MixGRPO-Flash (fewer DPM-Solver++ steps after the window; the trained steps keep their index and time)."""
         return sigmas, kinds
 
+    def windows(self, num_steps: int, iterations: range) -> list[range] | None:
+        """The windows a routing per window position is measured for (``jagg.loop.calibration``), or None where
+        the trained steps are not one window of consecutive steps shared by the batch and keyed by its first step
+        (every algorithm but MixGRPO)."""
+        return None
+
 
 class DanceGRPO(Algorithm):
     name = "dancegrpo"
@@ -265,6 +271,21 @@ class MixGRPO(Algorithm):
                 f"sampling.num_steps={num_steps} for sample_strategy=random; allowed: 1 <= group_size <= "
                 "sampling.num_steps - 2"
             )
+        MixGRPO._validate_window_routing(cfg, backward)
+
+    @staticmethod
+    def _validate_window_routing(cfg, backward) -> None:
+        """Measured routing (``backward.jagg_frac: auto``) is per window position, the window one group: W must
+        be an integer that holds the whole window."""
+        if backward is None or not getattr(backward, "calibrated", False) or backward.strategy == "knots":
+            return
+        size = backward.group_size
+        if not isinstance(size, int) or size < cfg.group_size:
+            shown = "'auto'" if size is None else repr(size)
+            raise ConfigError(
+                "algorithm.name=mixgrpo with backward.jagg_frac=auto routes each window position as one group: "
+                f"backward.group_size must be an integer >= algorithm.group_size={cfg.group_size}, got {shown}"
+            )
 
     def dwell(self, start: int, num_steps: int) -> int:
         """Iterations the window stays at ``start`` (their ``iters_per_group`` or its decayed forms)."""
@@ -298,12 +319,26 @@ class MixGRPO(Algorithm):
             left -= stay
         raise AssertionError("unreachable: left < the cycle length")
 
-    def window(self, iteration: int, num_steps: int, gen: torch.Generator) -> range:
-        """The trained steps of ``iteration``: ``range(start, min(start + group_size, S - 2))``, never empty."""
-        start, last = self.window_start(iteration, num_steps, gen), self.last_start(num_steps)
+    def window(self, iteration: int, num_steps: int, gen: torch.Generator | None) -> range:
+        """The trained steps of ``iteration`` (``window_at`` its start); ``gen`` is read by ``random`` only."""
+        return self.window_at(self.window_start(iteration, num_steps, gen), num_steps)
+
+    def window_at(self, start: int, num_steps: int) -> range:
+        """The window at ``start``: ``range(start, min(start + group_size, S - 2))``, never empty."""
+        last = self.last_start(num_steps)
         if start >= last:  # their empty window (start == S - 2): the window at 0 (see the class docstring)
             start = 0
         return range(start, min(start + self.cfg.group_size, last))
+
+    def windows(self, num_steps: int, iterations: range) -> list[range]:
+        """Every window trained during ``iterations``, once each, by first step. The progressive schedules are a
+        function of the iteration; ``random`` draws its start from the rollout's generator, which only the
+        rollout replays, so every start it can draw (0 .. S - 2 - group_size) is returned."""
+        if self.cfg.sample_strategy == "random":
+            starts = set(range(self.last_start(num_steps) - self.cfg.group_size + 1))
+        else:
+            starts = {self.window(it, num_steps, None).start for it in iterations}
+        return [self.window_at(start, num_steps) for start in sorted(starts)]
 
     def step_kinds(self, num_steps: int, gen: torch.Generator, iteration: int = 0) -> list[str]:
         win = self.window(iteration, num_steps, gen)

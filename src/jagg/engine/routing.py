@@ -8,15 +8,18 @@ gradient to its exact one (``jagg.engine.diagnostics``), the groups at or above 
 the W whose routed update the cost model predicts cheapest kept. The cost model (``group_cost``,
 ``trajectory_cost``, ``update_cost``) predicts the pass counts ``GroupStats`` measures (tested equal), and is
 what the dry-run plan, the bench and Table 1 use. ``BackwardSetting`` is a routing plus how each group's
-endpoint backward runs: everything an update needs to know about its backward.
+endpoint backward runs: everything an update needs to know about its backward. Where the trained steps are one
+window that moves (MixGRPO), ``calibrate_windows`` measures per window position and its ``WindowRouting`` is
+looked up by the window's first step (``BackwardSetting.at_window``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -147,6 +150,35 @@ class Routing:
         return f"{self.strategy}/W{self.group_size}/f{self.frac_label}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class WindowRouting:
+    """A measured routing per window position (MixGRPO: the trained steps are one window of consecutive steps,
+    one group of ``group_size`` >= its length, that moves along the trajectory): ``routed`` says, per window start
+    (its first step), whether that window runs ``strategy`` (True) or exact. ``at(start)`` is one window's
+    ``Routing``; a start that was not measured runs exact (nothing is approximated without a measurement)."""
+
+    strategy: str
+    group_size: int
+    routed: tuple[tuple[int, bool], ...]  # (window start, runs strategy), by start
+
+    def __post_init__(self) -> None:
+        Routing(strategy=self.strategy, group_size=self.group_size)  # the same checks
+
+    def at(self, start: int) -> Routing:
+        chosen = dict(self.routed).get(start, False)
+        return Routing(strategy=self.strategy, group_size=self.group_size, measured=(chosen,))
+
+    def interpolation(self, sigma: Tensor) -> Interpolation:
+        raise TypeError(
+            "a WindowRouting routes one window at a time: bind it first (BackwardSetting.at_window)"
+        )
+
+    @property
+    def label(self) -> str:
+        """e.g. ``jagg/W4/fwindow``."""
+        return f"{self.strategy}/W{self.group_size}/fwindow"
+
+
 def plans_interpolation(plans: Sequence[GroupPlan], sigma: Tensor) -> Interpolation:
     """Consecutive groups (``plan_groups``) as one block-diagonal plan over the T steps at times ``sigma``,
     named by the groups' strategy other than exact (a routing has one)."""
@@ -168,7 +200,7 @@ class BackwardSetting:
     outputs may replace forwards (``backward.reuse_rollout``; the loop decides when they are valid) and where
     the knots' own signals come from (``ENDPOINT_SIGNALS``, ``backward.endpoint_signals``)."""
 
-    routing: Routing | Knots
+    routing: Routing | Knots | WindowRouting
     endpoints: str = DEFAULT_MODE
     reuse_outputs: bool = True
     endpoint_signals: str = DEFAULT_SIGNALS
@@ -176,12 +208,19 @@ class BackwardSetting:
 
     def __post_init__(self) -> None:
         r = self.routing
-        size = r.group_size if isinstance(r, Routing) else 2
+        size = r.group_size if isinstance(r, (Routing, WindowRouting)) else 2
         validate_routing(
             size, getattr(r, "jagg_frac", 1.0), r.strategy, self.endpoints, self.endpoint_signals
         )
         if self.max_rows is not None and self.max_rows < 1:
             raise ValueError(f"backward.max_rows must be a positive integer or null, got {self.max_rows!r}")
+
+    def at_window(self, start: int) -> BackwardSetting:
+        """The setting of a window whose first step is ``start``: its entry of a ``WindowRouting``. Any other
+        routing does not depend on where the trained steps lie and is returned as it is."""
+        if not isinstance(self.routing, WindowRouting):
+            return self
+        return dataclasses.replace(self, routing=self.routing.at(start))
 
     def backward(self, velocity: Velocity, loss: StepLoss, outputs: Tensor | None = None) -> GroupStats:
         """ADD the micro-batch's gradient to ``.grad``: ``loss`` is the per-step loss of its T trained steps
@@ -536,6 +575,58 @@ def calibrate_routing(
         candidates[w] = CandidateRouting(cosines=tuple(cosines), routing=routing, predicted_cost=cost.time())
     best = min(candidates, key=lambda w: (candidates[w].predicted_cost, w))
     return Calibration(chosen=candidates[best], candidates=candidates)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowCalibration:
+    """What ``calibrate_windows`` measured: per window start the cosine of its ``strategy`` gradient to the exact
+    one (None for a one-step window: exact, nothing to compare), and the routing it gives."""
+
+    cosines: dict[int, float | None]
+    routing: WindowRouting
+
+    def as_metrics(self) -> dict:
+        """``window_cosines`` and ``window_routing`` (strategy or "exact") keyed by window start, and W."""
+        routing = self.routing
+        return {
+            "window_cosines": {str(start): cos for start, cos in self.cosines.items()},
+            "window_routing": {str(s): routing.strategy if r else "exact" for s, r in routing.routed},
+            "group_size": routing.group_size,
+        }
+
+
+def calibrate_windows(
+    velocity: Velocity,
+    losses: Mapping[int, StepLoss],
+    params: Sequence[torch.nn.Parameter],
+    *,
+    strategy: str,
+    group_size: int,
+    min_cosine: float,
+    endpoints: str = DEFAULT_MODE,
+) -> WindowCalibration:
+    """Measured routing per window position: ``losses[start]`` is the per-step loss of the window starting at step
+    ``start`` (``.x`` / ``.sigma`` its steps, one group of at most ``group_size``); its ``strategy`` gradient is
+    compared with its exact one (``group_gradient_cosines``: len + the strategy's backward passes) and the window
+    runs ``strategy`` where ``route_by_cosine`` qualifies it at ``min_cosine``. ``.grad`` is left as it was."""
+    cosines, routed = {}, []
+    for start, loss in sorted(losses.items()):
+        if loss.x.shape[0] > group_size:
+            raise ValueError(f"the window at {start} has {loss.x.shape[0]} steps, more than W = {group_size}")
+        measured = group_gradient_cosines(
+            velocity,
+            loss.x,
+            loss.sigma,
+            loss,
+            params,
+            group_size=group_size,
+            strategies=(strategy,),
+            endpoints=endpoints,
+        )
+        cosines[start] = measured[0].cosine if measured else None
+        routed.append((start, route_by_cosine(measured, min_cosine, strategy) == [True]))
+    routing = WindowRouting(strategy=strategy, group_size=group_size, routed=tuple(routed))
+    return WindowCalibration(cosines=cosines, routing=routing)
 
 
 @dataclass(frozen=True, kw_only=True)

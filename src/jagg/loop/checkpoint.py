@@ -88,6 +88,7 @@ class Progress:
     routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
     group_size: int | None = None  # backward.group_size=auto: the last calibrated W
     placement: str | None = None  # backward.placement=auto (knots): the last measured placement rule
+    windows: list[list] | None = None  # jagg_frac=auto under MixGRPO: [window start, routed] per window
 
 
 def _single_process_ok() -> None:
@@ -347,6 +348,7 @@ def _progress_meta(progress: Progress, config: dict, stepped: bool, dist: DistIn
         "routing": progress.routing,
         "group_size": progress.group_size,
         "placement": progress.placement,
+        "windows": progress.windows,
         "rng": rng,
         "config": config,
         "optimizer_saved": stepped,
@@ -563,6 +565,7 @@ def load_checkpoint(
         routing=meta.get("routing"),
         group_size=meta.get("group_size"),
         placement=meta.get("placement"),
+        windows=meta.get("windows"),
     )
 
 

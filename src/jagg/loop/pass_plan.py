@@ -67,9 +67,14 @@ def _routing_lines(p: Plan, cfg: Config, T: int, routing) -> None:
             f"steps {list(plan.steps)} -> {plan.strategy}" + (" (if its cosine qualifies)" * auto),
         )
     if auto:
+        from jagg.engine.algorithms import ALGORITHMS
+
+        algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, backward)
+        windowed = algorithm.windows(cfg.sampling.num_steps, range(1)) is not None
+        where = "window position (the windows trained until the next calibration)" if windowed else "group"
         p.add(
             "routing",
-            f"auto: cos(JAGG, exact) per group measured at iteration 0 and every {backward.calibrate_every}; "
+            f"auto: cos(JAGG, exact) per {where} measured at iteration 0 and every {backward.calibrate_every}; "
             f"JAGG where >= {backward.min_cosine}; the costs below assume every group qualifies",
         )
 
@@ -183,9 +188,10 @@ def advice(cfg: Config, T: int, setting, micro_batches: int) -> tuple[dict[str, 
         )
     else:
         best = max((n for n in saved if n != "exact"), key=lambda n: saved[n][1])
+        configured = " (as configured)" if candidates[best] == setting.routing else ""
         line = (
-            f"largest predicted saving: {best}, {_saving(saved[best][1])} per iteration ({_saving(saved[best][0])} "
-            "update); "
+            f"largest predicted saving: {best}{configured}, {_saving(saved[best][1])} per iteration "
+            f"({_saving(saved[best][0])} update); "
             "its gradient quality is not predicted: measure it (backward.jagg_frac / placement auto, make knots)"
         )
     return saved, line

@@ -42,13 +42,21 @@ from jagg.engine.grpo import (
     GRPOStepLoss,
     RecordingLoss,
     StepStats,
+    TrainedSteps,
     group_advantages,
     per_reward_advantages,
 )
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
-from jagg.loop.calibration import measure_setting, record, restore
+from jagg.loop.calibration import (
+    calibration_windows,
+    measure_setting,
+    measure_windows,
+    record,
+    restore,
+    window_losses,
+)
 from jagg.loop.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.fidelity import FidelityRecord
@@ -224,7 +232,13 @@ class Trainer:
         """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps (or ``steps`` (b, T)):
         ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the inputs and times, ``loss(i, v)`` the scaled loss
         of the i-th step; with ``algorithm.kl_beta > 0`` the frozen reference model gives the KL term."""
-        trained = ro.at(idx, self.sigmas.to(self.device), steps)
+        return self.step_loss(ro.at(idx, self.sigmas.to(self.device), steps), ro, idx, scale=scale)
+
+    def step_loss(
+        self, trained: TrainedSteps, ro: Rollout, idx: slice, *, scale: float = 1.0
+    ) -> GRPOStepLoss:
+        """The per-step GRPO loss of ``trained`` steps of the samples ``ro[idx]`` (their advantages, and the
+        frozen reference model's KL term with ``algorithm.kl_beta > 0``)."""
         ref = self.velocity(ro.cond.select(idx), self.reference) if self.reference else None
         return self.cfg.algorithm.step_loss(
             trained, ro.advantages[idx].to(self.device), scale=scale, ref_velocity=ref
@@ -250,16 +264,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.control is not None:
             self.control.start_iteration(self.iteration)
+        backward = self.backward.at_window(int(ro.trained[0, 0]))  # routed per window position (MixGRPO)
         every = self.cfg.log.fidelity_every
         fidelity = FidelityRecord() if every and self.iteration % every == 0 else None  # log.fidelity_every
         if fidelity is not None:
             loss, outputs = self._update_inputs(ro, batches[0])
             velocity = self.velocity(ro.cond.select(batches[0]))
-            fidelity.measure_blocks(self.backward, velocity, loss.loss, self.params, outputs)
+            fidelity.measure_blocks(backward, velocity, loss.loss, self.params, outputs)
         pending: list[slice] = []  # the micro-batches of the coming optimizer step
         for k, idx in enumerate(batches):
             loss, outputs = self._update_inputs(ro, idx)
-            stats = self.backward.backward(self.velocity(ro.cond.select(idx)), loss, outputs)
+            stats = backward.backward(self.velocity(ro.cond.select(idx)), loss, outputs)
             total = stats if total is None else total.merge(stats)
             step_stats += loss.stats
             pending.append(idx)
@@ -358,21 +373,43 @@ class Trainer:
             )
 
     # ------------------------------------------------------------------ one iteration
-    def calibrate(self, ro: Rollout) -> dict:
-        """Measure the backward on the rollout's first micro-batch and use it (``jagg.loop.calibration``: the
-        routing of groups under ``backward.jagg_frac=auto``, the knots' placement under ``backward.placement=auto``);
-        gradients are left as they were. Returns the measurement's metrics and its seconds."""
+    def calibrate(self, ro: Rollout, it: int = 0) -> dict:
+        """Measure the backward on the rollout ``ro`` of iteration ``it``, first micro-batch, and use it
+        (``jagg.loop.calibration``: the routing of groups under ``backward.jagg_frac=auto``, per window position
+        under MixGRPO, the knots' placement under ``backward.placement=auto``); gradients are left as they were.
+        Returns the measurement's metrics and its seconds."""
         t0 = time.perf_counter()
-        idx = slice(0, self.cfg.train.train_batch_size)
-        self.backward, metrics = measure_setting(
-            self.cfg.backward,
-            self.velocity(ro.cond.select(idx)),
-            self.grpo_loss(ro, idx=idx, scale=1.0),
-            self.params,
-            micro_batches=len(self._micro_batches(ro)),
-            grad_accum=self.cfg.train.grad_accum,
-        )
+        backward, idx = self.cfg.backward, slice(0, self.cfg.train.train_batch_size)
+        velocity = self.velocity(ro.cond.select(idx))
+        windows = calibration_windows(backward, self.algorithm, len(self.sigmas) - 1, it)
+        if windows is None:
+            self.backward, metrics = measure_setting(
+                backward,
+                velocity,
+                self.grpo_loss(ro, idx=idx, scale=1.0),
+                self.params,
+                micro_batches=len(self._micro_batches(ro)),
+                grad_accum=self.cfg.train.grad_accum,
+            )
+        else:
+            losses = self._window_losses(velocity, ro, idx, windows, it)
+            self.backward, metrics = measure_windows(backward, velocity, losses, self.params)
         return metrics | {"time_calibrate_s": time.perf_counter() - t0}
+
+    def _window_losses(self, velocity, ro: Rollout, idx: slice, windows: list[range], it: int) -> dict:
+        """``window_losses`` of the samples ``ro[idx]``, their SDE noise from ``SeedStream.CALIBRATION``."""
+        algorithm, gen = self.cfg.algorithm, generator(self.cfg.train.seed, SeedStream.CALIBRATION, it)
+        return window_losses(
+            velocity,
+            ro.traj,
+            idx,
+            self.sigmas.to(self.device),
+            windows,
+            lambda trained: self.step_loss(trained, ro, idx),
+            kind=algorithm.sde_kind,
+            noise_level=algorithm.noise_level,
+            seed=int(torch.randint(2**62, (1,), generator=gen)),
+        )
 
     def train_iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
@@ -381,7 +418,7 @@ class Trainer:
         backward, cal = self.cfg.backward, {}
         if backward.calibrated and (self.backward is None or it % backward.calibrate_every == 0):
             self.watch.enter("calibrate", it)
-            cal = self.calibrate(ro)  # reported as time_calibrate_s, outside the rollout and update phases
+            cal = self.calibrate(ro, it)  # time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
         self.watch.enter("update", it)
         upd = self.update(ro)
