@@ -50,9 +50,9 @@ def _run(cfg) -> dict:
     grads = []
     step = trainer._optimizer_step
 
-    def record_then_step():
+    def record_then_step(*args):  # args: the fidelity measurement, if any
         grads.append([full_tensor(p.grad).clone() for p in trainer.params])
-        return step()
+        return step(*args)
 
     trainer._optimizer_step = record_then_step
     (row,) = trainer.fit()

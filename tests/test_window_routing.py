@@ -41,9 +41,9 @@ def update_gradient(cfg, it: int, calibrate: bool = False) -> tuple[torch.Tensor
         trainer.calibrate(trainer.rollout(0), 0)
     grads, step = [], trainer._optimizer_step
 
-    def record_then_step():
+    def record_then_step(*args):  # args: the fidelity measurement, if any
         grads.append(flat_grad(trainer.params).clone())
-        return step()
+        return step(*args)
 
     trainer._optimizer_step = record_then_step
     row = trainer.update(trainer.rollout(it))
