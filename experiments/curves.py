@@ -49,6 +49,7 @@ from jagg.stats import (
     sign_flip_test,
     tost,
 )
+from plotting import figure_footer, save_figure
 
 PROTOCOL = Path(__file__).with_name("curves_protocol.yaml")
 ATTRIBUTE_JUDGES = ("eval_attr_mean", "eval_attr_judge_mean", "eval_attr_geom_mean")
@@ -408,9 +409,16 @@ def routing_lines(df) -> list[str]:
     ]
 
 
+def recipe_meta(recipe_dir: Path) -> dict:
+    """The first run's meta, its ``git_sha`` replaced by every distinct SHA that trained the recipe's runs
+    (per-run CSVs record the code that ran them, which can differ between sessions)."""
+    metas = [json.loads(p.read_text()) for p in sorted(recipe_dir.glob("*.meta.json"))]
+    return {**metas[0], "git_sha": ", ".join(sorted({m["git_sha"] for m in metas}))}
+
+
 def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     """One recipe of summary.md: the design, the positive-control check, the battery, judges, time."""
-    meta = json.loads(next(iter(sorted(recipe_dir.glob("*.meta.json")))).read_text())
+    meta = recipe_meta(recipe_dir)
     alpha, power, controls_named = proto["alpha"], proto["power"], proto.get("control_arms", [])
     arms = [a for a in proto["arms"] if a in set(df.strategy)]
     specs = metric_specs(proto["recipes"][name]) if name in proto["recipes"] else []
@@ -638,7 +646,7 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
     return lines + [""]
 
 
-def plot_dose(name: str, df, proto: dict, png: Path) -> None:
+def plot_dose(name: str, df, proto: dict, png: Path, meta: dict) -> None:
     """Per dose metric: each scale's mean effect against the control's cosine (cosine 1: exact's), and every
     other arm's mean effect as a horizontal line. Nothing without a scale."""
     import matplotlib
@@ -675,13 +683,12 @@ def plot_dose(name: str, df, proto: dict, png: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{name}: dose-response (means over seeds; effects vs exact)", fontsize=10)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=75)
-    plt.close(fig)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    figure_footer(fig, meta, f"world, seeds {sorted(int(k) for k in df.seed.unique())}")
+    save_figure(fig, png, 75)
 
 
-def plot(name: str, df, png: Path, arms: list[str]) -> None:
+def plot(name: str, df, png: Path, arms: list[str], meta: dict) -> None:
     """Mean over seeds +- one standard error, vs iteration and vs wall-clock seconds."""
     import matplotlib
 
@@ -706,10 +713,9 @@ def plot(name: str, df, png: Path, arms: list[str]) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{name}: mean over seeds +- 1 SE", fontsize=10)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=75)
-    plt.close(fig)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    figure_footer(fig, meta, f"world, seeds {sorted(int(k) for k in df.seed.unique())}")
+    save_figure(fig, png, 75)
 
 
 def render(
@@ -733,8 +739,9 @@ def render(
     md += "\n".join(recipe_section(r.name, r, df, proto) for r, df in frames.items())
     atomic_write_text(csv_dir / "summary.md", md)
     for r, df in frames.items():
-        plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(proto["arms"]))
-        plot_dose(r.name, df, proto, figures / f"dose_response_{r.name}.png")
+        meta = recipe_meta(r)
+        plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(proto["arms"]), meta)
+        plot_dose(r.name, df, proto, figures / f"dose_response_{r.name}.png", meta)
 
 
 def pilot_report(
