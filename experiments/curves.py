@@ -79,7 +79,9 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
     proto["is_pilot"] = pilot
     if pilot:
         proto["seeds"] = proto["pilot"]["seeds"]
-        proto["arms"] = {a: proto["arms"][a] for a in proto["pilot"]["arms"]}
+        for where in (proto, *proto["recipes"].values()):  # a recipe may name its own arms
+            if "arms" in where:
+                where["arms"] = {a: o for a, o in where["arms"].items() if a in proto["pilot"]["arms"]}
     proto["arms"] = {
         name: overrides
         for name, overrides in proto["arms"].items()
@@ -88,6 +90,13 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
         )
     }
     return proto
+
+
+def recipe_protocol(proto: dict, name: str) -> dict:
+    """The protocol as one recipe sees it: its own ``arms``, ``control_arms`` and ``contrast`` where it names
+    them (a recipe whose reference and arms differ from the others'), the protocol's otherwise."""
+    spec = proto["recipes"].get(name, {})
+    return {**proto, **{k: spec[k] for k in ("arms", "control_arms", "contrast") if k in spec}}
 
 
 def protocol_sha(path: Path = PROTOCOL) -> str:
@@ -735,13 +744,14 @@ def render(
         "`control_<c>` is the positive control: the exact gradient mixed with one random direction fixed per "
         "run, at cosine c to the exact one (`train.control_cosine`).\n\n"
     )
-    frames = {r: load(r, proto) for r in recipes}
-    md += "\n".join(recipe_section(r.name, r, df, proto) for r, df in frames.items())
+    seen = {r: recipe_protocol(proto, r.name) for r in recipes}
+    frames = {r: load(r, seen[r]) for r in recipes}
+    md += "\n".join(recipe_section(r.name, r, df, seen[r]) for r, df in frames.items())
     atomic_write_text(csv_dir / "summary.md", md)
     for r, df in frames.items():
         meta = recipe_meta(r)
-        plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(proto["arms"]), meta)
-        plot_dose(r.name, df, proto, figures / f"dose_response_{r.name}.png", meta)
+        plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(seen[r]["arms"]), meta)
+        plot_dose(r.name, df, seen[r], figures / f"dose_response_{r.name}.png", meta)
 
 
 def pilot_report(
@@ -832,12 +842,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
         return
-    unknown = sorted(set(args.arms or []) - set(proto["arms"])) + sorted(
-        set(args.recipes or []) - set(proto["recipes"])
-    )
+    named = {a for r in proto["recipes"] for a in recipe_protocol(proto, r)["arms"]}
+    unknown = sorted(set(args.arms or []) - named) + sorted(set(args.recipes or []) - set(proto["recipes"]))
     if unknown:
         raise SystemExit(
-            f"not in the protocol {proto_path.name}: {unknown}; arms {list(proto['arms'])}, "
+            f"not in the protocol {proto_path.name}: {unknown}; arms {sorted(named)}, "
             f"recipes {list(proto['recipes'])} (--long adds the long recipes)"
         )
     extra = (QUICK if args.quick else []) + args.overrides
@@ -850,21 +859,21 @@ def main(argv: list[str] | None = None) -> None:
         )
     proto["seeds"] = seeds
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
-    arms = args.arms or list(proto["arms"])
     runs = Path(args.runs + suffix)
     out = Path(args.out or f"results/{default_out(proto_path, args.pilot)}{suffix}")
     jobs = [
         (
             (r, a, k),
             spec["config"],
-            proto["arms"][a],
+            overrides,
             k,
             runs / r / f"{a}_seed{k}",
             spec.get("overrides", []) + extra,
         )
         for r, spec in recipes.items()
         for k in seeds
-        for a in arms
+        for a, overrides in recipe_protocol(proto, r)["arms"].items()
+        if args.arms is None or a in args.arms
     ]
     run_and_record(jobs, out, proto_path, argv, args.jobs)
     figures = Path(args.figures) / ("quick" if args.quick else "") / ("pilot" if args.pilot else "")
@@ -874,11 +883,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def default_out(proto_path: Path, pilot: bool) -> str:
-    """results/curves (versions 2-3's protocol file), results/curves_v<N> for a later version's file, plus
+    """The protocol's ``results`` folder name (results/curves for versions 2-3, which predate the key), plus
     ``_pilot`` for its pilot."""
-    version = yaml.safe_load(proto_path.read_text())["protocol_version"]
-    base = "curves" if proto_path.resolve() == PROTOCOL.resolve() else f"curves_v{version}"
-    return base + ("_pilot" if pilot else "")
+    return yaml.safe_load(proto_path.read_text()).get("results", "curves") + ("_pilot" if pilot else "")
 
 
 def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_parallel: int) -> None:
