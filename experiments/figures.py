@@ -274,22 +274,29 @@ TARGETS = [
         ".",
         regenerator("curves.py", "render"),
     ),  # one reward_curves_<recipe>.png per recipe
+]
+
+
+def curves_regenerator(protocol: str, pilot: bool):
+    """curves.py's ``render`` under a later protocol file (version 3's is its default)."""
+    return lambda path, png: runpy.run_path(str(EXPERIMENTS / "curves.py"))["render"](
+        path, png, EXPERIMENTS / protocol, pilot=pilot
+    )
+
+
+# the protocols after version 3, by results folder; each with its pilot (figures under paper_figures/pilot/)
+TARGETS += [
     (
-        "reward curves, protocol v4",
-        "curves_v4",
-        ".",
-        lambda path, png: runpy.run_path(str(EXPERIMENTS / "curves.py"))["render"](
-            path, png, EXPERIMENTS / "curves_protocol_v4.yaml"
-        ),
-    ),
-    (
-        "reward curves, protocol v4's pilot",
-        "curves_v4_pilot",
-        "pilot",
-        lambda path, png: runpy.run_path(str(EXPERIMENTS / "curves.py"))["render"](
-            path, png, EXPERIMENTS / "curves_protocol_v4.yaml", pilot=True
-        ),
-    ),
+        f"reward curves ({folder}{suffix})",
+        folder + suffix,
+        "pilot" if pilot else ".",
+        curves_regenerator(p, pilot),
+    )
+    for folder, p in (
+        ("curves_v4", "curves_protocol_v4.yaml"),
+        ("curves_practitioners", "curves_protocol_practitioners.yaml"),
+    )
+    for pilot, suffix in ((False, ""), (True, "_pilot"))
 ]
 
 
