@@ -523,3 +523,24 @@ def test_world_results_record_their_provenance():
         assert meta["command"].startswith("python experiments/world_rl_report.py --run ")
         assert isinstance(meta["seed"], int) and meta["git_sha"] in md.read_text()
         assert meta["training_run"]["argv"] in md.read_text()
+
+
+@pytest.mark.parametrize("protocol", ["curves_protocol_v4.yaml", "curves_protocol_practitioners.yaml"])
+def test_every_arm_of_a_committed_protocol_is_a_valid_config(protocol):
+    """Each (recipe, arm) of the protocols still to be run loads as a config (a typo in an override would
+    otherwise surface hours into `make curves`), with the fidelity and the evaluated state logged; the pilot
+    keeps only its arms, recipe by recipe."""
+    from jagg.config import load_config
+
+    path = Path(curves.__file__).with_name(protocol)
+    proto = curves.load_protocol(path)
+    for name, spec in proto["recipes"].items():
+        seen = curves.recipe_protocol(proto, name)
+        assert "exact" in seen["arms"] and set(seen.get("control_arms", [])) <= set(seen["arms"])
+        assert set(curves.control_scale(seen)["fixed"]) == {0.95, 0.8, 0.5}
+        for overrides in seen["arms"].values():
+            cfg = load_config(spec["config"], [*spec.get("overrides", []), *overrides])
+            assert cfg.log.fidelity_every > 0 and cfg.log.save_eval_state
+        pilot = curves.recipe_protocol(curves.load_protocol(path, pilot=True), name)
+        assert set(pilot["arms"]) == set(seen["arms"]) & set(proto["pilot"]["arms"])
+    assert curves.default_out(path, True).endswith("_pilot")
