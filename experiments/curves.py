@@ -507,9 +507,18 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
 
 
 # --------------------------------------------------------------------------- version 4's instruments
+def seeds_needed(sd: float, effect: float, alpha: float, power: float) -> int | str:
+    """The fewest paired seeds whose one-sided t-test detects ``effect`` with ``power`` at ``alpha`` given the
+    paired SD ``sd`` (">200" beyond)."""
+    fits = (
+        n for n in range(3, 201) if minimum_detectable_difference(sd, n, alpha, power, "greater") <= effect
+    )
+    return next(fits, ">200")
+
+
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
-    """The pre-registered contrast (``contrast``: better - worse, one-sided); in a pilot, the sizing of the
-    analysis from the contrast's paired SD."""
+    """The pre-registered contrast (``contrast``: better - worse, one-sided); in a pilot, the sizing: seeds for
+    the contrast at its pilot effect, 0.05 and 0.10, and for detecting each control at its pilot effect."""
     c, runs = proto.get("contrast"), stats["runs"]
     seeds = sorted(s for a, s in runs if c and a == c["better"] and (c["worse"], s) in runs)
     if len(seeds) < 2 or c["metric"] not in stats["metrics"]:
@@ -517,8 +526,12 @@ def contrast_lines(stats: dict, proto: dict) -> list[str]:
     import numpy as np
 
     k = 0 if c["summary"] == "end" else 1
-    d = [runs[(c["better"], s)][c["metric"]][k] - runs[(c["worse"], s)][c["metric"]][k] for s in seeds]
     alpha, power = proto["alpha"], proto["power"]
+
+    def diffs(better: str, worse: str) -> list[float]:
+        return [runs[(better, s)][c["metric"]][k] - runs[(worse, s)][c["metric"]][k] for s in seeds]
+
+    d = diffs(c["better"], c["worse"])
     ci, p_t, p_flip = paired_interval(d), one_sided_below([-x for x in d]), sign_flip_test(d, "greater")
     ok = p_t < alpha and p_flip < alpha
     lines = [
@@ -528,26 +541,29 @@ def contrast_lines(stats: dict, proto: dict) -> list[str]:
         f"{p_flip:.4f}: **{'shown' if ok else 'not shown'}** at alpha {alpha} (both tests must pass).",
         "",
     ]
-    if proto.get("is_pilot"):
-        sd = float(np.std(d, ddof=1))
-        need = {
-            f"{e:.3f}": next(
-                (
-                    n
-                    for n in range(3, 201)
-                    if minimum_detectable_difference(sd, n, alpha, power, "greater") <= e
-                ),
-                ">200",
+    if not proto.get("is_pilot"):
+        return lines
+    sd = float(np.std(d, ddof=1))
+    need = {
+        e: seeds_needed(sd, e, alpha, power) for e in sorted({abs(float(np.mean(d))), 0.05, 0.1}) if e > 0
+    }
+    lines += [
+        f"Sizing (pilot), power {power} at one-sided alpha {alpha}, paired t-test:",
+        "",
+        f"- the contrast: paired SD {sd:.4f}; seeds by true effect: "
+        + ", ".join(f"{e:.3f}: {n}" for e, n in need.items()),
+    ]
+    for arm in proto.get("control_arms", []):
+        if all((arm, s) in runs for s in seeds):
+            dc = diffs("exact", arm)  # exact - control: > 0 where the control costs
+            sd_c, cost = float(np.std(dc, ddof=1)), float(np.mean(dc))
+            n = (
+                seeds_needed(sd_c, cost, alpha, power)
+                if cost > 0
+                else "not detectable (no cost in the pilot)"
             )
-            for e in sorted({abs(float(np.mean(d))), 0.05, 0.1})
-            if e > 0
-        }
-        lines += [
-            f"Sizing (pilot): paired SD {sd:.4f}; seeds for power {power} at one-sided alpha {alpha} by true "
-            "effect: " + ", ".join(f"{e}: {n}" for e, n in need.items()) + ".",
-            "",
-        ]
-    return lines
+            lines.append(f"- detecting {arm}: pilot cost {cost:+.4f}, paired SD {sd_c:.4f}; seeds: {n}")
+    return lines + [""]
 
 
 def fidelity_lines(df, arms: list[str]) -> list[str]:
