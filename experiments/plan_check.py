@@ -784,7 +784,8 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
         f"git {meta['git_sha']}, torch {meta['versions']['torch']}, {meta['hardware']}; "
         f"`{meta['command']}` ({meta['wall_s']:.0f} s).",
         "",
-        "Per rank, GiB = 2^30 bytes, one micro-batch of the configured update plus the AdamW step, simulated at",
+        "Per rank, GiB = 2^30 bytes, one micro-batch of the configured update (with grad_accum > 1 a later one,",
+        "every gradient of the step already allocated) plus the AdamW step, simulated at",
         f"reduced depth ({DEPTHS} units: Flux 1+2 double+single blocks per unit, Qwen-Image 1 block; SD3.5-M",
         "2+1, 3+1 and 2+2 dual-attention + plain blocks) and extrapolated to the full depth: per-block categories",
         "linearly in the count of each kind of block, in-flight ones as the largest of the runs",
