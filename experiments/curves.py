@@ -196,7 +196,7 @@ def collect(run_dir: Path, strategy: str, seed: int, exact_dir: Path | None = No
         for key in ("calibration_cosines", "routing", "fidelity_group_cosines"):  # keep a CSV cell readable
             if key in r:
                 r[key] = json.dumps(r[key])
-        if "eval_pref_mean" in r or any(k.startswith("eval_") for k in r):
+        if any(k.startswith("eval_") for k in r):  # an evaluation row
             r.update(divergence.get(r["iteration"], {}))
         per = run_dir / "samples" / f"eval_{r['iteration']:05d}.json"
         if per.is_file() and "eval_attr_judge_mean" in r:
