@@ -242,7 +242,10 @@ def test_dry_run_plan_of_the_paper_config(capsys):
     out = capsys.readouterr().out
     assert "sd3 / pretrained (stabilityai/stable-diffusion-3.5-medium)" in out
     assert "transformer from known sd3 architecture" in out and "2.26B total, 18.8M trainable" in out
-    assert "x2 transformer calls with true CFG" in out and "trained steps per sample           9 of 10" in out
+    assert (
+        "x2 transformer work with true CFG (one call, twice the rows)" in out
+        and "trained steps per sample           9 of 10" in out
+    )
     for name in ("t5_xxl", "clip_l_text", "clip_g_text", "flux_vae"):
         assert AUX_MODELS[name][0] in out, name
     assert aux_params("clip_g_text") == 694_659_840  # CLIP-G text with its 1280 x 1280 projection

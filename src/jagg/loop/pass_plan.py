@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from jagg.config import Config
-from jagg.scale.architectures import TRUE_CFG
+from jagg.scale.architectures import CFG_TWO_CALLS, TRUE_CFG
 
 if TYPE_CHECKING:
     from jagg.engine.routing import GroupCost
@@ -79,6 +79,12 @@ def _routing_lines(p: Plan, cfg: Config, T: int, routing) -> None:
         )
 
 
+def cfg_work(backbone: str) -> str:
+    """How true CFG doubles the transformer's work: two calls per velocity (Qwen-Image), or one call on twice
+    the rows (SD3.5, the negative prompt batched in)."""
+    return "two calls" if backbone in CFG_TWO_CALLS else "one call, twice the rows"
+
+
 def add_pass_plan(p: Plan, cfg: Config, world_size: int) -> GroupCost:
     """The update section of the plan: trained steps, groups, stored outputs, the cost table; returns the
     configured mode's cost (its graphs alive and all-gathers size the memory plan)."""
@@ -102,7 +108,7 @@ def add_pass_plan(p: Plan, cfg: Config, world_size: int) -> GroupCost:
     exact = setting.exact.cost(T, batch=batch)
     p.section(
         "cost per sample by endpoint mode (passes of one micro-batch; FSDP2 collectives per sharded unit;"
-        + (" x2 transformer calls with true CFG;" if cfg_mult > 1 else "")
+        + (f" x2 transformer work with true CFG ({cfg_work(model.backbone)});" if cfg_mult > 1 else "")
         + " * = configured)"
     )
     p.lines.append(
