@@ -13,7 +13,9 @@ one is ``cos``. ``PositiveControl`` draws u in one of two ways (``train.control_
 
 ``experiments/curves.py`` runs controls at several cosines through the same protocol as the strategies: a
 design that cannot detect them cannot support an equivalence claim, and the controls' effects against their
-cosine are the scale on which each strategy is placed ("behaves like a cosine-c gradient").
+cosine are the scale on which each strategy is placed ("behaves like a cosine-c gradient"). A random direction
+barely changes the model's function, so on reward and divergence this scale need not match a strategy's
+structured error (protocol version 4's pilot: docs/decisions.md 24).
 
 Under FSDP2 the gradients are sharded DTensors: every dot product is a sum of local sums all-reduced across
 the ranks (as in ``jagg.engine.diagnostics``), so no rank gathers a full gradient; the direction is drawn at
