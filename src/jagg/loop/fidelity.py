@@ -161,8 +161,9 @@ def paired_divergence(run_dir: Path, exact_dir: Path) -> dict[int, dict[str, flo
         div_samples_rel = ||x_run - x_exact|| / ||x_exact - x_0||   (all held-out images, same noise)
 
     with theta_0 and x_0 exact's evaluation at iteration 0 (the base model, identical for every arm). 0 for
-    exact itself; runs are deterministic, so this measures "closer to exact" with no sampling noise beyond the
-    training's own. NaN where exact has not moved yet (iteration 0)."""
+    exact itself; runs are deterministic, so no evaluation noise enters. NaN where exact has not moved yet
+    (iteration 0). A difference grows once two runs' rollouts differ: protocol version 4's pilot found every
+    non-exact arm near 1 (docs/decisions.md 24)."""
     mine, exact = _eval_states(run_dir), _eval_states(exact_dir)
     if 0 not in exact:
         raise FileNotFoundError(f"{exact_dir}: no samples/eval_00000.rank*.pt (log.save_eval_state)")
