@@ -4,9 +4,11 @@ The protocol (``experiments/curves_protocol.yaml``, committed before the runs it
 the arms, the paired seeds, alpha, one primary metric per recipe, the secondary metrics and an absolute
 equivalence margin per metric. Each (recipe, arm, seed) is one ``python -m jagg.train`` run; a seed fixes the
 prompts, the initial noise and the SDE noise of the first rollout for every arm, so the comparison with exact
-is paired by seed. Runs go two at a time (one torch thread each); a finished run is reused, an interrupted one
-resumed; a line per finished run reports the time and an ETA. The per-iteration metrics land in
-``results/curves/<recipe>/<arm>_seed<k>.csv``; the analysis reads only those files and the protocol:
+is paired by seed. Runs go two at a time (one torch thread each); an interrupted one resumes; a line per
+finished run reports the time and an ETA. Each run's per-iteration metrics land in
+``results/<protocol's folder>/<recipe>/<arm>_seed<k>.csv`` as soon as it and exact's run of its seed are done,
+with the command and the SHA that trained it; a later session reuses a CSV written by the same command (run
+directories are not committed). The analysis reads only those files and the protocol:
 
 * per metric, every arm against exact (``battery``): paired difference with its 95% t interval, TOST at the
   margin, one-sided "worse than exact" t-test, the exact sign-flip test (one-sided and two-sided) and the
@@ -16,7 +18,10 @@ resumed; a line per finished run reports the time and an ETA. The per-iteration 
   equivalence is claimed;
 * each arm's attribute gain over the base model by three judges (``attr``, ``attr_judge``, the non-learned
   ``attr_geom``), claimed only where the geometric judge and a learned one agree;
-* seconds per iteration and per update, what the auto calibration cost next to what it saved.
+* seconds per iteration and per update, what the auto calibration cost next to what it saved;
+* from protocol version 4: the pre-registered contrast (and in a pilot the seeds it and each control need),
+  each arm's fidelity to exact's update and divergence from exact's run, and the dose-response table and
+  figure that place each arm on the controls' cosine scale (``jagg.stats.located_cosine``).
 
     python experiments/curves.py [--long] [--recipes dancegrpo] [--seeds 8] [--arms exact jagg ...] [--quick]
     -> results/curves/<recipe>/*.csv, results/curves/summary.md, paper_figures/reward_curves_<recipe>.png
