@@ -23,8 +23,10 @@ directories are not committed). The analysis reads only those files and the prot
   each arm's fidelity to exact's update and divergence from exact's run, and the dose-response table and
   figure that place each arm on the controls' cosine scale (``jagg.stats.located_cosine``).
 
-    python experiments/curves.py [--long] [--recipes dancegrpo] [--seeds 8] [--arms exact jagg ...] [--quick]
-    -> results/curves/<recipe>/*.csv, results/curves/summary.md, paper_figures/reward_curves_<recipe>.png
+    python experiments/curves.py [--protocol experiments/curves_protocol_v4.yaml] [--pilot] [--long]
+        [--recipes R ...] [--seeds N] [--arms exact jagg ...] [--quick] [override ...]
+    -> results/<folder>/<recipe>/*.csv, results/<folder>/summary.md, paper_figures/reward_curves_<recipe>.png
+       (folder: the protocol's ``results``, "curves" for version 3's file; ``_pilot`` with --pilot)
 """
 
 from __future__ import annotations
