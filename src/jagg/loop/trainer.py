@@ -265,12 +265,7 @@ class Trainer:
         if self.control is not None:
             self.control.start_iteration(self.iteration)
         backward = self.backward.at_window(int(ro.trained[0, 0]))  # routed per window position (MixGRPO)
-        every = self.cfg.log.fidelity_every
-        fidelity = FidelityRecord() if every and self.iteration % every == 0 else None  # log.fidelity_every
-        if fidelity is not None:
-            loss, outputs = self._update_inputs(ro, batches[0])
-            velocity = self.velocity(ro.cond.select(batches[0]))
-            fidelity.measure_blocks(backward, velocity, loss.loss, self.params, outputs)
+        fidelity = self._fidelity_record(ro, batches[0], backward)
         pending: list[slice] = []  # the micro-batches of the coming optimizer step
         for k, idx in enumerate(batches):
             loss, outputs = self._update_inputs(ro, idx)
@@ -318,6 +313,17 @@ class Trainer:
         loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (self.cfg.train.grad_accum * len(steps.x)))
         on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
         return loss.recording(), steps.outputs.to(self.device) if on_rollout_weights else None
+
+    def _fidelity_record(self, ro: Rollout, idx: slice, backward: BackwardSetting) -> FidelityRecord | None:
+        """At a ``log.fidelity_every`` iteration: a record with the block cosines of micro-batch ``idx``
+        measured (its optimizer steps are measured as they come); else None."""
+        every = self.cfg.log.fidelity_every
+        if not every or self.iteration % every:
+            return None
+        fidelity = FidelityRecord()
+        loss, outputs = self._update_inputs(ro, idx)
+        fidelity.measure_blocks(backward, self.velocity(ro.cond.select(idx)), loss.loss, self.params, outputs)
+        return fidelity
 
     def _exact_update(self, ro: Rollout, batches: list[slice]) -> None:
         """Exact's backward of ``batches`` at the current weights, added to ``.grad`` (the fidelity's shadow)."""
