@@ -31,22 +31,13 @@ from jagg.common import atomic_write_text, command_line, run_metadata, set_threa
 from jagg.distributed import DistInfo
 from jagg.loop.checkpoint import Progress, save_checkpoint, start_checkpoint
 from jagg.models import build_tiny_backbone
+from jagg.scale.tiny_pipeline import MEDIUM_FLUX
 
 # The world's tiny Flux (model.source=tiny, what the loop tests train) and a ~60M-parameter random-init Flux (the
-# 2-rank checkpoint test's size: 2 double- + 2 single-stream blocks of width 768).
+# 2-rank checkpoint test's size).
 SIZES = {
     "flux tiny": {},
-    "flux 60M": dict(
-        patch_size=1,
-        in_channels=64,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=128,
-        num_attention_heads=6,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(16, 56, 56),
-    ),
+    "flux 60M": MEDIUM_FLUX,
 }
 
 

@@ -106,6 +106,18 @@ def recipe_protocol(proto: dict, name: str) -> dict:
     return {**proto, **{k: spec[k] for k in ("arms", "control_arms", "contrast") if k in spec}}
 
 
+def arm_seeds(proto: dict, name: str) -> dict[str, list[int]]:
+    """The seeds each arm of a recipe trains: every arm the protocol's ``seeds``; exact and the two arms of the
+    pre-registered contrast also its ``contrast: seeds`` (the contrast needs more seeds than the dose-response
+    and fidelity, which are measured on every arm), unless ``staged`` is false (--seeds, --quick) or in a
+    pilot."""
+    view = recipe_protocol(proto, name)
+    contrast = view.get("contrast") or {}
+    extra = list(contrast.get("seeds", [])) if proto.get("staged", True) and not proto.get("is_pilot") else []
+    staged = {"exact", contrast.get("better"), contrast.get("worse")}
+    return {arm: list(proto["seeds"]) + (extra if arm in staged else []) for arm in view["arms"]}
+
+
 def protocol_sha(path: Path = PROTOCOL) -> str:
     """Git SHA of the last commit that changed the protocol file, suffixed "-modified" if it differs now."""
     root = path.resolve().parent
@@ -427,9 +439,17 @@ def routing_lines(df) -> list[str]:
 
 def recipe_meta(recipe_dir: Path) -> dict:
     """The first run's meta, its ``git_sha`` replaced by every distinct SHA that trained the recipe's runs
-    (per-run CSVs record the code that ran them, which can differ between sessions)."""
+    (per-run CSVs record the code that ran them, which can differ between sessions) and its ``overrides`` by
+    those every run shares (an arm's own overrides are the protocol's)."""
     metas = [json.loads(p.read_text()) for p in sorted(recipe_dir.glob("*.meta.json"))]
-    return {**metas[0], "git_sha": ", ".join(sorted({m["git_sha"] for m in metas}))}
+    shared = [o for o in metas[0]["overrides"] if all(o in m["overrides"] for m in metas)]
+    return {**metas[0], "git_sha": ", ".join(sorted({m["git_sha"] for m in metas})), "overrides": shared}
+
+
+def recipe_stats(df, specs: list[dict]) -> dict:
+    """per_run over the recipe's metrics and the attribute judges present (all eval metrics without specs)."""
+    named = list(dict.fromkeys([s["metric"] for s in specs] + [m for m in ATTRIBUTE_JUDGES if m in df]))
+    return per_run(df, named or None)
 
 
 def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
@@ -438,8 +458,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     alpha, power, controls_named = proto["alpha"], proto["power"], proto.get("control_arms", [])
     arms = [a for a in proto["arms"] if a in set(df.strategy)]
     specs = metric_specs(proto["recipes"][name]) if name in proto["recipes"] else []
-    named = list(dict.fromkeys([s["metric"] for s in specs] + [m for m in ATTRIBUTE_JUDGES if m in df]))
-    stats = per_run(df, named or None)
+    stats = recipe_stats(df, specs)
     seeds = sorted(int(s) for s in df.seed.unique())
     last_it = int(df.dropna(subset=[stats["metrics"][0]]).iteration.max())
     base = ", ".join(
@@ -463,16 +482,23 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         )
     if proto.get("note"):
         design += f" {proto['note'].strip()}"
-    if seeds != sorted(proto["seeds"]):
+    plan = {(a, k) for a, ks in arm_seeds(proto, name).items() for k in ks}
+    planned, missing = sorted({k for _, k in plan}), plan - set(stats["runs"])
+    if seeds != planned or missing:
         design += (
-            f" NOTE: these runs' seeds {seeds} are not the protocol's {sorted(proto['seeds'])}; this is not an "
-            "analysis under the protocol."
+            f" NOTE: these runs' seeds {seeds} are not the protocol's {planned}"
+            + (f" ({len(missing)} of its runs missing)" if missing else "")
+            + "; this is not (yet) the analysis under the protocol."
         )
+    staged = {k for a, ks in arm_seeds(proto, name).items() for k in ks} - set(proto["seeds"])
+    seeding = "paired: the same seeds for every arm" + (
+        f"; seeds {sorted(staged)} only for exact and the contrast's two arms" if staged else ""
+    )
     lines = [
         f"## {name}",
         "",
         f"Config `{meta['config']}` {' '.join(meta['overrides'])}; git {meta['git_sha']}; {meta['hardware']}; "
-        f"torch {meta['versions']['torch']}; seeds {seeds} (paired: the same seeds for every arm); "
+        f"torch {meta['versions']['torch']}; seeds {seeds} ({seeding}); "
         f"{last_it} iterations. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
         "",
         f"**Design check.** {design}",
@@ -631,6 +657,23 @@ def dose_values(df, stats: dict, name: str) -> dict[tuple[str, int], float]:
     return out
 
 
+def dose_effects(df, stats: dict, name: str):
+    """For a dose metric, ``(seeds_of, effect, reference)``: ``seeds_of(arm)`` the seeds where the arm's effect
+    is defined; ``effect(arm, seeds)`` its per-seed effect, a paired difference to exact's run of the seed,
+    except for divergence and fidelity, which are already relative to exact and taken raw; ``reference``
+    exact's own effect (0, or 1 for a fidelity)."""
+    values = dose_values(df, stats, name)
+    paired = not name.startswith(("div_", "fidelity_"))
+
+    def seeds_of(arm: str) -> set[int]:
+        return {s for a, s in values if a == arm and (not paired or ("exact", s) in values)}
+
+    def effect(arm: str, seeds) -> list[float]:
+        return [values[(arm, s)] - (values[("exact", s)] if paired else 0.0) for s in sorted(seeds)]
+
+    return seeds_of, effect, 0.0 if paired or name.startswith("div_") else 1.0
+
+
 def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict]) -> list[str]:
     """The dose-response table: per dose metric, each control's effect [95% CI] and each other arm located on
     the fixed-direction and the fresh-direction scale ("behaves like a cosine-c gradient", bootstrap 95%
@@ -647,40 +690,33 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
         "Control columns: the effect (paired difference to exact; raw for divergence and fidelity), mean [95% "
         "CI]. Arm columns: the cosine c at which a control (direction fixed per run / fresh per step) has the "
         "arm's effect, by linear interpolation from cosine 1 (exact) down; a bound (<=, >=) where the effect "
-        "lies beyond the scale. Bootstrap 95% intervals over seeds, resampled jointly for scale and arm.",
+        "lies beyond the scale. Bootstrap 95% intervals over the seeds the arm and the scale's controls share, "
+        "resampled jointly for scale and arm.",
         "",
         "| metric | " + " | ".join(head + [f"{a} on {d}" for a in others for d in scales]) + " |",
         "|---|" + "---|" * (len(head) + len(others) * len(scales)),
     ]
     for name in names:
-        values = dose_values(df, stats, name)
-        paired = not name.startswith(("div_", "fidelity_"))
-        seeds = sorted({s for a, s in values if a == "exact"} if paired else {s for _, s in values})
-
-        def effect(arm: str) -> list[float] | None:
-            if any((arm, s) not in values or (paired and ("exact", s) not in values) for s in seeds):
-                return None
-            return [values[(arm, s)] - (values[("exact", s)] if paired else 0.0) for s in seeds]
-
-        reference = 0.0 if paired or name.startswith("div_") else 1.0
+        seeds_of, effect, reference = dose_effects(df, stats, name)
         cells = [
-            str(paired_interval(e)) if (e := effect(a)) and len(e) >= 2 else "-"
+            str(paired_interval(effect(a, seeds_of(a)))) if len(seeds_of(a)) >= 2 else "-"
             for sc in scales.values()
             for a in sc.values()
         ]
         for arm in others:
             for sc in scales.values():
-                curve = {c: effect(a) for c, a in sc.items()}
-                mine = effect(arm)
-                ok = mine and len(seeds) >= 2 and all(v is not None for v in curve.values())
-                cells.append(str(located_cosine(curve, mine, reference)) if ok else "-")
+                common = seeds_of(arm).intersection(*(seeds_of(a) for a in sc.values()))  # joint bootstrap
+                curve = {c: effect(a, common) for c, a in sc.items()}
+                located = located_cosine(curve, effect(arm, common), reference) if len(common) >= 2 else "-"
+                cells.append(str(located))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
-def plot_dose(name: str, df, proto: dict, png: Path, meta: dict) -> None:
+def plot_dose(name: str, df, stats: dict, proto: dict, png: Path, meta: dict) -> None:
     """Per dose metric: each scale's mean effect against the control's cosine (cosine 1: exact's), and every
-    other arm's mean effect as a horizontal line. Nothing without a scale."""
+    other arm's mean effect as a horizontal line; the effects are dose_lines' (one computation, dose_effects).
+    Nothing without a scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -688,20 +724,15 @@ def plot_dose(name: str, df, proto: dict, png: Path, meta: dict) -> None:
     import numpy as np
 
     scales, names = control_scale(proto), proto.get("dose_metrics", [])
-    stats = per_run(df, [m.split(":")[0] for m in names if m.startswith("eval_")] or None)
     arms = [a for a in df.strategy.unique() if a != "exact" and a not in proto.get("control_arms", [])]
     if not scales or not names:
         return
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.2), squeeze=False)
     for ax, metric in zip(axes[0], names, strict=True):
-        values = dose_values(df, stats, metric)
-        paired = not metric.startswith(("div_", "fidelity_"))
-        ref = 0.0 if paired or metric.startswith("div_") else 1.0
+        seeds_of, effect, ref = dose_effects(df, stats, metric)
 
         def mean_effect(arm: str) -> float:
-            seeds = [s for a, s in values if a == arm and (not paired or ("exact", s) in values)]
-            diffs = [values[(arm, s)] - (values[("exact", s)] if paired else 0.0) for s in seeds]
-            return float(np.mean(diffs)) if diffs else float("nan")
+            return float(np.mean(effect(arm, seeds_of(arm)))) if seeds_of(arm) else float("nan")
 
         for direction, sc in scales.items():
             xs = [1.0, *sorted(sc, reverse=True)]
@@ -758,11 +789,11 @@ def render(
     recipes = sorted(p for p in csv_dir.iterdir() if p.is_dir() and any(p.glob("*_seed*.csv")))
     md = (
         "# Reward curves\n\n"
-        f"Generated by `make curves` (experiments/curves.py) from `results/curves/<recipe>/*.csv` under the "
+        f"Generated by experiments/curves.py from `{csv_dir.name}/<recipe>/*.csv` (beside this file) under the "
         f"protocol `{proto_path.name}` (experiments/, protocol_version {proto['protocol_version']}, git "
         f"{protocol_sha(proto_path)}), which fixes the arms, seeds, metrics, margins and tests. Every arm is "
         "trained with the same seeds, so each run is paired with exact's run of the same seed. `jagg` = the "
-        "paper's routing (W = 3, jagg_frac 0.6), `auto` = measured routing (`backward.jagg_frac: auto`), "
+        "paper's routing (the recipe's W and jagg_frac), `auto` = measured routing (`backward.jagg_frac: auto`), "
         "`endpoints` and `uniform` the two ablations, `jagg_index` the authors' index rule where registered; "
         "`control_<c>` is the positive control: the exact gradient mixed with one random direction fixed per "
         "run, at cosine c to the exact one (`train.control_cosine`).\n\n"
@@ -774,7 +805,9 @@ def render(
     for r, df in frames.items():
         meta = recipe_meta(r)
         plot(r.name, df, figures / f"reward_curves_{r.name}.png", list(seen[r]["arms"]), meta)
-        plot_dose(r.name, df, seen[r], figures / f"dose_response_{r.name}.png", meta)
+        recipes_named = seen[r]["recipes"]
+        stats = recipe_stats(df, metric_specs(recipes_named[r.name]) if r.name in recipes_named else [])
+        plot_dose(r.name, df, stats, seen[r], figures / f"dose_response_{r.name}.png", meta)
 
 
 def pilot_report(
@@ -884,18 +917,21 @@ def main(argv: list[str] | None = None) -> None:
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
     runs = Path(args.runs + suffix)
     out = Path(args.out or f"results/{default_out(proto_path, args.pilot)}{suffix}")
-    jobs = [
+    proto["staged"] = not (args.seeds or args.quick)  # else the first N seeds of every arm, no extra ones
+    jobs = [  # seed-major (every arm of a seed, then the next seed), so a partial run is a paired analysis
         (
             (r, a, k),
             spec["config"],
-            overrides,
+            recipe_protocol(proto, r)["arms"][a],
             k,
             runs / r / f"{a}_seed{k}",
             spec.get("overrides", []) + extra,
         )
         for r, spec in recipes.items()
-        for k in seeds
-        for a, overrides in recipe_protocol(proto, r)["arms"].items()
+        for k, a in sorted(
+            ((k, a) for a, ks in arm_seeds(proto, r).items() for k in ks),
+            key=lambda ka: (ka[0] not in seeds, ka[0]),
+        )
         if args.arms is None or a in args.arms
     ]
     run_and_record(jobs, out, proto_path, argv, args.jobs)

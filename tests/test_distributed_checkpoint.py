@@ -31,20 +31,6 @@ from dist_harness import rank_results, run_ranks, save_rank_result
 from jagg.loop.checkpoint import read_checkpoint
 
 WORLD = 2
-# ~60M parameters: 2 double-stream + 2 single-stream blocks of width 768 (6 heads x 128); text / pooled
-# widths match the tiny pipeline's T5 / CLIP (32). fp32: 240 MB in full, 120 MB per rank's shards.
-MEDIUM_FLUX = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=128,
-    num_attention_heads=6,
-    joint_attention_dim=32,
-    pooled_projection_dim=32,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
 
 
 class RandomReward:
@@ -283,6 +269,7 @@ def checkpoint_worker(rank: int, out_dir: str) -> None:
 def two_ranks(tmp_path_factory):
     from diffusers import FluxTransformer2DModel
 
+    from jagg.scale.tiny_pipeline import MEDIUM_FLUX
     from test_pretrained_pipeline import PROMPTS, save_flux_pipeline
 
     out = tmp_path_factory.mktemp("dist_ckpt")

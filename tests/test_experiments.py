@@ -547,3 +547,53 @@ def test_every_arm_of_a_committed_protocol_is_a_valid_config(protocol):
         pilot = curves.recipe_protocol(curves.load_protocol(path, pilot=True), name)
         assert set(pilot["arms"]) == set(seen["arms"]) & set(proto["pilot"]["arms"])
     assert curves.default_out(path, True).endswith("_pilot")
+
+
+def test_contrast_seeds_train_only_exact_and_the_contrast_arms_and_the_dose_scale_uses_shared_seeds():
+    """A protocol's ``contrast: seeds`` go to exact and the contrast's two arms only (none in a pilot or a
+    --seeds run); the dose-response then locates an arm over the seeds it shares with the controls, so the
+    extra seeds neither drop an arm from the scale nor enter it unpaired."""
+    proto = {
+        "seeds": [1, 2, 3],
+        "arms": {
+            "exact": [],
+            "jagg": [],
+            "endpoints": [],
+            "control_0.8": ["train.control_cosine=0.8"],
+            "control_0.5": ["train.control_cosine=0.5"],
+        },
+        "control_arms": ["control_0.8", "control_0.5"],
+        "contrast": {"better": "jagg", "worse": "endpoints", "seeds": [4, 5]},
+        "recipes": {"r": {}},
+        "is_pilot": False,
+    }
+    seeds = curves.arm_seeds(proto, "r")
+    assert seeds["exact"] == seeds["jagg"] == seeds["endpoints"] == [1, 2, 3, 4, 5]
+    assert seeds["control_0.8"] == seeds["control_0.5"] == [1, 2, 3]
+    assert curves.arm_seeds({**proto, "is_pilot": True}, "r")["exact"] == [1, 2, 3]
+    assert curves.arm_seeds({**proto, "staged": False}, "r")["jagg"] == [1, 2, 3]
+
+    # exact 0, controls cost 0.1 (cos 0.8) and 0.3 (cos 0.5), jagg 0.2 on the shared seeds: cosine 0.65; on
+    # the contrast seeds jagg costs 5 (a value that would move its location if it entered unpaired)
+    rows = [
+        dict(
+            strategy=a,
+            seed=s,
+            iteration=it,
+            eval_pref_mean=0.0 if it == 0 else 1 - e - 0.01 * s * (a != "exact"),
+        )
+        for a, e in {"exact": 0.0, "control_0.8": 0.1, "control_0.5": 0.3, "jagg": 0.2}.items()
+        for s in seeds[a]
+        for it in (0, 10)
+    ]
+    rows += [dict(strategy="jagg", seed=s, iteration=10, eval_pref_mean=-4.0) for s in (4, 5)]
+    df = pd.DataFrame(rows).drop_duplicates(["strategy", "seed", "iteration"], keep="last")
+    proto["dose_metrics"] = ["eval_pref_mean:end"]
+    table = "\n".join(
+        curves.dose_lines(df, curves.per_run(df, ["eval_pref_mean"]), proto, list(proto["arms"]), [])
+    )
+    head = next(line for line in table.splitlines() if line.startswith("| metric"))
+    row = next(line for line in table.splitlines() if line.startswith("| eval_pref_mean:end"))
+    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")], strict=True))
+    assert cells["jagg on fixed"].startswith("0.65 [") and cells["endpoints on fixed"] == "-"
+    assert cells["control_0.8 (fixed)"].startswith("-0.120 [")  # over its 3 seeds
