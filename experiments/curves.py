@@ -100,10 +100,10 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
 
 
 def recipe_protocol(proto: dict, name: str) -> dict:
-    """The protocol as one recipe sees it: its own ``arms``, ``control_arms`` and ``contrast`` where it names
-    them (a recipe whose reference and arms differ from the others'), the protocol's otherwise."""
+    """The protocol as one recipe sees it: its own ``arms``, ``control_arms``, ``contrast`` and ``note`` where it
+    names them (a recipe whose reference and arms differ from the others'), the protocol's otherwise."""
     spec = proto["recipes"].get(name, {})
-    return {**proto, **{k: spec[k] for k in ("arms", "control_arms", "contrast") if k in spec}}
+    return {**proto, **{k: spec[k] for k in ("arms", "control_arms", "contrast", "note") if k in spec}}
 
 
 def arm_seeds(proto: dict, name: str) -> dict[str, list[int]]:
