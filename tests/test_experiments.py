@@ -547,6 +547,8 @@ def test_every_arm_of_a_committed_protocol_is_a_valid_config(protocol):
         pilot = curves.recipe_protocol(curves.load_protocol(path, pilot=True), name)
         assert set(pilot["arms"]) == set(seen["arms"]) & set(proto["pilot"]["arms"])
     assert curves.default_out(path, True).endswith("_pilot")
+    planned = {k for name in proto["recipes"] for ks in curves.arm_seeds(proto, name).values() for k in ks}
+    assert not planned & set(proto["pilot"]["seeds"])  # the analysis never reuses a pilot's seed
 
 
 def test_contrast_seeds_train_only_exact_and_the_contrast_arms_and_the_dose_scale_uses_shared_seeds():
