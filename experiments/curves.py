@@ -59,6 +59,7 @@ from jagg.stats import (
 from plotting import figure_footer, save_figure
 
 PROTOCOL = Path(__file__).with_name("curves_protocol.yaml")
+SUMMARIES = {"end": 0, "auc": 1}  # a run's two summaries of an eval metric, as per_run stores them
 ATTRIBUTE_JUDGES = ("eval_attr_mean", "eval_attr_judge_mean", "eval_attr_geom_mean")
 QUICK = [
     "train.iterations=4",
@@ -86,6 +87,8 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
     proto["is_pilot"] = pilot
     if pilot:
         proto["seeds"] = proto["pilot"]["seeds"]
+        for spec in proto["recipes"].values():  # the pilot's seeds replace a recipe's own
+            spec.pop("seeds", None)
         for where in (proto, *proto["recipes"].values()):  # a recipe may name its own arms
             if "arms" in where:
                 where["arms"] = {a: o for a, o in where["arms"].items() if a in proto["pilot"]["arms"]}
@@ -100,22 +103,34 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
 
 
 def recipe_protocol(proto: dict, name: str) -> dict:
-    """The protocol as one recipe sees it: its own ``arms``, ``control_arms``, ``contrast`` and ``note`` where it
-    names them (a recipe whose reference and arms differ from the others'), the protocol's otherwise."""
+    """The protocol as one recipe sees it: its own ``arms``, ``control_arms``, ``contrast``, ``note`` and
+    ``seeds`` where it names them (a recipe whose reference, arms or sizing differ from the others'), the
+    protocol's otherwise."""
     spec = proto["recipes"].get(name, {})
-    return {**proto, **{k: spec[k] for k in ("arms", "control_arms", "contrast", "note") if k in spec}}
+    own = ("arms", "control_arms", "contrast", "note", "seeds")
+    return {**proto, **{k: spec[k] for k in own if k in spec}}
 
 
 def arm_seeds(proto: dict, name: str) -> dict[str, list[int]]:
-    """The seeds each arm of a recipe trains: every arm the protocol's ``seeds``; exact and the two arms of the
+    """The seeds each arm of a recipe trains: every arm the recipe's ``seeds``; exact and the two arms of the
     pre-registered contrast also its ``contrast: seeds`` (the contrast needs more seeds than the dose-response
-    and fidelity, which are measured on every arm), unless ``staged`` is false (--seeds, --quick) or in a
-    pilot."""
+    and fidelity, which are measured on every arm). ``first_seeds: N`` (--seeds, --quick) keeps the first N
+    of ``seeds`` and no extra ones; a pilot has none."""
     view = recipe_protocol(proto, name)
-    contrast = view.get("contrast") or {}
-    extra = list(contrast.get("seeds", [])) if proto.get("staged", True) and not proto.get("is_pilot") else []
+    contrast, first = view.get("contrast") or {}, proto.get("first_seeds")
+    extra = list(contrast.get("seeds", [])) if first is None and not proto.get("is_pilot") else []
     staged = {"exact", contrast.get("better"), contrast.get("worse")}
-    return {arm: list(proto["seeds"]) + (extra if arm in staged else []) for arm in view["arms"]}
+    return {arm: list(view["seeds"][:first]) + (extra if arm in staged else []) for arm in view["arms"]}
+
+
+def recipe_jobs(proto: dict, name: str) -> list[tuple[str, int]]:
+    """The recipe's (arm, seed) runs, seed-major: every arm of a seed before the next seed, the seeds every arm
+    trains before the contrast's extra ones, so that an interrupted design is still a paired one."""
+    seeds = arm_seeds(proto, name)
+    common = set.intersection(*(set(ks) for ks in seeds.values()))
+    return sorted(
+        ((a, k) for a, ks in seeds.items() for k in ks), key=lambda ak: (ak[1] not in common, ak[1])
+    )
 
 
 def protocol_sha(path: Path = PROTOCOL) -> str:
@@ -256,10 +271,10 @@ def gains(stats: dict, arm: str, metric: str, k: int = 0) -> list[float]:
     return [v[metric][k] - base[s][metric] for (a, s), v in sorted(runs.items()) if a == arm]
 
 
-def paired_diffs(runs: dict, arm: str, metric: str, k: int) -> list[float]:
-    """arm - exact per seed, over the seeds both have (sorted)."""
-    seeds = sorted(s for a, s in runs if a == arm and ("exact", s) in runs)
-    return [runs[(arm, s)][metric][k] - runs[("exact", s)][metric][k] for s in seeds]
+def paired_diffs(runs: dict, arm: str, metric: str, k: int, reference: str = "exact") -> list[float]:
+    """arm - reference (k = 0: end, 1: AUC) per seed, over the seeds both have (sorted)."""
+    seeds = sorted(s for a, s in runs if a == arm and (reference, s) in runs)
+    return [runs[(arm, s)][metric][k] - runs[(reference, s)][metric][k] for s in seeds]
 
 
 def battery(d: list[float], margin: float, alpha: float, power: float) -> dict:
@@ -490,7 +505,9 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             + (f" ({len(missing)} of its runs missing)" if missing else "")
             + "; this is not (yet) the analysis under the protocol."
         )
-    staged = {k for a, ks in arm_seeds(proto, name).items() for k in ks} - set(proto["seeds"])
+    staged = set(planned) - set(arm_seeds(proto, name)["exact"]).intersection(
+        *arm_seeds(proto, name).values()
+    )
     seeding = "paired: the same seeds for every arm" + (
         f"; seeds {sorted(staged)} only for exact and the contrast's two arms" if staged else ""
     )
@@ -527,7 +544,10 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             "",
         ]
     lines += (
-        contrast_lines(stats, proto) + fidelity_lines(df, arms) + dose_lines(df, stats, proto, arms, specs)
+        contrast_lines(stats, proto)
+        + sizing_lines(stats, proto, specs)
+        + fidelity_lines(df, arms)
+        + dose_lines(df, stats, proto, arms, specs)
     )
     lines += [
         "### Time (wall-clock includes two runs sharing 2 cores)",
@@ -550,53 +570,63 @@ def seeds_needed(sd: float, effect: float, alpha: float, power: float) -> int | 
 
 
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
-    """The pre-registered contrast (``contrast``: better - worse, one-sided); in a pilot, the sizing: seeds for
-    the contrast at its pilot effect, 0.05 and 0.10, and for detecting each control at its pilot effect."""
-    c, runs = proto.get("contrast"), stats["runs"]
-    seeds = sorted(s for a, s in runs if c and a == c["better"] and (c["worse"], s) in runs)
-    if len(seeds) < 2 or c["metric"] not in stats["metrics"]:
+    """The pre-registered contrast (``contrast``: better - worse, one-sided, paired by seed)."""
+    c = proto.get("contrast")
+    if not c or c["metric"] not in stats["metrics"]:
         return []
-    import numpy as np
-
-    k = 0 if c["summary"] == "end" else 1
-    alpha, power = proto["alpha"], proto["power"]
-
-    def diffs(better: str, worse: str) -> list[float]:
-        return [runs[(better, s)][c["metric"]][k] - runs[(worse, s)][c["metric"]][k] for s in seeds]
-
-    d = diffs(c["better"], c["worse"])
+    d = paired_diffs(stats["runs"], c["better"], c["metric"], SUMMARIES[c["summary"]], c["worse"])
+    if len(d) < 2:
+        return []
     ci, p_t, p_flip = paired_interval(d), one_sided_below([-x for x in d]), sign_flip_test(d, "greater")
-    ok = p_t < alpha and p_flip < alpha
-    lines = [
+    ok = p_t < proto["alpha"] and p_flip < proto["alpha"]
+    return [
         f"### Pre-registered contrast: {c['better']} - {c['worse']} ({c['metric'][5:-5]}, {c['summary']})",
         "",
         f"{ci} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {p_t:.4f}, sign-flip p = "
-        f"{p_flip:.4f}: **{'shown' if ok else 'not shown'}** at alpha {alpha} (both tests must pass).",
+        f"{p_flip:.4f}: **{'shown' if ok else 'not shown'}** at alpha {proto['alpha']} (both tests must pass).",
         "",
     ]
+
+
+def sizing_lines(stats: dict, proto: dict, specs: list[dict]) -> list[str]:
+    """A pilot's sizing, power ``power`` at one-sided ``alpha`` (paired t-test): the seeds the contrast needs at
+    its pilot effect, 0.05 and 0.10, and those that detect each control's pilot cost on each metric of
+    ``specs`` (no multiplicity correction: a sizing, not a test)."""
     if not proto.get("is_pilot"):
-        return lines
-    sd = float(np.std(d, ddof=1))
-    need = {
-        e: seeds_needed(sd, e, alpha, power) for e in sorted({abs(float(np.mean(d))), 0.05, 0.1}) if e > 0
-    }
-    lines += [
-        f"Sizing (pilot), power {power} at one-sided alpha {alpha}, paired t-test:",
-        "",
-        f"- the contrast: paired SD {sd:.4f}; seeds by true effect: "
-        + ", ".join(f"{e:.3f}: {n}" for e, n in need.items()),
-    ]
-    for arm in proto.get("control_arms", []):
-        if all((arm, s) in runs for s in seeds):
-            dc = diffs("exact", arm)  # exact - control: > 0 where the control costs
+        return []
+    import numpy as np
+
+    alpha, power = proto["alpha"], proto["power"]
+    lines = [f"### Sizing (pilot), power {power} at one-sided alpha {alpha}, paired t-test", ""]
+
+    runs, c = stats["runs"], proto.get("contrast")
+    ok = c and c["metric"] in stats["metrics"]
+    d = paired_diffs(runs, c["better"], c["metric"], SUMMARIES[c["summary"]], c["worse"]) if ok else []
+    if len(d) >= 2:
+        sd = float(np.std(d, ddof=1))
+        effects = sorted({abs(float(np.mean(d))), 0.05, 0.1} - {0.0})
+        lines.append(
+            f"- the contrast {c['better']} - {c['worse']}: paired SD {sd:.4f}; seeds by true effect: "
+            + ", ".join(f"{e:.3f}: {seeds_needed(sd, e, alpha, power)}" for e in effects)
+        )
+    for spec in [m for m in specs if m["metric"] in stats["metrics"]]:
+        for arm in proto.get("control_arms", []):
+            # exact - control: > 0 where the control costs
+            dc = paired_diffs(runs, "exact", spec["metric"], SUMMARIES[spec["summary"]], arm)
+            if len(dc) < 2:
+                continue
             sd_c, cost = float(np.std(dc, ddof=1)), float(np.mean(dc))
             n = (
                 seeds_needed(sd_c, cost, alpha, power)
                 if cost > 0
                 else "not detectable (no cost in the pilot)"
             )
-            lines.append(f"- detecting {arm}: pilot cost {cost:+.4f}, paired SD {sd_c:.4f}; seeds: {n}")
-    return lines + [""]
+            lines.append(
+                f"- detecting {arm} on {spec['metric'][5:-5]} ({spec['summary']}, {spec['role']}): pilot cost "
+                f"{cost:+.4f}, "
+                f"paired SD {sd_c:.4f}; seeds: {n}"
+            )
+    return lines + [""] if len(lines) > 2 else []
 
 
 def fidelity_lines(df, arms: list[str]) -> list[str]:
@@ -907,18 +937,19 @@ def main(argv: list[str] | None = None) -> None:
         )
     extra = (QUICK if args.quick else []) + args.overrides
     suffix = "_quick" if args.quick else ""
-    seeds = proto["seeds"][: min(args.seeds or len(proto["seeds"]), 2 if args.quick else 99)]
-    if len(seeds) < 2:
-        raise SystemExit(
-            f"{proto_path.name}: --seeds and the protocol's seeds must give >= 2 seeds (the comparisons are "
-            f"paired over seeds), got {seeds}"
-        )
-    proto["seeds"] = seeds
+    proto["first_seeds"] = (
+        min(args.seeds or 99, 2 if args.quick else 99) if args.seeds or args.quick else None
+    )
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
+    for r in recipes:
+        if len(arm_seeds(proto, r)["exact"]) < 2:
+            raise SystemExit(
+                f"{proto_path.name}: recipe {r}: --seeds and the protocol's seeds must give >= 2 seeds (the "
+                f"comparisons are paired over seeds), got {arm_seeds(proto, r)['exact']}"
+            )
     runs = Path(args.runs + suffix)
     out = Path(args.out or f"results/{default_out(proto_path, args.pilot)}{suffix}")
-    proto["staged"] = not (args.seeds or args.quick)  # else the first N seeds of every arm, no extra ones
-    jobs = [  # seed-major (every arm of a seed, then the next seed), so a partial run is a paired analysis
+    jobs = [
         (
             (r, a, k),
             spec["config"],
@@ -928,10 +959,7 @@ def main(argv: list[str] | None = None) -> None:
             spec.get("overrides", []) + extra,
         )
         for r, spec in recipes.items()
-        for k, a in sorted(
-            ((k, a) for a, ks in arm_seeds(proto, r).items() for k in ks),
-            key=lambda ka: (ka[0] not in seeds, ka[0]),
-        )
+        for a, k in recipe_jobs(proto, r)
         if args.arms is None or a in args.arms
     ]
     run_and_record(jobs, out, proto_path, argv, args.jobs)

@@ -573,7 +573,7 @@ def test_contrast_seeds_train_only_exact_and_the_contrast_arms_and_the_dose_scal
     assert seeds["exact"] == seeds["jagg"] == seeds["endpoints"] == [1, 2, 3, 4, 5]
     assert seeds["control_0.8"] == seeds["control_0.5"] == [1, 2, 3]
     assert curves.arm_seeds({**proto, "is_pilot": True}, "r")["exact"] == [1, 2, 3]
-    assert curves.arm_seeds({**proto, "staged": False}, "r")["jagg"] == [1, 2, 3]
+    assert curves.arm_seeds({**proto, "first_seeds": 2}, "r")["jagg"] == [1, 2]  # --seeds 2
 
     # exact 0, controls cost 0.1 (cos 0.8) and 0.3 (cos 0.5), jagg 0.2 on the shared seeds: cosine 0.65; on
     # the contrast seeds jagg costs 5 (a value that would move its location if it entered unpaired)
@@ -599,3 +599,40 @@ def test_contrast_seeds_train_only_exact_and_the_contrast_arms_and_the_dose_scal
     cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")], strict=True))
     assert cells["jagg on fixed"].startswith("0.65 [") and cells["endpoints on fixed"] == "-"
     assert cells["control_0.8 (fixed)"].startswith("-0.120 [")  # over its 3 seeds
+
+
+def test_pilot_sizing_counts_the_seeds_each_metric_needs_and_says_where_a_control_costs_nothing():
+    """sizing_lines (a pilot only): for the contrast and for each control on each metric, the paired SD and the
+    fewest seeds whose one-sided t-test has power 0.8 for the pilot's effect (the MDD at n-1 seeds is above
+    the effect, at n it is not); a control that costs nothing in the pilot is called not detectable."""
+    import numpy as np
+
+    from jagg.stats import minimum_detectable_difference
+
+    df = _runs_frame(
+        {"exact": 0.0, "jagg": 0.0, "endpoints": -0.05, "control_0.8": -0.04, "control_0.5": 0.03}
+    )
+    df.loc[(df.strategy == "jagg") & (df.iteration == 10), "eval_pref_mean"] += 0.03 * np.sin(df.seed)
+    stats = curves.per_run(df, ["eval_pref_mean"])
+    proto = {
+        "alpha": 0.05,
+        "power": 0.8,
+        "is_pilot": True,
+        "contrast": {"better": "jagg", "worse": "endpoints", "metric": "eval_pref_mean", "summary": "end"},
+        "control_arms": ["control_0.8", "control_0.5"],
+    }
+    specs = [{"metric": "eval_pref_mean", "summary": "end", "margin": 0.1, "role": "primary"}]
+    lines = curves.sizing_lines(stats, proto, specs)
+    assert curves.sizing_lines(stats, {**proto, "is_pilot": False}, specs) == []
+    runs = stats["runs"]
+    d = [
+        runs[("jagg", s)]["eval_pref_mean"][0] - runs[("endpoints", s)]["eval_pref_mean"][0] for s in range(8)
+    ]
+    sd, effect = float(np.std(d, ddof=1)), float(np.mean(d))
+    n = curves.seeds_needed(sd, effect, 0.05, 0.8)
+    assert minimum_detectable_difference(sd, n - 1, 0.05, 0.8, "greater") > effect
+    assert minimum_detectable_difference(sd, n, 0.05, 0.8, "greater") <= effect
+    assert f"paired SD {sd:.4f}; seeds by true effect: 0.050: {n}," in lines[2]
+    assert "detecting control_0.8 on pref (end, primary): pilot cost +0.0400" in lines[3]
+    assert "detecting control_0.5 on pref (end, primary): pilot cost -0.0300" in lines[4]
+    assert lines[4].endswith("not detectable (no cost in the pilot)")
