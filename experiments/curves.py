@@ -471,7 +471,10 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     """One recipe of summary.md: the design, the positive-control check, the battery, judges, time."""
     meta = recipe_meta(recipe_dir)
     alpha, power, controls_named = proto["alpha"], proto["power"], proto.get("control_arms", [])
-    arms = [a for a in proto["arms"] if a in set(df.strategy)]
+    paired = df[df.seed.isin(df[df.strategy == "exact"].seed)].groupby("strategy").seed.nunique()
+    arms = [
+        a for a in proto["arms"] if paired.get(a, 0) >= 2
+    ]  # an arm with 1 paired seed has no interval yet
     specs = metric_specs(proto["recipes"][name]) if name in proto["recipes"] else []
     stats = recipe_stats(df, specs)
     seeds = sorted(int(s) for s in df.seed.unique())
@@ -500,9 +503,15 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     plan = {(a, k) for a, ks in arm_seeds(proto, name).items() for k in ks}
     planned, missing = sorted({k for _, k in plan}), plan - set(stats["runs"])
     if seeds != planned or missing:
+        waiting = sorted(set(df.strategy) - set(arms))
         design += (
             f" NOTE: these runs' seeds {seeds} are not the protocol's {planned}"
             + (f" ({len(missing)} of its runs missing)" if missing else "")
+            + (
+                f"; left out until they have 2 seeds paired with exact: {', '.join(waiting)}"
+                if waiting
+                else ""
+            )
             + "; this is not (yet) the analysis under the protocol."
         )
     staged = set(planned) - set(arm_seeds(proto, name)["exact"]).intersection(

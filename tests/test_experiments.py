@@ -636,3 +636,24 @@ def test_pilot_sizing_counts_the_seeds_each_metric_needs_and_says_where_a_contro
     assert "detecting control_0.8 on pref (end, primary): pilot cost +0.0400" in lines[3]
     assert "detecting control_0.5 on pref (end, primary): pilot cost -0.0300" in lines[4]
     assert lines[4].endswith("not detectable (no cost in the pilot)")
+
+
+def test_a_partial_design_renders_and_names_the_arms_it_leaves_out(tmp_path):
+    """A design interrupted after one seed of an arm (seed-major runs stop anywhere) still renders: the arm is
+    left out of the statistics until it has 2 seeds paired with exact, and the summary says so."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "curves_v4_pilot"
+    shutil.copytree(root / "results" / "curves_v4_pilot", out)
+    for seed in (901, 902):
+        for suffix in (".csv", ".meta.json"):
+            (out / "authors" / f"endpoints_seed{seed}{suffix}").unlink()
+    curves.render(
+        out, tmp_path / "figures", Path(curves.__file__).with_name("curves_protocol_v4.yaml"), pilot=True
+    )
+    summary = (out / "summary.md").read_text()
+    assert (
+        "(2 of its runs missing); left out until they have 2 seeds paired with exact: endpoints;" in summary
+    )
+    assert "| endpoints |" not in summary and "| jagg | +0.971" in summary
