@@ -472,9 +472,8 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     meta = recipe_meta(recipe_dir)
     alpha, power, controls_named = proto["alpha"], proto["power"], proto.get("control_arms", [])
     paired = df[df.seed.isin(df[df.strategy == "exact"].seed)].groupby("strategy").seed.nunique()
-    arms = [
-        a for a in proto["arms"] if paired.get(a, 0) >= 2
-    ]  # an arm with 1 paired seed has no interval yet
+    # an arm enters the statistics once it has 2 seeds paired with exact (1 gives no interval)
+    arms = [a for a in proto["arms"] if paired.get(a, 0) >= 2]
     specs = metric_specs(proto["recipes"][name]) if name in proto["recipes"] else []
     stats = recipe_stats(df, specs)
     seeds = sorted(int(s) for s in df.seed.unique())
@@ -500,7 +499,8 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         )
     if proto.get("note"):
         design += f" {proto['note'].strip()}"
-    plan = {(a, k) for a, ks in arm_seeds(proto, name).items() for k in ks}
+    by_arm = arm_seeds(proto, name)
+    plan = {(a, k) for a, ks in by_arm.items() for k in ks}
     planned, missing = sorted({k for _, k in plan}), plan - set(stats["runs"])
     if seeds != planned or missing:
         waiting = sorted(set(df.strategy) - set(arms))
@@ -514,9 +514,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             )
             + "; this is not (yet) the analysis under the protocol."
         )
-    staged = set(planned) - set(arm_seeds(proto, name)["exact"]).intersection(
-        *arm_seeds(proto, name).values()
-    )
+    staged = set(planned) - set.intersection(*(set(ks) for ks in by_arm.values()))
     seeding = "paired: the same seeds for every arm" + (
         f"; seeds {sorted(staged)} only for exact and the contrast's two arms" if staged else ""
     )
@@ -607,7 +605,6 @@ def sizing_lines(stats: dict, proto: dict, specs: list[dict]) -> list[str]:
 
     alpha, power = proto["alpha"], proto["power"]
     lines = [f"### Sizing (pilot), power {power} at one-sided alpha {alpha}, paired t-test", ""]
-
     runs, c = stats["runs"], proto.get("contrast")
     ok = c and c["metric"] in stats["metrics"]
     d = paired_diffs(runs, c["better"], c["metric"], SUMMARIES[c["summary"]], c["worse"]) if ok else []
@@ -631,9 +628,8 @@ def sizing_lines(stats: dict, proto: dict, specs: list[dict]) -> list[str]:
                 else "not detectable (no cost in the pilot)"
             )
             lines.append(
-                f"- detecting {arm} on {spec['metric'][5:-5]} ({spec['summary']}, {spec['role']}): pilot cost "
-                f"{cost:+.4f}, "
-                f"paired SD {sd_c:.4f}; seeds: {n}"
+                f"- detecting {arm} on {spec['metric'][5:-5]} ({spec['summary']}, {spec['role']}): "
+                f"pilot cost {cost:+.4f}, paired SD {sd_c:.4f}; seeds: {n}"
             )
     return lines + [""] if len(lines) > 2 else []
 
