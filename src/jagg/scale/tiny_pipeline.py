@@ -15,25 +15,14 @@ from pathlib import Path
 import torch
 
 from jagg.common import atomic_write_text
-from jagg.models import build_tiny_backbone
+from jagg.models import build_tiny_backbone, tiny_flux_config
 from jagg.scale.rewards import clip_bpe_tokenizer
 
-# A ~60M-parameter random-init Flux transformer (diffusers' FluxTransformer2DModel kwargs): 2 double-stream + 2
-# single-stream blocks of width 768 (6 heads x 128); text / pooled widths match the tiny pipeline's T5 / CLIP
-# (32). fp32: 240 MB in full. The size at which checkpoints are measured (experiments/checkpoint_bench.py) and
-# tested on 2 ranks (tests/test_distributed_checkpoint.py).
-MEDIUM_FLUX = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=128,
-    num_attention_heads=6,
-    joint_attention_dim=32,
-    pooled_projection_dim=32,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
+# A ~60M-parameter random-init Flux transformer (diffusers' FluxTransformer2DModel kwargs): the world's tiny Flux
+# widened to 768 (6 heads x 128), still 2 double-stream + 2 single-stream blocks with text / pooled widths of 32.
+# fp32: 240 MB in full. The size at which checkpoints are measured (experiments/checkpoint_bench.py) and tested
+# on 2 ranks (tests/test_distributed_checkpoint.py).
+MEDIUM_FLUX = tiny_flux_config(attention_head_dim=128, num_attention_heads=6, axes_dims_rope=(16, 56, 56))
 
 
 def tiny_bpe(texts: Sequence[str], special_tokens: Sequence[str] = ("<pad>", "</s>"), **kwargs):
