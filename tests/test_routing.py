@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,7 +18,6 @@ from jagg.engine.routing import (
     plan_groups,
     trajectory_backward,
     trajectory_cost,
-    update_cost,
 )
 
 SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08, 0.03], dtype=torch.float64)
@@ -103,17 +104,17 @@ def test_routing_fixed_and_measured_and_the_setting_label():
         Routing("jagg", 3)  # keyword-only: a positional W can never be read as a fraction
 
 
-def test_update_cost_reads_stored_outputs_before_the_first_optimizer_step_only():
+def test_setting_update_cost_reads_stored_outputs_before_the_first_optimizer_step_only():
     """4 micro-batches, a step every 2: the first 2 read stored outputs, the last 2 forward again."""
-    plans = Routing(strategy="jagg", group_size=3).plans(3)
-    stored, fresh = (trajectory_cost(plans, reuse_outputs=r) for r in (True, False))
-    cost = update_cost(plans, endpoints="batched", reuse_outputs=True, micro_batches=4, grad_accum=2)
+    routing = Routing(strategy="jagg", group_size=3)
+    stored, fresh = (trajectory_cost(routing.plans(3), reuse_outputs=r) for r in (True, False))
+    reusing = BackwardSetting(routing=routing, endpoints="batched", reuse_outputs=True)
+    cost = reusing.update_cost(3, micro_batches=4, grad_accum=2)
     assert cost == stored + stored + fresh + fresh
     assert cost.forwards_skipped == 2 and cost.forward_passes == 2 * 2 + 2 * 3
-    never = update_cost(plans, endpoints="batched", reuse_outputs=False, micro_batches=4, grad_accum=2)
+    never = replace(reusing, reuse_outputs=False).update_cost(3, micro_batches=4, grad_accum=2)
     assert never == fresh + fresh + fresh + fresh
-    one_step = update_cost(plans, endpoints="batched", reuse_outputs=True, micro_batches=3, grad_accum=8)
-    assert one_step == stored + stored + stored
+    assert reusing.update_cost(3, micro_batches=3, grad_accum=8) == stored + stored + stored
 
 
 def _calibration_problem():
@@ -124,21 +125,22 @@ def _calibration_problem():
 @pytest.mark.parametrize("min_cosine", [-1.0, 1.0])
 def test_calibrate_routing_measures_routes_and_keeps_the_cheapest_w(min_cosine):
     """Each candidate W is measured and routed exactly as ``group_gradient_cosines`` + ``route_by_cosine`` +
-    ``plan_groups`` say, its cost is ``update_cost`` of that routing, and the cheapest W is kept (ties: the
+    ``plan_groups`` say, its cost is ``BackwardSetting.update_cost`` of that routing, and the cheapest W is kept (ties: the
     smaller). Gradients come back untouched."""
     module, velocity, latents, sigmas, step_loss = _calibration_problem()
     params = list(module.parameters())
     for p in params:
         p.grad = torch.full_like(p, 3.0)
     before = [p.grad for p in params]
-    kw = dict(endpoints="batched", reuse_outputs=True, micro_batches=2, grad_accum=1)
+    setting = BackwardSetting(routing=Routing(strategy="jagg", group_size=4), endpoints="batched")
+    kw = dict(micro_batches=2, grad_accum=1)
     cal = calibrate_routing(
         velocity,
         latents,
         sigmas,
         step_loss,
         params,
-        strategy="jagg",
+        setting=setting,
         group_sizes=[4, 2, 3],
         min_cosine=min_cosine,
         **kw,
@@ -152,7 +154,9 @@ def test_calibrate_routing_measures_routes_and_keeps_the_cheapest_w(min_cosine):
         assert cand.routing == Routing(
             strategy="jagg", group_size=w, measured=tuple(p.strategy == "jagg" for p in plans)
         )
-        assert cand.predicted_cost == update_cost(plans, **kw).time()
+        # an optimizer step per micro-batch: only the first of the two reads stored outputs
+        stored, fresh = (trajectory_cost(plans, reuse_outputs=r) for r in (True, False))
+        assert cand.predicted_cost == (stored + fresh).time()
     costs = {w: c.predicted_cost for w, c in cal.candidates.items()}
     assert cal.routing.group_size == min(costs, key=lambda w: (costs[w], w))
     if min_cosine == -1.0:  # every group qualifies: W = 4 (groups 4 + 3) is the cheapest

@@ -10,7 +10,7 @@ import torch
 from helpers import build_trainer, previous_step_loss
 from jagg.common import SeedStream, generator
 from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.routing import Routing, trajectory_cost, update_cost
+from jagg.engine.routing import Routing, trajectory_cost
 from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES
 from jagg.loop.checkpoint import find_checkpoint, read_checkpoint, trainable_names
 from jagg.loop.trainer import TrainingAborted
@@ -67,14 +67,13 @@ def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpo
         "train.iterations=1",
         config="configs/world/flux_flowgrpo_fast.yaml",
     )
-    (m,) = build_trainer(cfg).fit()
+    trainer = build_trainer(cfg)
+    (m,) = trainer.fit()
     assert m["optimizer_steps"] == 2
     plans = Routing(strategy=strategy, group_size=cfg.backward.group_size).plans(3)
     first, second = (trajectory_cost(plans, endpoints=endpoints, reuse_outputs=r) for r in (reuse, False))
     expected = first + second
-    assert expected == update_cost(
-        plans, endpoints=endpoints, reuse_outputs=reuse, micro_batches=2, grad_accum=1
-    )
+    assert expected == trainer.backward.update_cost(3, micro_batches=2, grad_accum=1)
     for key in ("forward_passes", "forward_calls", "forwards_skipped", "backward_passes", "backward_calls"):
         assert m[key] == getattr(expected, key), key
     if strategy == "jagg":
@@ -259,8 +258,8 @@ def test_a_second_update_on_one_rollout_does_not_reuse_its_outputs(tiny_cfg):
     assert second["forwards_skipped"] == 0
     assert second["onpolicy_ratio_max_dev"] > 1e-4  # off-policy now: the stale outputs would have given 0
     plans = trainer.backward.routing.plans(ro.trained.shape[1])
-    fresh = update_cost(plans, endpoints="batched", reuse_outputs=False, micro_batches=2, grad_accum=2)
-    assert second["forward_passes"] == fresh.forward_passes
+    fresh = trajectory_cost(plans, endpoints="batched", reuse_outputs=False)
+    assert second["forward_passes"] == 2 * fresh.forward_passes
 
 
 @pytest.mark.parametrize("kl_std", ["flow_grpo", "step"])
@@ -387,8 +386,8 @@ def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w
     assert by_w[str(w)]["predicted_cost"] <= min(c["predicted_cost"] for c in by_w.values())
     # the cost of the whole update: 2 micro-batches, a step after each, stored outputs for the first only
     plans = trainer.backward.routing.plans(3)
-    update = update_cost(plans, endpoints="batched", reuse_outputs=True, micro_batches=2, grad_accum=1)
-    assert by_w[str(w)]["predicted_cost"] == update.time()
+    stored, fresh = (trajectory_cost(plans, endpoints="batched", reuse_outputs=r) for r in (True, False))
+    assert by_w[str(w)]["predicted_cost"] == (stored + fresh).time()
     assert all(r["backward_passes_per_sample"] == passes for r in rows)
     resumed = build_trainer(cfg)
     resumed.load_checkpoint()

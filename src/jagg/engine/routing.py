@@ -6,8 +6,8 @@ groups are chosen: the leading ``jagg_frac`` of them on the strategy (the paper'
 per group position. ``calibrate_routing`` measures that choice: per candidate W the cosine of each group's
 gradient to its exact one (``jagg.engine.diagnostics``), the groups at or above ``min_cosine`` routed, and
 the W whose routed update the cost model predicts cheapest kept. The cost model (``group_cost``,
-``trajectory_cost``, ``update_cost``) predicts the pass counts ``GroupStats`` measures (tested equal), and is
-what the dry-run plan, the bench and Table 1 use. ``BackwardSetting`` is a routing plus how each group's
+``trajectory_cost``, ``BackwardSetting.update_cost``) predicts the pass counts ``GroupStats`` measures (tested
+equal), and is what the dry-run plan, the bench and Table 1 use. ``BackwardSetting`` is a routing plus how each group's
 endpoint backward runs: everything an update needs to know about its backward. Where the trained steps are one
 window that moves (MixGRPO), ``calibrate_windows`` measures per window position and its ``WindowRouting`` is
 looked up by the window's first step (``BackwardSetting.at_window``).
@@ -457,28 +457,6 @@ def trajectory_cost(
     )
 
 
-def update_cost(
-    plans: Sequence[GroupPlan],
-    *,
-    endpoints: str,
-    reuse_outputs: bool,
-    micro_batches: int,
-    grad_accum: int,
-    endpoint_signals: str = DEFAULT_SIGNALS,
-) -> GroupCost:
-    """The cost of one update with the groups ``plans`` (``BackwardSetting.update_cost`` for a ``Routing``):
-    ``micro_batches`` micro-batches and an optimizer step every ``grad_accum``; stored outputs are read only
-    before the first optimizer step."""
-    stored = min(grad_accum, micro_batches) if reuse_outputs else 0
-    costs = [
-        trajectory_cost(
-            plans, endpoints=endpoints, reuse_outputs=k < stored, endpoint_signals=endpoint_signals
-        )
-        for k in range(micro_batches)
-    ]
-    return functools.reduce(operator.add, costs)
-
-
 # --------------------------------------------------------------------------- calibration (measured routing)
 @dataclass(frozen=True, kw_only=True)
 class CandidateRouting:
@@ -486,7 +464,7 @@ class CandidateRouting:
 
     cosines: tuple[GroupCosine, ...]
     routing: Routing
-    predicted_cost: float  # update_cost(...).time(): forwards + 2 x backwards
+    predicted_cost: float  # BackwardSetting.update_cost(...).time(): forwards + 2 x backwards
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -528,25 +506,23 @@ def calibrate_routing(
     step_loss: StepLoss,
     params: Sequence[torch.nn.Parameter],
     *,
-    strategy: str,
+    setting: BackwardSetting,
     group_sizes: Sequence[int],
     min_cosine: float,
-    endpoints: str = DEFAULT_MODE,
-    reuse_outputs: bool = False,
     micro_batches: int = 1,
     grad_accum: int = 1,
-    endpoint_signals: str = DEFAULT_SIGNALS,
 ) -> Calibration:
     """Measured routing on one micro-batch (inputs as for ``trajectory_backward``; gradients over ``params``).
 
-    Per W in ``group_sizes``: ``group_gradient_cosines`` of ``strategy`` vs exact, ``route_by_cosine`` at
-    ``min_cosine`` (a position uses the strategy where its cosine qualifies), and the predicted cost of an
-    update with that routing (``update_cost`` with the update's ``micro_batches`` / ``grad_accum`` /
-    ``reuse_outputs``). The cheapest W is kept (ties: the smaller W, closer to exact): every routed group of
-    every candidate has passed the cosine test, so W is chosen by cost among gradients of known quality.
-    ``.grad`` of ``params`` is left as it was.
+    ``setting`` is the run's backward with any routing of its strategy: what is measured replaces the routing,
+    and its endpoint mode, stored outputs, signals and row bound are kept. Per W in ``group_sizes``:
+    ``group_gradient_cosines`` of the strategy vs exact, ``route_by_cosine`` at ``min_cosine`` (a position uses
+    the strategy where its cosine qualifies), and the predicted cost of an update with that routing
+    (``BackwardSetting.update_cost`` with the update's ``micro_batches`` / ``grad_accum``). The cheapest W is
+    kept (ties: the smaller W, closer to exact): every routed group of every candidate has passed the cosine
+    test, so W is chosen by cost among gradients of known quality. ``.grad`` of ``params`` is left as it was.
     """
-    num_steps = latents.shape[0]
+    strategy, num_steps = setting.routing.strategy, latents.shape[0]
     candidates = {}
     for w in sorted(set(group_sizes)):
         cosines = group_gradient_cosines(
@@ -557,20 +533,15 @@ def calibrate_routing(
             params,
             group_size=w,
             strategies=(strategy,),
-            endpoints=endpoints,
+            endpoints=setting.endpoints,
         )
         qualified = route_by_cosine(cosines, min_cosine, strategy)
         plans = plan_groups(num_steps, w, 1.0, strategy, qualified)
         routing = Routing(
             strategy=strategy, group_size=w, measured=tuple(p.strategy != "exact" for p in plans)
         )
-        cost = update_cost(
-            plans,
-            endpoints=endpoints,
-            reuse_outputs=reuse_outputs,
-            micro_batches=micro_batches,
-            grad_accum=grad_accum,
-            endpoint_signals=endpoint_signals,
+        cost = replace(setting, routing=routing).update_cost(
+            num_steps, micro_batches=micro_batches, grad_accum=grad_accum
         )
         candidates[w] = CandidateRouting(cosines=tuple(cosines), routing=routing, predicted_cost=cost.time())
     best = min(candidates, key=lambda w: (candidates[w].predicted_cost, w))

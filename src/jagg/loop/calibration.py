@@ -55,12 +55,9 @@ def measure_setting(
         loss.sigma,
         loss,
         params,
-        strategy=backward.strategy,
+        setting=backward.planned_setting(),
         group_sizes=backward.candidate_group_sizes,
         min_cosine=backward.min_cosine,
-        endpoints=backward.endpoints,
-        reuse_outputs=backward.reuse_rollout,
-        endpoint_signals=backward.endpoint_signals,
         micro_batches=micro_batches,
         grad_accum=grad_accum,
     )
