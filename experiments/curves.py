@@ -56,6 +56,7 @@ from jagg.stats import (
     sign_flip_test,
     tost,
 )
+from jagg.world.pretrained import world_build
 from plotting import figure_footer, save_figure
 
 PROTOCOL = Path(__file__).with_name("curves_protocol.yaml")
@@ -455,7 +456,27 @@ def recipe_meta(recipe_dir: Path) -> dict:
     those every run shares (an arm's own overrides are the protocol's)."""
     metas = [json.loads(p.read_text()) for p in sorted(recipe_dir.glob("*.meta.json"))]
     shared = [o for o in metas[0]["overrides"] if all(o in m["overrides"] for m in metas)]
-    return {**metas[0], "git_sha": ", ".join(sorted({m["git_sha"] for m in metas})), "overrides": shared}
+    return {
+        **metas[0],
+        "git_sha": ", ".join(sorted({m["git_sha"] for m in metas})),
+        "hardware": "; ".join(sorted({m["hardware"] for m in metas})),
+        "overrides": shared,
+        "world_builds": world_builds(metas),
+    }
+
+
+def world_builds(metas: list[dict]) -> str:
+    """Which seeds ran on which build of the world (its backbone's weights named by their sha256), or ''
+    where no run recorded one. Arms are compared within a seed, which shares one build."""
+    seeds: dict[str, set] = {}
+    for m in metas:
+        build = m.get("world_build")
+        seeds.setdefault(build["flux"] if build else "not recorded (an earlier build)", set()).add(m["seed"])
+    if list(seeds) == ["not recorded (an earlier build)"]:
+        return ""
+    return "world build (flux weights' sha256) by seed: " + "; ".join(
+        f"{', '.join(map(str, sorted(ks)))}: {b}" for b, ks in sorted(seeds.items(), key=lambda x: min(x[1]))
+    )
 
 
 def recipe_stats(df, specs: list[dict]) -> dict:
@@ -520,7 +541,8 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         "",
         f"Config `{meta['config']}` {' '.join(meta['overrides'])}; git {meta['git_sha']}; {meta['hardware']}; "
         f"torch {meta['versions']['torch']}; seeds {seeds} ({seeding}); "
-        f"{last_it} iterations. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
+        + (f"{meta['world_builds']}; " if meta["world_builds"] else "")
+        + f"{last_it} iterations. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
         "",
         f"**Design check.** {design}",
         "",
@@ -555,6 +577,10 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     )
     lines += [
         "### Time (wall-clock includes two runs sharing 2 cores)",
+        "",
+        "Which runs share the cores differs by arm, so these ratios are not a benchmark: a control runs exact's "
+        "backward, and its distance from 1.00x is what the pairing alone does. `make table1` measures speed side "
+        "by side.",
         "",
         *timing_table(df, arms),
         "",
@@ -828,7 +854,8 @@ def render(
         "paper's routing (the recipe's W and jagg_frac), `auto` = measured routing (`backward.jagg_frac: auto`), "
         "`endpoints` and `uniform` the two ablations, `jagg_index` the authors' index rule where registered; "
         "`control_<c>` is the positive control: the exact gradient mixed with one random direction fixed per "
-        "run, at cosine c to the exact one (`train.control_cosine`).\n\n"
+        "run, at cosine c to the exact one (`train.control_cosine`); `control_fresh_<c>` draws that direction "
+        "afresh at every step (`train.control_direction: fresh`).\n\n"
     )
     seen = {r: recipe_protocol(proto, r.name) for r in recipes}
     frames = {r: load(r, seen[r]) for r in recipes}
@@ -981,32 +1008,39 @@ def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_paral
     """Run what ``out`` lacks and write each run's CSV as soon as it and exact's run of its seed are done.
 
     ``out/<recipe>/<arm>_seed<k>.csv`` is the record a later session resumes from (run directories are not
-    committed): a run whose CSV was written by the same command is not run again. Exact's run of a seed is
-    (re)run whenever another arm of that seed runs, because the paired divergence reads its evaluated states.
-    Each CSV's meta records the command and the git SHA of the code that trained it.
+    committed): a run whose CSV was written by the same command is not run again. A seed's arms are compared
+    with each other, so they must share one build of the world (``world_build``: bitwise reproducible on one
+    machine, not across CPUs): a seed still missing arms reruns those trained on another build, and exact's
+    run of a seed is (re)run whenever another arm of that seed runs, because the paired divergence reads its
+    evaluated states. Each CSV's meta records the command, the git SHA of the code that trained it and the
+    world build.
     """
     by_key = {job[0]: job for job in jobs}
     stamp = {key: " ".join(train_command(*job[1:])[1:]) for key, job in by_key.items()}
+    build = world_build()  # the cache every run of this process loads
 
-    def csv(key: tuple) -> Path:
+    def meta_of(key: tuple) -> dict:
         r, a, k = key
-        return out / r / f"{a}_seed{k}.csv"
+        path = out / r / f"{a}_seed{k}.meta.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
 
-    def current(key: tuple) -> bool:
-        meta = csv(key).with_suffix(".meta.json")
-        return meta.is_file() and json.loads(meta.read_text()).get("run_command") == stamp[key]
-
-    todo = {key for key in by_key if not current(key)}
+    todo = {key for key in by_key if meta_of(key).get("run_command") != stamp[key]}
+    unfinished = {(r, k) for r, _, k in todo}
+    todo |= {
+        key for key in by_key if (key[0], key[2]) in unfinished and meta_of(key).get("world_build") != build
+    }
     todo |= {(r, "exact", k) for r, _, k in todo if (r, "exact", k) in by_key}
     done: dict = {}
 
     def finished(key: tuple, run_dir: Path) -> None:
         done[key] = run_dir
-        for r, a, k in [x for x in todo if x in done and not current(x)]:
+        for r, a, k in [x for x in todo if x in done]:
             exact = done.get((r, "exact", k))
             if exact is None:
                 continue  # written once exact's run of this seed is done
+            todo.discard((r, a, k))
             job = by_key[(r, a, k)]
+            run_json = json.loads((done[(r, a, k)] / "run.json").read_text())
             meta = run_metadata(
                 command=command_line("experiments/curves.py", argv),
                 run_command=stamp[(r, a, k)],
@@ -1014,9 +1048,10 @@ def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_paral
                 overrides=[*job[2], *job[5]],
                 seed=k,
                 protocol=f"{proto_path.name} @ {protocol_sha(proto_path)}",
-                run_json=json.loads((done[(r, a, k)] / "run.json").read_text())["config"],
+                world_build=run_json.get("world_build", build),  # runs from before run.json recorded it
+                run_json=run_json["config"],
             )
-            write_table(collect(done[(r, a, k)], a, k, exact), csv((r, a, k)), meta)
+            write_table(collect(done[(r, a, k)], a, k, exact), out / r / f"{a}_seed{k}.csv", meta)
 
     run_all([by_key[key] for key in by_key if key in todo], n_parallel, finished)
 

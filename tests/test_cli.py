@@ -120,6 +120,22 @@ def test_cli_end_to_end_subprocess(tmp_path):
 WORLD = "configs/world/flux_dancegrpo.yaml"
 
 
+def test_run_json_names_the_world_build_a_world_run_loads(tmp_path, monkeypatch):
+    """The world's pretraining is bitwise reproducible per machine only: run.json says which build ran."""
+    from types import SimpleNamespace
+
+    from jagg.train import _write_run_json
+
+    monkeypatch.setenv("JAGG_WORLD_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "flux.json").write_text(json.dumps({"sha256": "ab" * 32}))
+    fresh = SimpleNamespace(resume=False)
+    for source, build in (("world", {"flux": "ab" * 8}), ("tiny", None)):
+        (tmp_path / source).mkdir()
+        _write_run_json(load_config(WORLD, [f"model.source={source}"]), tmp_path / source, fresh, [], 1)
+        assert json.loads((tmp_path / source / "run.json").read_text()).get("world_build") == build
+
+
 def _fails(capsys, argv: list[str]) -> str:
     """Run the CLI expecting exit 2 with one line on stderr; return that line."""
     with pytest.raises(SystemExit) as exc:

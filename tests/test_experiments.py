@@ -657,3 +657,30 @@ def test_a_partial_design_renders_and_names_the_arms_it_leaves_out(tmp_path):
         "(2 of its runs missing); left out until they have 2 seeds paired with exact: endpoints;" in summary
     )
     assert "| endpoints |" not in summary and "| jagg | +0.971" in summary
+
+
+def test_curves_reruns_an_unfinished_seeds_arms_trained_on_another_world_build(tmp_path, monkeypatch):
+    """A seed's arms are compared with each other, so they must share one world build: a seed still missing
+    an arm reruns the arms recorded on another build (or on none), exact's run with them; a finished seed is
+    kept whatever its build."""
+    here, elsewhere = {"flux": "aaaa"}, {"flux": "bbbb"}
+    monkeypatch.setattr(curves, "world_build", lambda: here)
+    jobs = [
+        (("r", arm, seed), "cfg.yaml", [f"backward.strategy={arm}"], seed, tmp_path / f"{arm}{seed}", [])
+        for seed in (1, 2)
+        for arm in ("exact", "jagg", "endpoints")
+    ]
+    for key, *job in jobs:
+        _, arm, seed = key
+        if (arm, seed) == ("endpoints", 2):
+            continue  # seed 2 is unfinished
+        meta = {"run_command": " ".join(curves.train_command(*job)[1:])}
+        if (arm, seed) != ("jagg", 2):  # no build recorded: a run from before the record, treated as another
+            meta["world_build"] = elsewhere if seed == 1 or arm == "exact" else here
+        (tmp_path / "out" / "r").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "out" / "r" / f"{arm}_seed{seed}.meta.json").write_text(json.dumps(meta))
+    ran = []
+    monkeypatch.setattr(curves, "run_all", lambda todo, n, finished: ran.extend(job[0] for job in todo))
+    curves.run_and_record(jobs, tmp_path / "out", Path("p.yaml"), [], 2)
+    # seed 1 finished on another build: kept; seed 2: endpoints missing, jagg on no build, exact on another
+    assert sorted(ran) == [("r", "endpoints", 2), ("r", "exact", 2), ("r", "jagg", 2)]

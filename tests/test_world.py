@@ -20,6 +20,7 @@ from jagg.world.pretrained import (
     save_artefact,
     text_encoder_from_clip,
     world_backbone_config,
+    world_build,
 )
 from jagg.world.train import FlowTrainConfig, preference_pairs, sample_images, train_flow
 
@@ -141,6 +142,15 @@ def test_cache_loads_a_matching_artefact_and_detects_tampering(tmp_path, world):
     (tmp_path / "attr.json").write_text(json.dumps(manifest | {"sha256": "0" * 64}))
     with pytest.raises(ArtefactError, match="sha256"):
         check_artefact("attr", tmp_path)
+
+
+def test_world_build_names_the_weights_of_every_cached_artefact(tmp_path, world):
+    assert world_build(tmp_path) == {}
+    attr = _write(tmp_path, "attr", new_module("attr", world), expected_config("attr"))
+    assert world_build(tmp_path) == {"attr": attr["sha256"][:16]}
+    torch.manual_seed(1)  # other weights: another build
+    _write(tmp_path, "attr", new_module("attr", world), expected_config("attr"))
+    assert world_build(tmp_path)["attr"] != attr["sha256"][:16]
 
 
 def test_backbone_cache_checks_its_text_encoder(tmp_path, world):

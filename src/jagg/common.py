@@ -71,7 +71,20 @@ def hardware() -> str:
         return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = torch.get_num_threads()
-    return f"CPU, {cores} cores ({platform.machine()}), {threads} torch thread{'s' * (threads != 1)}"
+    model = cpu_model()
+    return (
+        f"CPU{f' ({model})' if model else ''}, {cores} cores ({platform.machine()}), "
+        f"{threads} torch thread{'s' * (threads != 1)}"
+    )
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux), or None: float kernels, hence some results, differ between CPUs."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
 # The libraries whose versions can change a number: the numerics, the model code, the reward models, the data.

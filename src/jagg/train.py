@@ -261,6 +261,10 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
         )
     else:
         meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=world_size)
+        if cfg.model.source == "world":  # which build: runs on different builds do not compare exactly
+            from jagg.world.pretrained import world_build
+
+            meta["world_build"] = world_build()
     atomic_write_text(path, json.dumps(meta, indent=2, default=str) + "\n")
 
 

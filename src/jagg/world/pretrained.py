@@ -135,6 +135,14 @@ def read_manifest(name: str, cache_dir: Path | None = None) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def world_build(cache_dir: Path | None = None) -> dict[str, str]:
+    """The sha256 (16 hex) of every cached artefact: which build of the world a run loaded. Pretraining is
+    bitwise reproducible on one machine but not across CPUs (their float kernels differ), so runs compare
+    exactly only on the same build."""
+    manifests = {name: read_manifest(name, cache_dir) for name in ARTEFACTS}
+    return {name: m["sha256"][:16] for name, m in manifests.items() if m is not None}
+
+
 def save_artefact(name: str, module: nn.Module, manifest: dict, cache_dir: Path | None = None) -> dict:
     """Write ``<name>.safetensors`` then ``<name>.json`` (the manifest last, so a crash leaves no valid pair)."""
     cache = Path(cache_dir or default_cache_dir())
