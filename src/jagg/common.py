@@ -66,7 +66,7 @@ def git_sha(short: bool = False) -> str:
 
 
 def hardware() -> str:
-    """Human-readable hardware string, e.g. "CPU, 2 cores (x86_64), 1 torch thread"."""
+    """Human-readable hardware string, e.g. "CPU (AMD EPYC), 2 cores (x86_64), 1 torch thread"."""
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
