@@ -609,11 +609,19 @@ def contrast_lines(stats: dict, proto: dict) -> list[str]:
         return []
     ci, p_t, p_flip = paired_interval(d), one_sided_below([-x for x in d]), sign_flip_test(d, "greater")
     ok = p_t < proto["alpha"] and p_flip < proto["alpha"]
+    planned = len(set(proto["seeds"]) | set(c.get("seeds", [])))
+    # the test is pre-registered at its planned seeds: a look at fewer is not the test (stopping early on a
+    # small p would inflate the error rate), so it carries no verdict
+    verdict = (
+        f"**{'shown' if ok else 'not shown'}** at alpha {proto['alpha']} (both tests must pass)"
+        if len(d) >= planned
+        else f"an interim look at {len(d)} of the {planned} pre-registered seeds, NOT the test: no verdict"
+    )
     return [
         f"### Pre-registered contrast: {c['better']} - {c['worse']} ({c['metric'][5:-5]}, {c['summary']})",
         "",
         f"{ci} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {p_t:.4f}, sign-flip p = "
-        f"{p_flip:.4f}: **{'shown' if ok else 'not shown'}** at alpha {proto['alpha']} (both tests must pass).",
+        f"{p_flip:.4f}: {verdict}.",
         "",
     ]
 

@@ -684,3 +684,15 @@ def test_curves_reruns_an_unfinished_seeds_arms_trained_on_another_world_build(t
     curves.run_and_record(jobs, tmp_path / "out", Path("p.yaml"), [], 2)
     # seed 1 finished on another build: kept; seed 2: endpoints missing, jagg on no build, exact on another
     assert sorted(ran) == [("r", "endpoints", 2), ("r", "exact", 2), ("r", "jagg", 2)]
+
+
+def test_curves_contrast_carries_a_verdict_only_at_its_pre_registered_seeds():
+    """A look at fewer seeds than the protocol fixed is reported as interim, whatever its p."""
+    stats = curves.per_run(_runs_frame({"jagg": 0.1, "endpoints": 0.0}, n=6), ["eval_pref_mean"])
+    c = {"better": "jagg", "worse": "endpoints", "metric": "eval_pref_mean", "summary": "end"}
+    proto = {"alpha": 0.05, "seeds": list(range(6)), "contrast": c}
+    assert "**shown** at alpha 0.05" in "\n".join(curves.contrast_lines(stats, proto))
+    proto["contrast"] = c | {"seeds": list(range(6, 24))}
+    text = "\n".join(curves.contrast_lines(stats, proto))
+    assert "interim look at 6 of the 24 pre-registered seeds, NOT the test: no verdict" in text
+    assert "shown" not in text
