@@ -826,6 +826,8 @@ def plot(name: str, df, png: Path, arms: list[str], meta: dict) -> None:
 
     metrics = [m for m in ("reward_mean", "eval_pref_mean", "eval_clip_mean", *ATTRIBUTE_JUDGES) if m in df]
     fig, axes = plt.subplots(2, len(metrics), figsize=(3.4 * len(metrics), 6.2), squeeze=False)
+    # one colour per arm across panels (tab10 repeats after 10 arms; version 4 has 11)
+    colour = dict(zip(arms, plt.get_cmap("tab10" if len(arms) <= 10 else "tab20").colors, strict=False))
     for col, m in enumerate(metrics):
         d = df.dropna(subset=[m])
         for strategy in (a for a in arms if a in set(d.strategy)):
@@ -834,8 +836,9 @@ def plot(name: str, df, png: Path, arms: list[str], meta: dict) -> None:
             clock = g.wall_clock_s.mean()
             for row, x in ((0, mean.index), (1, clock.values)):
                 ax = axes[row][col]
-                ax.plot(x, mean.values, label=strategy, marker="o" if m != "reward_mean" else None, ms=3)
-                ax.fill_between(x, (mean - se).values, (mean + se).values, alpha=0.15)
+                style = dict(color=colour[strategy], marker="o" if m != "reward_mean" else None, ms=3)
+                ax.plot(x, mean.values, label=strategy, **style)
+                ax.fill_between(x, (mean - se).values, (mean + se).values, alpha=0.15, color=colour[strategy])
         axes[0][col].set(title=m.replace("_mean", "").replace("eval_", "held-out "), xlabel="iteration")
         axes[1][col].set(xlabel="wall-clock s (mean over seeds)")
     for ax in axes.flat:
