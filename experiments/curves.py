@@ -471,7 +471,12 @@ def world_builds(metas: list[dict]) -> str:
     seeds: dict[str, set] = {}
     for m in metas:
         build = m.get("world_build")
-        seeds.setdefault(build["flux"] if build else "not recorded (an earlier build)", set()).add(m["seed"])
+        name = (
+            (build.get("flux") or json.dumps(build, sort_keys=True))
+            if build
+            else "not recorded (an earlier build)"
+        )
+        seeds.setdefault(name, set()).add(m["seed"])
     if list(seeds) == ["not recorded (an earlier build)"]:
         return ""
     return "world build (flux weights' sha256) by seed: " + "; ".join(
@@ -1035,11 +1040,16 @@ def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_paral
         path = out / r / f"{a}_seed{k}.meta.json"
         return json.loads(path.read_text()) if path.is_file() else {}
 
+    def other_build(key: tuple) -> bool:  # a world run recorded on another build, or before builds were
+        meta = meta_of(key)
+        return (
+            meta.get("run_json", {}).get("model", {}).get("source") == "world"
+            and meta.get("world_build") != build
+        )
+
     todo = {key for key in by_key if meta_of(key).get("run_command") != stamp[key]}
     unfinished = {(r, k) for r, _, k in todo}
-    todo |= {
-        key for key in by_key if (key[0], key[2]) in unfinished and meta_of(key).get("world_build") != build
-    }
+    todo |= {key for key in by_key if (key[0], key[2]) in unfinished and other_build(key)}
     todo |= {(r, "exact", k) for r, _, k in todo if (r, "exact", k) in by_key}
     done: dict = {}
 
@@ -1059,7 +1069,10 @@ def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_paral
                 overrides=[*job[2], *job[5]],
                 seed=k,
                 protocol=f"{proto_path.name} @ {protocol_sha(proto_path)}",
-                world_build=run_json.get("world_build", build),  # runs from before run.json recorded it
+                # run.json records the build since it mattered; an older world run of this process loaded `build`
+                world_build=run_json.get(
+                    "world_build", build if run_json["config"]["model"]["source"] == "world" else None
+                ),
                 run_json=run_json["config"],
             )
             write_table(collect(done[(r, a, k)], a, k, exact), out / r / f"{a}_seed{k}.csv", meta)

@@ -674,8 +674,12 @@ def test_curves_reruns_an_unfinished_seeds_arms_trained_on_another_world_build(t
         _, arm, seed = key
         if (arm, seed) == ("endpoints", 2):
             continue  # seed 2 is unfinished
-        meta = {"run_command": " ".join(curves.train_command(*job)[1:])}
-        if (arm, seed) != ("jagg", 2):  # no build recorded: a run from before the record, treated as another
+        source = "tiny" if arm == "endpoints" else "world"  # a tiny run loads no build: never rerun for one
+        meta = {
+            "run_command": " ".join(curves.train_command(*job)[1:]),
+            "run_json": {"model": {"source": source}},
+        }
+        if (arm, seed) != ("jagg", 2) and source == "world":  # jagg 2: a world run from before the record
             meta["world_build"] = elsewhere if seed == 1 or arm == "exact" else here
         (tmp_path / "out" / "r").mkdir(parents=True, exist_ok=True)
         (tmp_path / "out" / "r" / f"{arm}_seed{seed}.meta.json").write_text(json.dumps(meta))
@@ -684,6 +688,16 @@ def test_curves_reruns_an_unfinished_seeds_arms_trained_on_another_world_build(t
     curves.run_and_record(jobs, tmp_path / "out", Path("p.yaml"), [], 2)
     # seed 1 finished on another build: kept; seed 2: endpoints missing, jagg on no build, exact on another
     assert sorted(ran) == [("r", "endpoints", 2), ("r", "exact", 2), ("r", "jagg", 2)]
+    # seed 2 on this build but for its missing arm: only that arm and exact (whose states the divergence reads)
+    (tmp_path / "out" / "r" / "jagg_seed2.meta.json").unlink()
+    for arm in ("exact", "jagg"):
+        meta = json.loads((tmp_path / "out" / "r" / "exact_seed1.meta.json").read_text())
+        job = next(j for j in jobs if j[0] == ("r", arm, 2))
+        meta |= {"run_command": " ".join(curves.train_command(*job[1:])[1:]), "world_build": here}
+        (tmp_path / "out" / "r" / f"{arm}_seed2.meta.json").write_text(json.dumps(meta))
+    ran.clear()
+    curves.run_and_record(jobs, tmp_path / "out", Path("p.yaml"), [], 2)
+    assert sorted(ran) == [("r", "endpoints", 2), ("r", "exact", 2)]
 
 
 def test_curves_contrast_carries_a_verdict_only_at_its_pre_registered_seeds():
