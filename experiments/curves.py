@@ -1035,19 +1035,17 @@ def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_paral
     stamp = {key: " ".join(train_command(*job[1:])[1:]) for key, job in by_key.items()}
     build = world_build()  # the cache every run of this process loads
 
-    def meta_of(key: tuple) -> dict:
-        r, a, k = key
-        path = out / r / f"{a}_seed{k}.meta.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+    paths = {(r, a, k): out / r / f"{a}_seed{k}.meta.json" for r, a, k in by_key}
+    metas = {key: json.loads(p.read_text()) if p.is_file() else {} for key, p in paths.items()}
 
     def other_build(key: tuple) -> bool:  # a world run recorded on another build, or before builds were
-        meta = meta_of(key)
+        meta = metas[key]
         return (
             meta.get("run_json", {}).get("model", {}).get("source") == "world"
             and meta.get("world_build") != build
         )
 
-    todo = {key for key in by_key if meta_of(key).get("run_command") != stamp[key]}
+    todo = {key for key in by_key if metas[key].get("run_command") != stamp[key]}
     unfinished = {(r, k) for r, _, k in todo}
     todo |= {key for key in by_key if (key[0], key[2]) in unfinished and other_build(key)}
     todo |= {(r, "exact", k) for r, _, k in todo if (r, "exact", k) in by_key}
