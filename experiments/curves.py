@@ -605,7 +605,9 @@ def seeds_needed(sd: float, effect: float, alpha: float, power: float) -> int | 
 
 
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
-    """The pre-registered contrast (``contrast``: better - worse, one-sided, paired by seed)."""
+    """The pre-registered contrast (``contrast``: better - worse, one-sided, paired by seed) and its power."""
+    import numpy as np
+
     c = proto.get("contrast")
     if not c or c["metric"] not in stats["metrics"]:
         return []
@@ -622,11 +624,15 @@ def contrast_lines(stats: dict, proto: dict) -> list[str]:
         if len(d) >= planned
         else f"an interim look at {len(d)} of the {planned} pre-registered seeds, NOT the test: no verdict"
     )
+    # the power of the test that judged it: the effect its seeds detect at the paired SD it saw
+    sd = float(np.std(d, ddof=1))
+    mdd = minimum_detectable_difference(sd, len(d), proto["alpha"], proto["power"], "greater")
     return [
         f"### Pre-registered contrast: {c['better']} - {c['worse']} ({c['metric'][5:-5]}, {c['summary']})",
         "",
         f"{ci} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {p_t:.4f}, sign-flip p = "
-        f"{p_flip:.4f}: {verdict}.",
+        f"{p_flip:.4f}: {verdict}. Paired SD {sd:.3f}: {len(d)} seeds detect a true difference of {mdd:.3f} "
+        f"with power {proto['power']} (one-sided t-test at alpha {proto['alpha']}).",
         "",
     ]
 

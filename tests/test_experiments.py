@@ -704,9 +704,33 @@ def test_curves_contrast_carries_a_verdict_only_at_its_pre_registered_seeds():
     """A look at fewer seeds than the protocol fixed is reported as interim, whatever its p."""
     stats = curves.per_run(_runs_frame({"jagg": 0.1, "endpoints": 0.0}, n=6), ["eval_pref_mean"])
     c = {"better": "jagg", "worse": "endpoints", "metric": "eval_pref_mean", "summary": "end"}
-    proto = {"alpha": 0.05, "seeds": list(range(6)), "contrast": c}
+    proto = {"alpha": 0.05, "power": 0.8, "seeds": list(range(6)), "contrast": c}
     assert "**shown** at alpha 0.05" in "\n".join(curves.contrast_lines(stats, proto))
     proto["contrast"] = c | {"seeds": list(range(6, 24))}
     text = "\n".join(curves.contrast_lines(stats, proto))
     assert "interim look at 6 of the 24 pre-registered seeds, NOT the test: no verdict" in text
     assert "shown" not in text
+
+
+def test_curves_contrast_states_the_power_of_the_test_that_judged_it():
+    """The contrast line gives the paired SD it saw and the difference its seeds detect with the protocol's
+    power; checked against Cohen's closed form (t quantiles, close to the noncentral-t solution)."""
+    from scipy import stats as st
+
+    diffs = [0.10, 0.02, 0.15, -0.03, 0.08, 0.05, 0.12, 0.01]
+    rows = []
+    for seed, d in enumerate(diffs):
+        for arm, end in (("jagg", 1.0 + d), ("endpoints", 1.0)):
+            rows += [
+                dict(strategy=arm, seed=seed, iteration=0, eval_pref_mean=0.0),
+                dict(strategy=arm, seed=seed, iteration=10, eval_pref_mean=end),
+            ]
+    stats = curves.per_run(pd.DataFrame(rows), ["eval_pref_mean"])
+    c = {"better": "jagg", "worse": "endpoints", "metric": "eval_pref_mean", "summary": "end"}
+    text = "\n".join(curves.contrast_lines(stats, {"alpha": 0.05, "power": 0.8, "seeds": [], "contrast": c}))
+    sd, n = float(np.std(diffs, ddof=1)), len(diffs)
+    cohen = (st.t.ppf(0.95, n - 1) + st.t.ppf(0.8, n - 1)) * sd / np.sqrt(n)
+    shown = float(text.split(f"{n} seeds detect a true difference of ")[1].split()[0])
+    assert f"Paired SD {sd:.3f}" in text
+    assert abs(shown - cohen) < 0.05 * cohen
+    assert "with power 0.8 (one-sided t-test at alpha 0.05)" in text
