@@ -87,6 +87,22 @@ def test_sign_flip_test_matches_brute_force_and_scipy(alternative):
     assert p == pytest.approx(ref, abs=1e-12)
 
 
+def test_sign_flip_test_is_exact_past_sixteen_pairs():
+    """n = 18: the split-half count equals brute force over all 2^18 patterns, ties included."""
+    rng = np.random.default_rng(0)
+    d = np.round(rng.normal(0.05, 0.1, 18), 2)  # rounded, so that many patterns tie with the observed mean
+    bits = (np.arange(2**18)[:, None] >> np.arange(18)[None, :]) & 1  # all 2^18 patterns at once
+    means, obs = ((1 - 2 * bits) * d[None, :]).mean(axis=1), d.mean()
+    brute = {
+        "less": np.mean(means <= obs + 1e-12),
+        "greater": np.mean(means >= obs - 1e-12),
+        "two-sided": np.mean(np.abs(means) >= abs(obs) - 1e-12),
+    }
+    for alternative, p in brute.items():
+        assert sign_flip_test(d, alternative) == pytest.approx(p, abs=1e-15)
+    assert sign_flip_test(-np.abs(d) - 0.01, "less") == pytest.approx(2.0**-18)
+
+
 def test_sign_flip_textbook_cases():
     # all six differences negative: only the observed pattern is as extreme, p = 1/64 one-sided, 2/64 two-sided
     d = [-0.3, -0.1, -0.2, -0.4, -0.05, -0.15]
@@ -96,7 +112,7 @@ def test_sign_flip_textbook_cases():
     # five of six differences exactly 0 (the committed DanceGRPO case): the test cannot go below 1/2
     assert sign_flip_test([0, 0, 0, 0, 0, -0.2], "less") == pytest.approx(0.5)
     with pytest.raises(ValueError, match="2\\^n"):
-        sign_flip_test(np.ones(17))
+        sign_flip_test(np.ones(41))
     with pytest.raises(ValueError, match="alternative"):
         sign_flip_test(d, "below")
 

@@ -111,7 +111,7 @@ def one_sided_below(diffs: Sequence[float]) -> float:
 ALTERNATIVES = ("two-sided", "less", "greater")
 
 
-def sign_flip_test(diffs: Sequence[float], alternative: str = "two-sided", max_exact: int = 16) -> float:
+def sign_flip_test(diffs: Sequence[float], alternative: str = "two-sided", max_exact: int = 40) -> float:
     """Exact p-value of the paired sign-flip permutation test of mean d = 0 (Fisher 1935; Good 2005, 3.1).
 
     Under H0 each d_k is as likely to have either sign, so the observed mean is compared with the means of
@@ -125,16 +125,31 @@ def sign_flip_test(diffs: Sequence[float], alternative: str = "two-sided", max_e
     n = d.size
     if not 1 <= n <= max_exact:
         raise ValueError(f"sign_flip_test enumerates 2^n flips: needs 1 <= n <= {max_exact}, got {n}")
-    bits = (np.arange(2**n)[:, None] >> np.arange(n)[None, :]) & 1  # (2^n, n), row 0 = the observed signs
-    means = ((1 - 2 * bits) * d[None, :]).mean(axis=1)
-    obs, tol = d.mean(), 1e-12 * max(1.0, float(np.abs(d).max()))
+    # meet in the middle: every pattern's sum is a + b, a from the first half's 2^h sign sums and b from the
+    # second half's (sorted), so counting the patterns beyond a threshold costs 2^h binary searches, not 2^n
+    a, b = _sign_sums(d[: n // 2]), np.sort(_sign_sums(d[n // 2 :]))
+    obs, tol = d.sum(), n * 1e-12 * max(1.0, float(np.abs(d).max()))
+
+    def at_least(x: float) -> int:  # patterns with a sum >= x
+        return int((b.size - np.searchsorted(b, x - a, side="left")).sum())
+
+    def at_most(x: float) -> int:  # patterns with a sum <= x
+        return int(np.searchsorted(b, x - a, side="right").sum())
+
     if alternative == "less":
-        hits = means <= obs + tol
+        hits = at_most(obs + tol)
     elif alternative == "greater":
-        hits = means >= obs - tol
+        hits = at_least(obs - tol)
     else:
-        hits = np.abs(means) >= abs(obs) - tol
-    return float(hits.mean())
+        thr = abs(obs) - tol
+        hits = 2**n if thr <= 0 else at_least(thr) + at_most(-thr)
+    return hits / 2**n
+
+
+def _sign_sums(d: np.ndarray) -> np.ndarray:
+    """The sums of d under all 2^len(d) sign patterns."""
+    bits = (np.arange(2**d.size)[:, None] >> np.arange(d.size)[None, :]) & 1
+    return ((1 - 2 * bits) * d[None, :]).sum(axis=1)
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
