@@ -604,6 +604,11 @@ def seeds_needed(sd: float, effect: float, alpha: float, power: float) -> int | 
     return next(fits, ">200")
 
 
+def _p(p: float) -> str:
+    """A p-value to four decimals, or in scientific notation below 1e-4 (where four decimals read 0.0000)."""
+    return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+
+
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
     """The pre-registered contrast (``contrast``: better - worse, one-sided, paired by seed) and its power."""
     import numpy as np
@@ -630,8 +635,8 @@ def contrast_lines(stats: dict, proto: dict) -> list[str]:
     return [
         f"### Pre-registered contrast: {c['better']} - {c['worse']} ({c['metric'][5:-5]}, {c['summary']})",
         "",
-        f"{ci} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {p_t:.4f}, sign-flip p = "
-        f"{p_flip:.4f}: {verdict}. Paired SD {sd:.3f}: {len(d)} seeds detect a true difference of {mdd:.3f} "
+        f"{ci} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {_p(p_t)}, sign-flip p = "
+        f"{_p(p_flip)}: {verdict}. Paired SD {sd:.3f}: {len(d)} seeds detect a true difference of {mdd:.3f} "
         f"with power {proto['power']} (one-sided t-test at alpha {proto['alpha']}).",
         "",
     ]
