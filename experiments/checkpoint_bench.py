@@ -29,8 +29,8 @@ import torch
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.distributed import DistInfo
-from jagg.loop.checkpoint import Progress, save_checkpoint, start_checkpoint
 from jagg.models import build_tiny_backbone
+from jagg.ops.checkpoint import Progress, save_checkpoint, start_checkpoint
 from jagg.scale.tiny_pipeline import MEDIUM_FLUX
 
 # The world's tiny Flux (model.source=tiny, what the loop tests train) and a ~60M-parameter random-init Flux (the

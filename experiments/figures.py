@@ -3,7 +3,7 @@
 python experiments/figures.py [--results results] [--figures paper_figures]   (make figures)
 
 Every figure names its hardware and scale on the figure. The memory figure's dry-run numbers are computed
-from configs/paper/ by jagg.loop.memory_model (no weights, no GPU) and written to results/memory_plan.csv.
+from configs/paper/ by jagg.capacity.memory_model (no weights, no GPU) and written to results/memory_plan.csv.
 """
 
 from __future__ import annotations
@@ -139,12 +139,12 @@ def plot_speedup(results: Path, png: Path) -> None:
 
 
 def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> list[dict]:
-    """Per paper config x backward mode: the dry run's per-GPU GiB (``jagg.loop.memory_model.memory_plan``, the
+    """Per paper config x backward mode: the dry run's per-GPU GiB (``jagg.capacity.memory_model.memory_plan``, the
     transformer on the meta device, no weights), resident vs the transient peak (activations, a no-grad forward or the AdamW step)."""
+    from jagg.capacity.memory_model import GIB, memory_plan, meta_transformer
+    from jagg.capacity.pass_plan import trained_steps_per_sample
     from jagg.config import load_config
     from jagg.engine.routing import trajectory_cost
-    from jagg.loop.memory_model import GIB, memory_plan, meta_transformer
-    from jagg.loop.pass_plan import trained_steps_per_sample
 
     rows = []
     for name in PAPER_CONFIGS:
@@ -240,7 +240,7 @@ def plot_memory(results: Path, png: Path) -> None:
         fig,
         meta,
         "(b) " + world_scale(results),
-        where="(a) computed by the dry-run plan (jagg.loop.memory_model) for the real FLUX.1-dev / Qwen-Image "
+        where="(a) computed by the dry-run plan (jagg.capacity.memory_model) for the real FLUX.1-dev / Qwen-Image "
         "architectures, no weights, no GPU",
     )
     fig.tight_layout(rect=(0, 0.04, 1, 0.95))

@@ -2,7 +2,7 @@
 
 For each paper config (``jagg.config.paper_config_paths``: configs/paper/**/*_*.yaml, SD3.5-M's in
 configs/paper/sd3/): the published architecture (``jagg.scale.architectures.KNOWN_CONFIGS``) is placed by the
-trainer's own code (``jagg.loop.placement``: LoRA, gradient checkpointing, fp32 master weights and bf16 frozen
+trainer's own code (``jagg.scale.placement``: LoRA, gradient checkpointing, fp32 master weights and bf16 frozen
 base, FSDP2 ``fully_shard`` per block with the bf16 / fp32-reduce policy) under fake tensors
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no data) as rank 1 of a fake
 8-rank process group (``FakeStore``, backend ``fake``: collectives are no-ops). One micro-batch of the configured
@@ -47,16 +47,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from jagg.capacity.memory_model import CUDA_CONTEXT, GIB, memory_plan, text_tokens
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.config import Config, load_config, paper_config_paths
 from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.loop.memory_model import CUDA_CONTEXT, GIB, memory_plan, text_tokens
-from jagg.loop.placement import apply_run_lora, parameter_dtypes, place_backbone
 from jagg.models import BACKBONES, TextCond
 from jagg.scale.architectures import CFG_TWO_CALLS, KNOWN_CONFIGS, TRUE_CFG
 from jagg.scale.distributed import DistInfo, cast_parameters
+from jagg.scale.placement import apply_run_lora, parameter_dtypes, place_backbone
 from jagg.scale.pretrained import adapter_kwargs
 
 WORLD_SIZE = 8
@@ -74,7 +74,7 @@ REDUCED = {
     "sd3": ([(2, 1), (3, 1), (2, 2)], (13, 11)),
 }
 OUT = "results/plan_check.csv"
-# FSDPMemTracker categories -> the plan's groups (jagg.loop.memory_model.memory_plan)
+# FSDPMemTracker categories -> the plan's groups (jagg.capacity.memory_model.memory_plan)
 CATEGORIES = {
     "SHARDED_PARAM": "weights (sharded)",
     "SHARDED_GRAD": "gradients (sharded)",
@@ -547,7 +547,7 @@ def device_check(cfg: Config) -> str:
 def plan_terms(cfg: Config) -> dict[str, float]:
     """The plan's GPU terms (``memory_plan``) grouped like ``CATEGORIES`` (transformer and activations only)."""
     backward = cfg.backward
-    from jagg.loop.pass_plan import trained_steps_per_sample
+    from jagg.capacity.pass_plan import trained_steps_per_sample
 
     setting = backward.planned_setting()
     cost = setting.cost(trained_steps_per_sample(cfg), batch=cfg.train.train_batch_size, stored=True)
@@ -791,7 +791,7 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
         "linearly in the count of each kind of block, in-flight ones as the largest of the runs",
         "(`extrapolate`; see experiments/plan_check.py for what is not",
         "simulated: weight loading, rollout / eval forwards, text encoders, VAE, rewards, CUDA context).",
-        "`plan` = `jagg.loop.memory_model.memory_plan`'s terms for the same things. Simulated `activations` = the",
+        "`plan` = `jagg.capacity.memory_model.memory_plan`'s terms for the same things. Simulated `activations` = the",
         "tracker's ACT + TEMP; the AdamW step's temporaries are a transient after the backward (the plan's",
         "`step`, not in these totals; the simulated peak of each phase is listed).",
         "",

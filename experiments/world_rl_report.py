@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from jagg.common import atomic_write_text, command_line, run_metadata
-from jagg.loop.grids import GRID_COLS, GRID_PAD, GRID_ZOOM, grid_cell
+from jagg.ops.grids import GRID_COLS, GRID_PAD, GRID_ZOOM, grid_cell
 
 
 def eval_rows(run: Path) -> list[dict]:
@@ -35,7 +35,7 @@ def eval_rows(run: Path) -> list[dict]:
 
 
 def _mark_attr(img, scores: list[float]):
-    """Underline every tile of a ``jagg.loop.grids.save_grid`` grid green (attr correct) or red (wrong)."""
+    """Underline every tile of a ``jagg.ops.grids.save_grid`` grid green (attr correct) or red (wrong)."""
     from PIL import ImageDraw
 
     z = GRID_ZOOM

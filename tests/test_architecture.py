@@ -6,9 +6,10 @@ sibling on its own line (siblings are independent of each other).
 
 ``jagg`` itself (``src/jagg/__init__.py``) re-exports the engine's public API; no module of the package
 imports it. Every ``import`` / ``from ... import`` is checked, including those inside functions, with
-relative imports resolved; imports under ``if TYPE_CHECKING:`` are ignored. ``importlib.import_module``
-with a literal ``jagg`` name counts as an import too. There must also be no import cycle between modules,
-inside a package or across packages.
+relative imports resolved, and imports under ``if TYPE_CHECKING:`` count like any other (a type-only import
+still ties two modules together). ``importlib.import_module`` with a literal ``jagg`` name counts as an import
+too. There must also be no import cycle between modules, inside a package or across packages. The trainer
+imports no instrument: it knows the plug-in surface and the registry (``jagg.plugins``), not a plug-in.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ SRC = ROOT / "src" / "jagg"
 
 LAYERS = [  # top first; the packages on one line are siblings
     ["jagg.loop"],
+    ["jagg.capacity", "jagg.plugins"],
+    ["jagg.ops"],
     ["jagg.world", "jagg.scale"],
     ["jagg.config"],
     ["jagg.engine", "jagg.models", "jagg.rewards"],
@@ -55,23 +58,9 @@ def _component(module: str) -> str:
     raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS in {Path(__file__).name}")
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
-    )
-
-
 def _walk(node: ast.AST):
-    """Every node below ``node`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child):
-            for sub in child.orelse:
-                yield sub
-                yield from _walk(sub)
-            continue
-        yield child
-        yield from _walk(child)
+    """Every node below ``node``, the bodies of ``if TYPE_CHECKING:`` blocks included."""
+    return ast.walk(node)
 
 
 def _resolve(target: str) -> str:
@@ -209,3 +198,29 @@ def test_no_reference_to_files_outside_the_repository(name):
             if name in line:
                 hits.append(f"{rel}:{i}: {line.strip()[:120]}")
     assert not hits, f"{name} is not part of this repository:\n" + "\n".join(hits)
+
+
+# The plug-in surface and the registry: all the trainer may know of its instruments (docs/architecture.md).
+PLUGIN_SURFACE = {"jagg.plugins", "jagg.plugins.base"}
+
+
+def test_the_trainer_imports_no_instrument():
+    """A new instrument is a plug-in plus one line in ``jagg.plugins.PLUGINS``: the trainer imports the
+    registry and the surface, never a plug-in module, and no instrument lives in ``jagg.loop``."""
+    bad = [
+        f"line {line}: {target}"
+        for line, target in imports_of("jagg.loop.trainer")
+        if target.startswith("jagg.plugins") and target not in PLUGIN_SURFACE
+    ]
+    assert not bad, "the trainer imports instruments:\n" + "\n".join(bad)
+    assert "jagg.loop.fidelity" not in MODULES and "jagg.engine.control" not in [
+        t for _, t in imports_of("jagg.loop.trainer")
+    ]
+
+
+def test_loop_holds_the_loop_only():
+    """``jagg.loop`` keeps the loop (at most 12 modules); run operations, the capacity plan and the plug-ins
+    have packages of their own."""
+    files = sorted(p.name for p in (SRC / "loop").glob("*.py"))
+    assert len(files) <= 12, files
+    assert not [p for p in (SRC / "loop").iterdir() if p.is_dir() and p.name != "__pycache__"]

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (``log.async_checkpoint``, ``jagg.loop.checkpoint.CheckpointWriter``) on tiny
+"""Asynchronous checkpoints (``log.async_checkpoint``, ``jagg.ops.checkpoint.CheckpointWriter``) on tiny
 random-init world backbones: the checkpoints an asynchronous run writes equal a synchronous run's; a save is
 a snapshot of the state when it started and is invisible until finished, while training goes on; the same on 2
 gloo ranks (FSDP2), resume included. The kill -9 drill with a write in flight is in ``test_run_safety``."""
@@ -16,7 +16,7 @@ import torch
 from dist_harness import rank_results, run_ranks, save_rank_result
 from helpers import build_trainer, tiny_config
 from jagg.distributed import DistInfo
-from jagg.loop.checkpoint import (
+from jagg.ops.checkpoint import (
     checkpoint_candidates,
     read_checkpoint,
     read_progress,

@@ -239,8 +239,8 @@ def test_prompt_set_typo_fails_before_the_model_code(tmp_path):
 
 
 def test_preflight_reward_names_equal_the_registry():
-    from jagg.loop import preflight
     from jagg.loop.rewards import REWARD_DTYPES, REWARDS
+    from jagg.ops import preflight
 
     assert sorted(preflight.REWARD_NAMES) == sorted(REWARDS)
     assert sorted(preflight.REWARD_DTYPE_NAMES) == sorted(REWARD_DTYPES)

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from dist_harness import rank_results, run_ranks, save_rank_result
-from jagg.loop.checkpoint import read_checkpoint
+from jagg.ops.checkpoint import read_checkpoint
 
 WORLD = 2
 
@@ -159,12 +159,12 @@ def checkpoint_worker(rank: int, out_dir: str) -> None:
     import gc
 
     from jagg.distributed import DistInfo
-    from jagg.loop.checkpoint import find_checkpoint
     from jagg.loop.components import build_components
     from jagg.loop.export import export_run, export_trained
-    from jagg.loop.placement import place_backbone
     from jagg.loop.trainer import Trainer
+    from jagg.ops.checkpoint import find_checkpoint
     from jagg.rewards import REWARDS
+    from jagg.scale.placement import place_backbone
 
     REWARDS["random_test"] = lambda device=None: RandomReward()
     out = Path(out_dir)

@@ -134,8 +134,8 @@ def test_paper_recipes_follow_the_references():
 
 
 def _plan(config, *overrides, world_size=8):
-    from jagg.loop.memory_model import memory_plan
-    from jagg.loop.pass_plan import trained_steps_per_sample
+    from jagg.capacity.memory_model import memory_plan
+    from jagg.capacity.pass_plan import trained_steps_per_sample
 
     cfg = load_config(config, list(overrides))
     setting = cfg.backward.fixed_setting()
@@ -187,9 +187,9 @@ def test_memory_plan_counts():
 def test_memory_plan_replicated_frozen_base(config):
     """model.shard_frozen_base=false: the bf16 base in full on every rank instead of 1/8 of it, only the
     adapters' blocks in flight, and no all-gather of a base weight (rollout and update, per iteration)."""
+    from jagg.capacity.memory_model import all_gather_bytes, meta_transformer
+    from jagg.capacity.pass_plan import trained_steps_per_sample
     from jagg.engine.routing import trajectory_cost
-    from jagg.loop.memory_model import all_gather_bytes, meta_transformer
-    from jagg.loop.pass_plan import trained_steps_per_sample
 
     sharded = _plan(config, "model.shard_frozen_base=true")
     replicated = _plan(config, "model.shard_frozen_base=false")
@@ -310,7 +310,7 @@ def test_advisor_on_every_shipped_config(config):
     """The dry run's advisor on every shipped config: exact saves nothing, the rollout is never saved (the
     iteration saving is smaller than the update's), knots with K >= T cost what exact costs, and a config with
     two or fewer trained steps is told that JAGG saves nothing."""
-    from jagg.loop.pass_plan import advice, trained_steps_per_sample
+    from jagg.capacity.pass_plan import advice, trained_steps_per_sample
 
     cfg = load_config(config)
     t = trained_steps_per_sample(cfg)
@@ -336,7 +336,7 @@ def test_advisor_on_every_shipped_config(config):
 def test_every_step_knots_configs_train_every_usable_step_and_the_advisor_agrees(config):
     """The paper's every-step variants: all S - 1 usable steps trained through K = 4 shared knots; the advisor
     finds the configured knots the largest saving on them and says so."""
-    from jagg.loop.pass_plan import advice, trained_steps_per_sample
+    from jagg.capacity.pass_plan import advice, trained_steps_per_sample
 
     cfg = load_config(config)
     base = load_config(config.replace("_knots", ""))

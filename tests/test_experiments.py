@@ -363,7 +363,7 @@ def test_attr_underlines_land_under_each_grid_tile(tmp_path):
     import torch
     from PIL import Image
 
-    from jagg.loop.grids import save_grid
+    from jagg.ops.grids import save_grid
     from world_rl_report import _mark_attr
 
     save_grid(torch.zeros(10, 3, 16, 16), tmp_path / "g.png")  # 8 + 2 tiles, two rows

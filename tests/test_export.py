@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 from helpers import build_trainer, tiny_config
 from jagg.config import TINY_RUN
 from jagg.distributed import DistInfo
-from jagg.loop.checkpoint import read_checkpoint
 from jagg.loop.components import build_components
 from jagg.loop.export import export_trained
-from jagg.loop.placement import place_backbone
 from jagg.models import BACKBONES
+from jagg.ops.checkpoint import read_checkpoint
+from jagg.scale.placement import place_backbone
 from jagg.train import main
 
 RUN = [*TINY_RUN, "sampling.num_steps=4", "optim.lr=1e-2"]

@@ -1,7 +1,7 @@
 """``model.shard_frozen_base: false`` on 2 gloo ranks: a replicated frozen LoRA base gives the sharded-base
 run's LoRA gradients, never all-gathers a base weight, and checkpoints / resumes the same way.
 
-Both settings go through the trainer's own placement (``jagg.loop.placement.place_backbone``: LoRA, dtypes,
+Both settings go through the trainer's own placement (``jagg.scale.placement.place_backbone``: LoRA, dtypes,
 ``shard_from_rank0``) on tiny Flux in float64. Rank 1's copy is scrambled before placement, so its frozen base
 can only be right if rank 0 sent it in full. Each rank takes half of the global batch; FSDP2 averages the
 gradients over the ranks, so both equal a one-process run on the global batch.
@@ -43,8 +43,8 @@ def _placed(cfg, *, distributed: bool, scramble: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from jagg.distributed import DistInfo
-    from jagg.loop.placement import place_backbone
     from jagg.models import build_tiny_backbone
+    from jagg.scale.placement import place_backbone
 
     backbone = build_tiny_backbone("flux", seed=0)
     if scramble:  # what rank 0 does not send, this rank gets wrong
@@ -83,7 +83,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def frozen_base_worker(rank: int, out_dir: str) -> None:
     """One rank: both settings' gradients, collectives, frozen-base layout and a checkpoint round trip."""
     from jagg.distributed import DistInfo, is_sharded
-    from jagg.loop.checkpoint import Progress, load_checkpoint, save_checkpoint
+    from jagg.ops.checkpoint import Progress, load_checkpoint, save_checkpoint
     from jagg.scale.distributed import CollectiveCounter, full_grads
 
     dist = DistInfo.current()
@@ -200,7 +200,7 @@ def test_replicated_base_all_gathers_only_the_adapters(frozen_results):
 def test_checkpoint_resumes_into_a_replicated_base(frozen_results):
     """Only the adapters are saved; either setting's checkpoint resumes a replicated-base model exactly."""
     results, out = frozen_results
-    from jagg.loop.checkpoint import read_checkpoint
+    from jagg.ops.checkpoint import read_checkpoint
 
     for res in results:
         for setting in SETTINGS:

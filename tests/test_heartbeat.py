@@ -1,4 +1,4 @@
-"""Per-phase heartbeats and hang stacks (``jagg.loop.heartbeat``): when a heartbeat and the stack dump are due,
+"""Per-phase heartbeats and hang stacks (``jagg.ops.heartbeat``): when a heartbeat and the stack dump are due,
 the reporting thread, and the phases the trainer names in one iteration."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from jagg.loop.heartbeat import PhaseWatch
+from jagg.ops.heartbeat import PhaseWatch
 
 
 def test_heartbeat_and_dump_are_due_per_phase(tmp_path, caplog):

@@ -187,10 +187,10 @@ def test_offline_fails_fast(monkeypatch, tmp_path):
 def test_dry_run_plan_counts_hpsv3_and_imagereward():
     """The memory plan holds both reward models resident on every rank, in their configured dtype (HPSv3 in bf16
     here, ImageReward in the default fp32), counted from their architectures on the meta device."""
+    from jagg.capacity.memory_model import memory_plan
+    from jagg.capacity.pass_plan import trained_steps_per_sample
     from jagg.config import load_config
     from jagg.engine.routing import trajectory_cost
-    from jagg.loop.memory_model import memory_plan
-    from jagg.loop.pass_plan import trained_steps_per_sample
     from jagg.scale.architectures import AUX_MODELS, aux_params
 
     cfg = load_config(

@@ -1,4 +1,4 @@
-"""The node preflight (``jagg.loop.node``): the report of torch's CUDA build, the driver, NCCL and the GPUs, the
+"""The node preflight (``jagg.ops.node``): the report of torch's CUDA build, the driver, NCCL and the GPUs, the
 driver / build mismatch (mocked: this machine has no driver), the CUDA run's environment defaults, and
 rank-tagged log lines."""
 
@@ -10,8 +10,8 @@ import os
 import pytest
 
 from jagg.config import TINY_RUN, load_config
-from jagg.loop import node
-from jagg.loop.node import NodeFacts, check_node, cuda_run_env, install_hint, node_report, parse_driver_file
+from jagg.ops import node
+from jagg.ops.node import NodeFacts, check_node, cuda_run_env, install_hint, node_report, parse_driver_file
 from jagg.train import configure_logging, main
 
 PAPER = "configs/paper/flux_dancegrpo.yaml"

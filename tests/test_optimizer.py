@@ -46,7 +46,7 @@ def test_failing_fused_kernel_is_a_config_error(tiny_cfg, monkeypatch):
     """torch checks devices and dtypes only at the first step: ``check_fused`` takes one, and a kernel that
     fails there (mocked) becomes a ConfigError naming the key."""
     from jagg.errors import ConfigError
-    from jagg.loop.optimizer import check_fused
+    from jagg.scale.optimizer import check_fused
 
     check_fused(tiny_cfg("optim.fused=true"), torch.device("cpu"))  # supported here: no error
 

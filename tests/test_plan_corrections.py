@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jagg.config import load_config
-from jagg.engine.routing import trajectory_cost
-from jagg.loop.dry_run import build_plan
-from jagg.loop.memory_model import (
+from jagg.capacity.dry_run import build_plan
+from jagg.capacity.memory_model import (
     ACT_BYTES_PER_TOKEN_HIDDEN,
     GIB,
     HOST_BASELINE,
@@ -18,7 +16,9 @@ from jagg.loop.memory_model import (
     memory_plan,
     meta_transformer,
 )
-from jagg.loop.pass_plan import trained_steps_per_sample
+from jagg.capacity.pass_plan import trained_steps_per_sample
+from jagg.config import load_config
+from jagg.engine.routing import trajectory_cost
 from jagg.scale.architectures import aux_params
 
 QWEN_DANCE = "configs/paper/qwenimage_dancegrpo.yaml"
@@ -144,7 +144,7 @@ def test_fused_adamw_has_no_step_temporaries():
 def test_context_and_allocator_are_their_own_terms(monkeypatch):
     """CUDA context + NCCL (assumed 1.5 GiB) and the allocator's fragmentation (2% of the allocated peak with
     expandable_segments, the CUDA runs' default; 10% with the user's own setting without it)."""
-    from jagg.loop.memory_model import ALLOCATOR_SLACK, CUDA_CONTEXT
+    from jagg.capacity.memory_model import ALLOCATOR_SLACK, CUDA_CONTEXT
 
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(key, raising=False)

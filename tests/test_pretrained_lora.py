@@ -238,8 +238,8 @@ def test_export_from_a_gathered_state(tmp_path):
 def test_paper_lora_adapter_size(config, adapter, targets):
     """r64 on the real FLUX.1-dev / Qwen-Image architectures (meta device): attention + FF, as Flow-GRPO
     (attention only would be 104.6M / 188.7M)."""
+    from jagg.capacity.memory_model import meta_transformer
     from jagg.config import load_config
-    from jagg.loop.memory_model import meta_transformer
 
     cfg = load_config(f"configs/paper/{config}.yaml")
     assert cfg.model.lora_rank == 64 and not cfg.model.lora_targets  # the backbone default

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from jagg.config import load_config
-from jagg.loop.checkpoint import read_checkpoint
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
 from jagg.models import build_tiny_backbone
+from jagg.ops.checkpoint import read_checkpoint
 from jagg.rewards import REWARDS
 from jagg.scale import tiny_pipeline
 from jagg.scale.pipelines import CachedTextEncoder, VaeDecoder

@@ -12,7 +12,7 @@ import torch
 
 from jagg.config import TINY_OVERRIDES, load_config
 from jagg.errors import ConfigError
-from jagg.loop.rundir import REPO_ROOT as ROOT
+from jagg.ops.rundir import REPO_ROOT as ROOT
 from jagg.train import main
 
 TINY = [*TINY_OVERRIDES, "train.iterations=1", "train.prompts_per_iter=1", "train.images_per_prompt=2"]
@@ -64,7 +64,7 @@ def _tiny_trainer(tmp_path, *overrides):
 
 
 def _count_saves(monkeypatch) -> list[int]:
-    import jagg.loop.checkpoint as checkpoint_module
+    import jagg.ops.checkpoint as checkpoint_module
 
     saved: list[int] = []
     real = checkpoint_module.start_checkpoint
@@ -214,9 +214,9 @@ def _rotary_dtypes(backbone) -> list[torch.dtype]:
 
 @pytest.mark.parametrize(("name", "rotary"), [("flux", torch.float32), ("qwenimage", torch.complex64)])
 def test_rotary_inputs_stay_fp32_under_bf16_fsdp2(one_rank_group, name, rotary):
-    from jagg.loop.placement import mixed_precision
     from jagg.models import build_tiny_backbone
     from jagg.scale.distributed import shard_backbone
+    from jagg.scale.placement import mixed_precision
 
     unsharded = _rotary_dtypes(build_tiny_backbone(name, seed=1))  # world size 1: no FSDP2
     sharded = _rotary_dtypes(
@@ -331,7 +331,7 @@ def _tree(root) -> dict[str, str]:
 
 def _marked(path):
     """A directory that carries this project's run marker (what --overwrite otherwise accepts)."""
-    from jagg.loop.rundir import write_marker
+    from jagg.ops.rundir import write_marker
 
     path.mkdir(parents=True, exist_ok=True)
     write_marker(path)
@@ -394,7 +394,7 @@ def test_overwrite_replaces_a_run_directory(tmp_path):
 
 
 HOLD = (  # a process that holds a run directory's lock until killed, as a live training does
-    "import sys, time\nfrom jagg.loop.rundir import RunDirLock\n"
+    "import sys, time\nfrom jagg.ops.rundir import RunDirLock\n"
     "RunDirLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n"
 )
 
@@ -463,7 +463,7 @@ def two_rank_lock(rank: int, out_dir: str) -> None:
     from dist_harness import save_rank_result
     from jagg.distributed import DistInfo
     from jagg.errors import ConfigError
-    from jagg.loop.rundir import RunDirLock, hold
+    from jagg.ops.rundir import RunDirLock, hold
 
     out, info, result = Path(out_dir), DistInfo.current(), {}
     try:
@@ -488,7 +488,7 @@ def test_lock_across_ranks(tmp_path):
     import os
 
     from dist_harness import rank_results, run_ranks
-    from jagg.loop.rundir import RunDirLock
+    from jagg.ops.rundir import RunDirLock
 
     busy = RunDirLock(tmp_path / "busy")
     busy.acquire()  # this process is the other training
@@ -568,7 +568,7 @@ def test_unusable_run_dir_is_one_line_before_the_model(tmp_path, monkeypatch, ca
 def _fake_disk(monkeypatch, free: int) -> None:
     import shutil
 
-    import jagg.loop.checkpoint as ckpt
+    import jagg.ops.checkpoint as ckpt
 
     usage = shutil.disk_usage("/")
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage._replace(free=free))
@@ -645,7 +645,7 @@ def test_kill_9_during_an_async_write_resumes_from_the_newest_complete_checkpoin
     import time
 
     from jagg.distributed import DistInfo
-    from jagg.loop.checkpoint import find_checkpoint, read_checkpoint, read_progress, verify_checkpoint
+    from jagg.ops.checkpoint import find_checkpoint, read_checkpoint, read_progress, verify_checkpoint
 
     run, marker = tmp_path / "run", tmp_path / "in_flight"
     every = ["train.iterations=4", "log.checkpoint_every=1"]
@@ -733,7 +733,7 @@ def test_lock_without_flock_checks_the_recorded_pid_and_host(tmp_path, monkeypat
     import subprocess
     import sys
 
-    from jagg.loop import rundir
+    from jagg.ops import rundir
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from jagg.config import TINY_RUN
-from jagg.loop.trackers import scalars
+from jagg.ops.trackers import scalars
 from jagg.train import main
 
 TRACKED = [
@@ -161,7 +161,7 @@ def test_wandb_offline_history_read_back(tmp_path, monkeypatch, mode):
 
 def test_wandb_default_mode(tmp_path, monkeypatch):
     """Offline unless an API key is set up: WANDB_API_KEY, or a netrc entry for the wandb host."""
-    from jagg.loop.trackers import wandb_default_mode
+    from jagg.ops.trackers import wandb_default_mode
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_BASE_URL", raising=False)
@@ -195,7 +195,7 @@ def test_unknown_or_missing_tracker_fails_before_writing(tmp_path, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
 def test_wandb_resumed_run_keeps_its_id(tmp_path, monkeypatch):
     """A second tracker on the same run directory (a resume) writes to the same wandb run id."""
-    from jagg.loop.trackers import Trackers
+    from jagg.ops.trackers import Trackers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -12,8 +12,8 @@ from jagg.common import SeedStream, generator
 from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.routing import Routing, trajectory_cost
 from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES
-from jagg.loop.checkpoint import find_checkpoint, read_checkpoint, trainable_names
 from jagg.loop.trainer import TrainingAborted
+from jagg.ops.checkpoint import find_checkpoint, read_checkpoint, trainable_names
 from jagg.rewards import REWARDS
 
 TIME_KEYS = ("time_", "peak_memory")

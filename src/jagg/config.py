@@ -37,7 +37,7 @@ from jagg.rewards import EVAL_ONLY
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
 BACKBONE_NAMES = ("flux", "qwenimage", "sd3")
-# log.report_to: the experiment trackers of ``jagg.loop.trackers`` (imported there only when named).
+# log.report_to: the experiment trackers of ``jagg.ops.trackers`` (imported there only when named).
 TRACKER_NAMES = ("tensorboard", "wandb")
 # train.seed's largest value: jagg.common.generator seeds with seed * 1_000_003 + offsets, which must stay
 # inside torch's 64-bit seed range (the usual 32-bit seeds leave ample room)
@@ -279,7 +279,7 @@ class OptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0  # 0 = no EMA
-    # fused AdamW (one kernel, no step temporaries) instead of torch's default foreach; jagg.loop.optimizer
+    # fused AdamW (one kernel, no step temporaries) instead of torch's default foreach; jagg.scale.optimizer
     fused: bool = False
 
 
@@ -348,7 +348,7 @@ class LogConfig:
     # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
     # off: the eval reward models (HPSv2.1, PickScore, CLIPScore at paper scale) run at evaluations only
     eval_rewards_on_train: bool = False
-    # jagg.loop.heartbeat: a log line per rank every heartbeat_s a phase lasts (rollout, reward, update,
+    # jagg.ops.heartbeat: a log line per rank every heartbeat_s a phase lasts (rollout, reward, update,
     # checkpoint, ...); every thread's stack to run_dir/hang_rank<r>.txt once one lasts phase_timeout_s; 0 = off
     heartbeat_s: float = 300.0
     phase_timeout_s: float = 1800.0

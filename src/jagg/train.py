@@ -20,7 +20,7 @@ without CUDA, a driver older than torch's CUDA build needs, a resume that contra
 2 and one line naming the key, before the model code is imported and before anything is written. One run writes
 to a run directory at a time: rank 0 locks it (log.run_dir/.lock) before writing, and a second run there exits 2
 naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL
-flight recorder unless they are set (``jagg.loop.node``); the checkpoints' weights are checked with
+flight recorder unless they are set (``jagg.ops.node``); the checkpoints' weights are checked with
 ``python -m jagg.scale.weights_check``.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         _fail("--config is required: a YAML file such as configs/world/flux_dancegrpo.yaml (see configs/)")
     from jagg.config import load_config  # the engine's names (torch), not the model code
     from jagg.errors import ConfigError
-    from jagg.loop import preflight
-    from jagg.loop.checkpoint import find_checkpoint
-    from jagg.loop.node import prepare_node
+    from jagg.ops import preflight
+    from jagg.ops.checkpoint import find_checkpoint
+    from jagg.ops.node import prepare_node
 
     try:
         cfg = load_config(args.config, overrides)
@@ -156,7 +156,7 @@ def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
     set_threads(1)
     from jagg.distributed import DistInfo, init_distributed
     from jagg.errors import ConfigError
-    from jagg.loop import preflight, rundir
+    from jagg.ops import preflight, rundir
 
     init_distributed(timeout_s=cfg.train.dist_timeout_s)
     info = DistInfo.current()
@@ -218,7 +218,7 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
 
 def _prepare_run_dir(run_dir: Path, start) -> None:
     """Rank 0, holding the lock: empty the directory for --overwrite, remove what a killed save left, mark it."""
-    from jagg.loop import rundir
+    from jagg.ops import rundir
 
     if start.wipe:
         rundir.wipe(run_dir)
@@ -233,7 +233,7 @@ def _write_error(err: OSError, run_dir: Path) -> str:
     """One line for a failed write, with the free space when the disk is full."""
     import errno
 
-    from jagg.loop.checkpoint import format_bytes
+    from jagg.ops.checkpoint import format_bytes
 
     where = err.filename or run_dir
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -322,9 +322,9 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
 
 
 def _dry_run(cfg, world_size: int) -> int:
-    """Validate against ``world_size`` and print the plan (``jagg.loop.dry_run``); no weights read, nothing written."""
+    """Validate against ``world_size`` and print the plan (``jagg.capacity.dry_run``); no weights read, nothing written."""
+    from jagg.capacity.dry_run import build_plan
     from jagg.config import validate_world_size
-    from jagg.loop.dry_run import build_plan
 
     if world_size < 1:
         _fail(f"--world-size must be >= 1, got {world_size}")

@@ -17,7 +17,7 @@ exported weights once (FLUX.1-dev in bf16: ~22 GiB) and the other ranks hold not
 
 ``export_run``: the same from the checkpoint in ``log.run_dir``, without training
 (``python -m jagg.train --config ... --export OUT``): builds the components, places the backbone like the
-trainer (``jagg.loop.placement``; any world size, DCP reshards), loads only the weights, exports.
+trainer (``jagg.scale.placement``; any world size, DCP reshards), loads only the weights, exports.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from torch import nn
 
 from jagg.config import Config
 from jagg.distributed import DistInfo, full_tensor
-from jagg.loop.checkpoint import find_checkpoint, load_weights, trainable_names
-from jagg.loop.placement import DTYPES, place_backbone
 from jagg.models import BACKBONES, Backbone
+from jagg.ops.checkpoint import find_checkpoint, load_weights, trainable_names
 from jagg.scale.lora import export_lora
+from jagg.scale.placement import DTYPES, place_backbone
 
 
 def _gather(tensors: dict[str, torch.Tensor], dist: DistInfo, dtype: torch.dtype | None) -> dict:

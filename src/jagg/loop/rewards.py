@@ -16,7 +16,7 @@ import jagg.scale.imagereward  # noqa: F401  (registers imagereward)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
 from jagg.config import Config
-from jagg.loop import preflight
+from jagg.ops import preflight
 from jagg.rewards import REWARDS, Reward, WeightedRewards, build_reward
 
 REWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,7 +25,7 @@ REWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 def check_reward_names(cfg: Config) -> None:
     """``ConfigError`` naming the key when ``reward.weights`` or ``reward.eval`` names a reward missing from the
     filled registry (also one registered after import), or a ``reward.kwargs.<name>.dtype`` is not a dtype name
-    (``jagg.loop.preflight.check_reward_names`` against the registry)."""
+    (``jagg.ops.preflight.check_reward_names`` against the registry)."""
     preflight.check_reward_names(cfg, known=REWARDS)
 
 

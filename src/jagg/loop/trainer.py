@@ -57,17 +57,17 @@ from jagg.loop.calibration import (
     restore,
     window_losses,
 )
-from jagg.loop.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.fidelity import FidelityRecord
-from jagg.loop.grids import save_grid
-from jagg.loop.heartbeat import PhaseWatch
-from jagg.loop.optimizer import build_optimizer
-from jagg.loop.placement import DTYPES, place_backbone
 from jagg.loop.rewards import build_run_rewards, score_samples
 from jagg.loop.rollout import Rollout, sample_micro_batches
-from jagg.loop.trackers import Trackers
 from jagg.models import Backbone, Components, TextCond
+from jagg.ops.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
+from jagg.ops.grids import save_grid
+from jagg.ops.heartbeat import PhaseWatch
+from jagg.ops.trackers import Trackers
+from jagg.scale.optimizer import build_optimizer
+from jagg.scale.placement import DTYPES, place_backbone
 
 
 class TrainingAborted(RuntimeError):
@@ -84,7 +84,7 @@ class Trainer:
         self.device = torch.device("cuda" if auto_cuda else train.device)
         self.dtype = DTYPES[train.precision]
         # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, and
-        # under FSDP2 the shards of rank 0's weights (jagg.loop.placement)
+        # under FSDP2 the shards of rank 0's weights (jagg.scale.placement)
         self.backbone, self.reference = place_backbone(
             cfg,
             comp.backbone,
@@ -137,7 +137,7 @@ class Trainer:
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
         names = cfg.log.report_to if self.dist.is_main else []  # log.report_to: fed where metrics.jsonl is
         self.trackers = Trackers(names, self.run_dir, cfg.to_dict())
-        # per-phase heartbeats / hang stacks of this rank while fit runs (jagg.loop.heartbeat)
+        # per-phase heartbeats / hang stacks of this rank while fit runs (jagg.ops.heartbeat)
         self.watch = PhaseWatch(self.dist.rank, cfg.log.heartbeat_s, cfg.log.phase_timeout_s, self.run_dir)
 
     # ------------------------------------------------------------------ model calls
@@ -451,7 +451,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpoint_path(self) -> Path:
-        """The run's checkpoint directory (``jagg.loop.checkpoint``: sharded, DCP)."""
+        """The run's checkpoint directory (``jagg.ops.checkpoint``: sharded, DCP)."""
         return checkpoint_dir(self.run_dir)
 
     def save_checkpoint(self) -> None:

@@ -242,7 +242,7 @@ def build_pretrained_components(cfg: Config) -> Components:
     Weights load in bf16 when ``train.precision=bf16`` (else fp32); text encoders and VAE go to the training
     device, the transformer stays on CPU for the trainer to place (and shard). Under several processes only
     rank 0 reads the transformer's weights; the other ranks build it on the meta device and receive their
-    shards from rank 0 when the trainer shards it (``jagg.loop.placement``). With
+    shards from rank 0 when the trainer shards it (``jagg.scale.placement``). With
     ``data.precompute_embeddings`` every train/eval prompt is encoded first (rank-strided into
     ``data.embedding_cache`` when set) and the text encoders are freed.
     """

@@ -14,7 +14,7 @@ match, and the environment a CUDA run sets before CUDA initialises.
                 and the NCCL flight recorder (``TORCH_FR_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
                 ``TORCH_FR_DUMP_TEMP_FILE``: on a collective timeout every rank dumps its last collectives to
                 ``log.run_dir/nccl_trace_rank_<r>``), read when the process group starts.
-    optimizer   with ``optim.fused``, one fused AdamW step on the run's device (``jagg.loop.optimizer.check_fused``)
+    optimizer   with ``optim.fused``, one fused AdamW step on the run's device (``jagg.scale.optimizer.check_fused``)
 
 The driver version comes from ``/proc/driver/nvidia/version`` (Linux) or ``nvidia-smi``, not from CUDA, so it is
 known exactly when CUDA cannot start. Nothing here downloads or installs anything.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from jagg.config import Config
 from jagg.errors import ConfigError
-from jagg.loop.optimizer import check_fused
+from jagg.scale.optimizer import check_fused
 
 log = logging.getLogger("jagg.node")
 

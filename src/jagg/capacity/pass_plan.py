@@ -5,6 +5,7 @@ by the engine's cost model (``jagg.engine.routing.trajectory_cost``) without run
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +15,22 @@ from jagg.scale.architectures import CFG_TWO_CALLS, TRUE_CFG
 
 if TYPE_CHECKING:
     from jagg.engine.routing import GroupCost
-    from jagg.loop.dry_run import Plan
+
+
+@dataclass
+class Report:
+    """The dry-run report: its lines, added section by section (``jagg.capacity.dry_run.build_plan``)."""
+
+    lines: list[str] = field(default_factory=list)
+
+    def add(self, key: str, value) -> None:
+        self.lines.append(f"  {key:<34} {value}")
+
+    def section(self, title: str) -> None:
+        self.lines.append(title)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
 
 
 def trained_steps_per_sample(cfg: Config) -> int:
@@ -27,7 +43,7 @@ def trained_steps_per_sample(cfg: Config) -> int:
     return int(alg.trained_steps(kinds, 1, gen).shape[1])
 
 
-def _routing_lines(p: Plan, cfg: Config, T: int, routing) -> None:
+def _routing_lines(p: Report, cfg: Config, T: int, routing) -> None:
     """The update section's header and where the knots sit: each group and its strategy, or the shared knots."""
     from jagg.engine.knots import Knots
     from jagg.engine.routing import nominal_sigmas
@@ -85,7 +101,7 @@ def cfg_work(backbone: str) -> str:
     return "two calls" if backbone in CFG_TWO_CALLS else "one call, twice the rows"
 
 
-def add_pass_plan(p: Plan, cfg: Config, world_size: int) -> GroupCost:
+def add_pass_plan(p: Report, cfg: Config, world_size: int) -> GroupCost:
     """The update section of the plan: trained steps, groups, stored outputs, the cost table; returns the
     configured mode's cost (its graphs alive and all-gathers size the memory plan)."""
     import dataclasses
@@ -208,7 +224,7 @@ def _saving(fraction: float) -> str:
     return f"-{fraction:.0%}" if round(fraction, 2) > 0 else f"{-fraction:+.0%}".replace("+0%", "0%")
 
 
-def add_advice(p: Plan, cfg: Config, T: int, setting, micro_batches: int) -> None:
+def add_advice(p: Report, cfg: Config, T: int, setting, micro_batches: int) -> None:
     """The dry run's advisor: each strategy's predicted update / iteration saving, then the recommendation."""
     saved, line = advice(cfg, T, setting, micro_batches)
     p.section("advisor (cost model: what each strategy saves against exact on this config)")

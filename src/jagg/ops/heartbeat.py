@@ -9,7 +9,7 @@ The trainer names the phase it enters (``rollout``, ``reward``, ``calibrate``, `
     * once a phase has lasted ``log.phase_timeout_s`` seconds, logs a warning and appends the Python stack of
       every thread (``faulthandler``) to ``log.run_dir/hang_rank<r>.txt``, once per phase entry. It does not
       stop the run: the process group's own timeout (``train.dist_timeout_s``) does that, after the NCCL flight
-      recorder has dumped each rank's last collectives (``jagg.loop.node``).
+      recorder has dumped each rank's last collectives (``jagg.ops.node``).
 
 0 switches either off. Phases shorter than ``heartbeat_s`` log nothing.
 """

@@ -51,7 +51,7 @@ def check_fused(cfg: Config, device: torch.device) -> None:
         return
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    from jagg.loop.placement import parameter_dtypes
+    from jagg.scale.placement import parameter_dtypes
 
     supported = _get_fused_kernels_supported_devices()
     if device.type not in supported:

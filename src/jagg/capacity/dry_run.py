@@ -1,18 +1,15 @@
 """``python -m jagg.train --dry-run``: what a config will do, computed without weights or downloads.
 
 The report has four parts: the run (backbone, algorithm, batch, precision, rewards); the pass plan
-(``jagg.loop.pass_plan``: the trained steps per sample, their groups and strategies, forward / backward passes
-and collectives per endpoint mode); the memory plan per rank (``jagg.loop.memory_model``: every term, and per GPU
+(``jagg.capacity.pass_plan``: the trained steps per sample, their groups and strategies, forward / backward passes
+and collectives per endpoint mode); the memory plan per rank (``jagg.capacity.memory_model``: every term, and per GPU
 size, 80 GB and 141 GB, whether the run fits); and the disk. The node itself (torch's CUDA build, the driver,
-NCCL, the GPUs) is reported before it by ``jagg.loop.node``.
+NCCL, the GPUs) is reported before it by ``jagg.ops.node``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from jagg.config import Config
-from jagg.loop.memory_model import (
+from jagg.capacity.memory_model import (
     ALLOCATOR_SLACK,
     CUDA_CONTEXT,
     GIB,
@@ -24,27 +21,14 @@ from jagg.loop.memory_model import (
     memory_plan,
     meta_transformer,
 )
-from jagg.loop.pass_plan import add_pass_plan
+from jagg.capacity.pass_plan import Report, add_pass_plan
+from jagg.config import Config
 from jagg.scale.architectures import VAE_SCALE
 
 
-@dataclass
-class Plan:
-    lines: list[str] = field(default_factory=list)
-
-    def add(self, key: str, value) -> None:
-        self.lines.append(f"  {key:<34} {value}")
-
-    def section(self, title: str) -> None:
-        self.lines.append(title)
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines)
-
-
-def build_plan(cfg: Config, world_size: int = 1) -> Plan:
+def build_plan(cfg: Config, world_size: int = 1) -> Report:
     """The dry-run report for ``cfg`` on ``world_size`` ranks (see the module docstring)."""
-    p = Plan()
+    p = Report()
     add_run_section(p, cfg, world_size)
     ours = add_pass_plan(p, cfg, world_size)
     add_memory_section(
@@ -58,7 +42,7 @@ def build_plan(cfg: Config, world_size: int = 1) -> Plan:
     return p
 
 
-def add_run_section(p: Plan, cfg: Config, world_size: int) -> None:
+def add_run_section(p: Report, cfg: Config, world_size: int) -> None:
     """Backbone, algorithm, image size, schedule, batch, precision, LoRA, rewards."""
     model, sampling, algorithm, train = cfg.model, cfg.sampling, cfg.algorithm, cfg.train
     n_global = train.prompts_per_iter * train.images_per_prompt
@@ -95,9 +79,9 @@ def add_run_section(p: Plan, cfg: Config, world_size: int) -> None:
 
 
 def add_memory_section(
-    p: Plan, cfg: Config, world_size: int, graphs: int, held_grad: bool, all_gathers: int = 0
+    p: Report, cfg: Config, world_size: int, graphs: int, held_grad: bool, all_gathers: int = 0
 ) -> None:
-    """The memory plan per rank (``jagg.loop.memory_model``), the host, the all-gathers, export, then the disk."""
+    """The memory plan per rank (``jagg.capacity.memory_model``), the host, the all-gathers, export, then the disk."""
     model, source = meta_transformer(cfg)
     mp = memory_plan(cfg, world_size, graphs, held_grad, model)
     model_cfg, train, data = cfg.model, cfg.train, cfg.data
@@ -182,7 +166,7 @@ def add_memory_section(
     add_disk_section(p, cfg, model)
 
 
-def add_disk_section(p: Plan, cfg: Config, model) -> None:
+def add_disk_section(p: Report, cfg: Config, model) -> None:
     """One checkpoint, the two while one is written, the embedding cache."""
     disk, data = disk_plan(cfg, model), cfg.data
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731

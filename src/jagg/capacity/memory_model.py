@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from jagg.config import Config
-from jagg.loop.node import expandable_segments
+from jagg.ops.node import expandable_segments
 from jagg.scale.architectures import (
     AUX_MODELS,
     CFG_TWO_CALLS,
@@ -59,7 +59,7 @@ GIB = 2**30
 GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
 # Assumptions, not measured (no GPU here): the CUDA context with lazy module loading, cuBLAS workspaces and NCCL's
 # communicator buffers on an 8-GPU node; and what the caching allocator reserves beyond what is allocated, as a
-# fraction of the allocated peak, with expandable_segments (the default of CUDA runs: jagg.loop.node) or without.
+# fraction of the allocated peak, with expandable_segments (the default of CUDA runs: jagg.ops.node) or without.
 CUDA_CONTEXT = 1.5 * GIB
 ALLOCATOR_SLACK = {True: 0.02, False: 0.10}
 HOST_BASELINE = 4 * GIB  # one rank's Python + torch + CUDA libraries on the host (measured ~0.8 GiB on CPU)
@@ -321,7 +321,7 @@ def embedding_bytes(cfg: Config, model) -> int:
 
 
 def checkpoint_bytes(cfg: Config, n_train: int) -> float:
-    """One checkpoint's tensors (``jagg.loop.checkpoint``): the trained parameters in their master dtype, two
+    """One checkpoint's tensors (``jagg.ops.checkpoint``): the trained parameters in their master dtype, two
     fp32 AdamW moments, the EMA copy (``ignore_frozen_params``: nothing frozen)."""
     master = 8 if cfg.train.precision == "fp64" else 4
     ema = n_train * master if cfg.optim.ema_decay > 0 else 0

@@ -12,7 +12,7 @@ and / or Weights & Biases.
                   the same wandb run (its id is kept in ``<run_dir>/wandb_run_id``). An optional extra:
                   ``pip install 'jagg[trackers]'`` (tested with wandb 0.31.0)
 
-Each tracker library is imported only when named (``jagg.loop.preflight`` checks that it is installed before
+Each tracker library is imported only when named (``jagg.ops.preflight`` checks that it is installed before
 anything is written). Only rank 0 opens trackers; the trainer feeds them where it appends to metrics.jsonl.
 """
 
@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 import numpy as np
 from torch import Tensor
 
-from jagg.loop.grids import grid_array
+from jagg.ops.grids import grid_array
 
 
 def scalars(row: dict, prefix: str = "") -> dict[str, float]:

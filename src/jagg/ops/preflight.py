@@ -26,8 +26,8 @@ from pathlib import Path
 
 from jagg.config import Config
 from jagg.errors import ConfigError
-from jagg.loop.checkpoint import checkpoint_candidates, find_checkpoint, incomplete_message
-from jagg.loop.rundir import MARKER, check_overwrite, entries, is_run_dir
+from jagg.ops.checkpoint import checkpoint_candidates, find_checkpoint, incomplete_message
+from jagg.ops.rundir import MARKER, check_overwrite, entries, is_run_dir
 
 # The rewards ``jagg.loop.rewards`` registers (jpeg, world, real models); tests/test_cli.py checks they agree.
 REWARD_NAMES = (
@@ -109,7 +109,7 @@ def _check_prompt_file(key: str, path: str) -> None:
 
 
 def check_trackers(cfg: Config) -> None:
-    """Every tracker in log.report_to is installed (``jagg.loop.trackers`` imports it only when a run starts)."""
+    """Every tracker in log.report_to is installed (``jagg.ops.trackers`` imports it only when a run starts)."""
     import importlib.util
 
     for name in cfg.log.report_to:
