@@ -45,7 +45,7 @@ import yaml
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
 from jagg.engine.routing import BACKWARD_STRATEGIES
-from jagg.loop.fidelity import paired_divergence
+from jagg.plugins.eval_state import paired_divergence
 from jagg.stats import (
     area_under_curve,
     holm,

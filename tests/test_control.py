@@ -97,7 +97,7 @@ def test_trainer_degrades_the_gradient_right_before_clipping(tiny_cfg, tiny_trai
     cfg = tiny_cfg("train.control_cosine=0.5", "optim.max_grad_norm=1e9")
     trainer = tiny_trainer(cfg=cfg)
     again = random_direction(trainer.params, generator(cfg.train.seed, SeedStream.CONTROL))
-    assert all(torch.equal(x, y) for x, y in zip(trainer.control.fixed, again, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(trainer.plugin("control").control.fixed, again, strict=True))
     gen = torch.Generator().manual_seed(0)
     for p in trainer.params:
         p.grad = torch.randn(p.shape, generator=gen)

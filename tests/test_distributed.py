@@ -254,11 +254,11 @@ def control_worker(rank: int, out_dir: str) -> None:
 
 
 def fidelity_worker(rank: int, out_dir: str) -> None:
-    """log.fidelity_every's comparison (jagg.loop.fidelity.compare_to_exact) on sharded gradients: a JAGG group
+    """log.fidelity_every's comparison (jagg.plugins.fidelity.compare_to_exact) on sharded gradients: a JAGG group
     against exact's shadow through all-reduced sums (no rank gathers a full gradient); one process's
     comparison of the full batch is the reference."""
     from jagg.engine.strategies import group_backward
-    from jagg.loop.fidelity import compare_to_exact
+    from jagg.plugins.fidelity import compare_to_exact
     from jagg.scale.distributed import shard_backbone
 
     rows = list(range(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD))

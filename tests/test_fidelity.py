@@ -1,4 +1,4 @@
-"""Gradient fidelity along training (log.fidelity_every, jagg.loop.fidelity): the update a run applies against
+"""Gradient fidelity along training (log.fidelity_every, jagg.plugins.fidelity): the update a run applies against
 exact's on the same rollout and weights, in float64, checked against independent computations."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from jagg.engine.routing import Routing
 from jagg.engine.strategies import Interpolation
-from jagg.loop.fidelity import block_cosines, block_parts
+from jagg.plugins.fidelity import block_cosines, block_parts
 
 FP64 = ("train.precision=fp64", "optim.max_grad_norm=1e9", "train.grad_accum=2")  # one optimizer step
 
@@ -152,7 +152,7 @@ def test_save_eval_state_writes_images_and_the_evaluated_weights(tiny_trainer):
 def test_paired_divergence_is_zero_for_the_same_run_and_grows_with_a_control(tiny_trainer, tmp_path):
     """Exact twice (deterministic): divergence exactly 0 at every evaluation; NaN at iteration 0 (nothing has
     moved). A cosine-0.5 control from the same seed: strictly positive. Recomputed here from the raw files."""
-    from jagg.loop.fidelity import paired_divergence
+    from jagg.plugins.eval_state import paired_divergence
 
     runs = {}
     for name, extra in (("a", []), ("b", []), ("c", ["train.control_cosine=0.5"])):

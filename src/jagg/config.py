@@ -339,7 +339,7 @@ class LogConfig:
     async_checkpoint: bool | None = _auto(None, "true, false or 'auto'")
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
     report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
-    # jagg.loop.fidelity: every N iterations also compute exact's update on the same rollout and weights (not
+    # jagg.plugins.fidelity: every N iterations also compute exact's update on the same rollout and weights (not
     # applied) and log fidelity_cosine / fidelity_rel_err / fidelity_group_cosines; costs one exact update
     fidelity_every: int = 0
     # write samples/eval_<it>.rank<r>.pt at each evaluation: this rank's held-out images and evaluated weights

@@ -1,26 +1,33 @@
-"""Measured backward settings: what ``Trainer.calibrate`` measures, and how a checkpoint keeps it.
+"""Measured backward settings: one calibrator per routing kind, each with one shape.
 
-``backward.jagg_frac: auto`` (groups) measures the cosine of each group position's gradient to its exact one and
-routes the positions that reach ``backward.min_cosine`` (``calibrate_routing``; with ``backward.group_size: auto``
-also W, by the cost model). ``backward.placement: auto`` (knots) keeps the placement rule whose micro-batch
-gradient is closest to exact (``calibrate_knots``). Both run on one micro-batch and leave ``.grad`` as it was.
-Under MixGRPO (``Algorithm.windows``) the trained steps are one window that slides along the trajectory, and how
-well interpolation does depends on where it is, so ``jagg_frac: auto`` measures per window position instead
-(``window_losses``, ``measure_windows``): a ``WindowRouting`` keyed by the window's first step.
-A checkpoint stores the measured routing (``record``), and a resumed run restores it (``restore``) rather than
-measuring again before its next calibration.
+A calibrator says when it is due (``due``: before the first update, then every ``backward.calibrate_every``
+iterations), measures a setting on one micro-batch of the iteration's rollout (``measure``, from a ``Probe``:
+velocity, loss, parameters; ``.grad`` is left as it was) and keeps what it measured for checkpoints
+(``state_dict`` / ``load_state_dict``), so a resumed run restores it instead of measuring again early.
+
+    GroupsCalibrator   ``backward.jagg_frac: auto``: the cosine of each group position's gradient to its exact one
+                       routes the positions that reach ``backward.min_cosine`` (with ``group_size: auto`` also W,
+                       by the cost model; ``calibrate_routing``)
+    WindowsCalibrator  the same under MixGRPO, whose trained steps are one window sliding along the trajectory:
+                       how well interpolation does depends on where it is, so each window position the coming
+                       iterations train is measured (``window_losses``, ``calibrate_windows``)
+    KnotsCalibrator    ``backward.placement: auto``: the placement rule whose gradient is closest to exact
+                       (``calibrate_knots``)
+
+``calibrator_for`` picks the one a run needs: the only place that tells the routing kinds apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from jagg.config import BackwardConfig
 from jagg.engine.algorithms import Algorithm
-from jagg.engine.grpo import TrainedSteps
+from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import Knots
 from jagg.engine.routing import (
     BackwardSetting,
@@ -34,46 +41,145 @@ from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.strategies import StepLoss, Velocity
 
 
-def measure_setting(
-    backward: BackwardConfig,
-    velocity: Velocity,
-    loss,
-    params: Sequence[torch.nn.Parameter],
-    *,
-    micro_batches: int,
-    grad_accum: int,
-) -> tuple[BackwardSetting, dict]:
-    """The measured setting of ``backward`` on one micro-batch's ``loss`` (a ``GRPOStepLoss``) and its metrics."""
-    if backward.strategy == "knots":
-        measured = calibrate_knots(
-            velocity, loss.x, loss.sigma, loss, params, count=backward.knots, endpoints=backward.endpoints
+@dataclass(frozen=True)
+class Probe:
+    """What a calibration measures from: the first micro-batch of the rollout of ``iteration``.
+
+    ``loss`` is its unscaled GRPO loss over its trained steps; ``window_losses(windows)`` the loss of a rollout
+    of each window on the same samples (``window_losses``); ``micro_batches`` and ``grad_accum`` describe the
+    update whose cost decides W under ``group_size: auto``."""
+
+    iteration: int
+    velocity: Velocity
+    loss: GRPOStepLoss
+    params: Sequence[torch.nn.Parameter]
+    micro_batches: int
+    grad_accum: int
+    window_losses: Callable[[list[range]], dict[int, StepLoss]]
+
+
+class Calibrator:
+    """One routing kind's measurement (module docstring); ``setting`` is the last one measured or restored."""
+
+    def __init__(self, backward: BackwardConfig) -> None:
+        self.config = backward
+        self.setting: BackwardSetting | None = None
+
+    def due(self, it: int) -> bool:
+        return self.setting is None or it % self.config.calibrate_every == 0
+
+    def measure(self, probe: Probe) -> dict:
+        """Measure on ``probe``, keep the result as ``setting``; returns the measurement's metrics."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+class GroupsCalibrator(Calibrator):
+    def measure(self, probe: Probe) -> dict:
+        backward, loss = self.config, probe.loss
+        calibration = calibrate_routing(
+            probe.velocity,
+            loss.x,
+            loss.sigma,
+            loss,
+            probe.params,
+            setting=backward.planned_setting(),
+            group_sizes=backward.candidate_group_sizes,
+            min_cosine=backward.min_cosine,
+            micro_batches=probe.micro_batches,
+            grad_accum=probe.grad_accum,
         )
-        return backward.setting(measured.routing), measured.as_metrics()
-    calibration = calibrate_routing(
-        velocity,
-        loss.x,
-        loss.sigma,
-        loss,
-        params,
-        setting=backward.planned_setting(),
-        group_sizes=backward.candidate_group_sizes,
-        min_cosine=backward.min_cosine,
-        micro_batches=micro_batches,
-        grad_accum=grad_accum,
-    )
-    metrics = calibration.as_metrics(per_group_size=backward.group_size is None)
-    return backward.setting(calibration.routing), metrics
+        self.setting = backward.setting(calibration.routing)
+        return calibration.as_metrics(per_group_size=backward.group_size is None)
+
+    def state_dict(self) -> dict:
+        routing = None if self.setting is None else self.setting.routing
+        measured = None if routing is None or routing.measured is None else list(routing.measured)
+        return {"routing": measured, "group_size": None if routing is None else routing.group_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("routing") is None:
+            return
+        routing = Routing(
+            strategy=self.config.strategy, group_size=state["group_size"], measured=tuple(state["routing"])
+        )
+        self.setting = self.config.setting(routing)
 
 
-def calibration_windows(
-    backward: BackwardConfig, algorithm: Algorithm, num_steps: int, iteration: int
-) -> list[range] | None:
-    """The windows a calibration at ``iteration`` measures: those the algorithm trains until the next calibration
-    (``calibrate_every`` iterations on; positions further on would be measured on weights they are not used
-    with), or None where routing is not per window (not MixGRPO, or knots: their placement is measured)."""
-    if backward.strategy == "knots":
+class WindowsCalibrator(Calibrator):
+    def __init__(self, backward: BackwardConfig, algorithm: Algorithm, num_steps: int) -> None:
+        super().__init__(backward)
+        self.algorithm, self.num_steps = algorithm, num_steps
+
+    def measure(self, probe: Probe) -> dict:
+        """The windows trained until the next calibration (positions further on would be measured on weights
+        they are not used with), each on a rollout of its own (``window_losses``)."""
+        backward, it = self.config, probe.iteration
+        windows = self.algorithm.windows(self.num_steps, range(it, it + backward.calibrate_every))
+        calibration = calibrate_windows(
+            probe.velocity,
+            probe.window_losses(windows),
+            probe.params,
+            strategy=backward.strategy,
+            group_size=backward.group_size,
+            min_cosine=backward.min_cosine,
+            endpoints=backward.endpoints,
+        )
+        self.setting = backward.setting(calibration.routing)
+        return calibration.as_metrics()
+
+    def state_dict(self) -> dict:
+        routing = None if self.setting is None else self.setting.routing
+        if routing is None:
+            return {"group_size": None, "windows": None}
+        return {"group_size": routing.group_size, "windows": [list(p) for p in routing.routed]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("windows") is None:
+            return
+        routed = tuple((int(start), bool(r)) for start, r in state["windows"])
+        routing = WindowRouting(strategy=self.config.strategy, group_size=state["group_size"], routed=routed)
+        self.setting = self.config.setting(routing)
+
+
+class KnotsCalibrator(Calibrator):
+    def measure(self, probe: Probe) -> dict:
+        backward, loss = self.config, probe.loss
+        measured = calibrate_knots(
+            probe.velocity,
+            loss.x,
+            loss.sigma,
+            loss,
+            probe.params,
+            count=backward.knots,
+            endpoints=backward.endpoints,
+        )
+        self.setting = backward.setting(measured.routing)
+        return measured.as_metrics()
+
+    def state_dict(self) -> dict:
+        return {"placement": None if self.setting is None else self.setting.routing.placement}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("placement") is not None:
+            self.setting = self.config.setting(Knots(count=self.config.knots, placement=state["placement"]))
+
+
+def calibrator_for(backward: BackwardConfig, algorithm: Algorithm, num_steps: int) -> Calibrator | None:
+    """The calibrator of a run with this backward config and algorithm over ``num_steps`` steps, or None where
+    nothing is measured (the setting is fixed by the config)."""
+    if not backward.calibrated:
         return None
-    return algorithm.windows(num_steps, range(iteration, iteration + backward.calibrate_every))
+    if backward.strategy == "knots":
+        return KnotsCalibrator(backward)
+    if algorithm.windows(num_steps, range(0)) is not None:  # trained steps are one sliding window (MixGRPO)
+        return WindowsCalibrator(backward, algorithm, num_steps)
+    return GroupsCalibrator(backward)
 
 
 @torch.no_grad()
@@ -130,56 +236,3 @@ def _ode_states(velocity: Velocity, traj: Trajectory, rows: slice, sigmas: Tenso
         return stored
     more = sample_trajectory(velocity, stored[-1], sigmas[first : last + 1], ["ode"] * (last - first))
     return torch.cat([stored, more.latents[1:]])
-
-
-def measure_windows(
-    backward: BackwardConfig,
-    velocity: Velocity,
-    losses: dict[int, StepLoss],
-    params: Sequence[torch.nn.Parameter],
-) -> tuple[BackwardSetting, dict]:
-    """The setting routed per window position (``calibrate_windows`` on ``window_losses``) and its metrics."""
-    calibration = calibrate_windows(
-        velocity,
-        losses,
-        params,
-        strategy=backward.strategy,
-        group_size=backward.group_size,
-        min_cosine=backward.min_cosine,
-        endpoints=backward.endpoints,
-    )
-    return backward.setting(calibration.routing), calibration.as_metrics()
-
-
-def record(setting: BackwardSetting | None) -> dict:
-    """The measured part of ``setting`` as a checkpoint keeps it (``Progress`` fields; None where unmeasured)."""
-    routing = None if setting is None else setting.routing
-    kept = {"routing": None, "group_size": None, "placement": None, "windows": None}
-    if isinstance(routing, Knots):
-        return kept | {"placement": routing.placement}
-    if isinstance(routing, WindowRouting):
-        return kept | {"group_size": routing.group_size, "windows": [list(p) for p in routing.routed]}
-    measured = None if routing is None or routing.measured is None else list(routing.measured)
-    return kept | {"routing": measured, "group_size": None if routing is None else routing.group_size}
-
-
-def restore(backward: BackwardConfig, progress) -> BackwardSetting | None:
-    """The measured setting a checkpoint's ``progress`` recorded, or None (not calibrated, or not yet measured)."""
-    if not backward.calibrated:
-        return None
-    if backward.strategy == "knots":
-        placement = progress.placement
-        return (
-            None if placement is None else backward.setting(Knots(count=backward.knots, placement=placement))
-        )
-    if progress.windows is not None:
-        routed = tuple((int(start), bool(r)) for start, r in progress.windows)
-        return backward.setting(
-            WindowRouting(strategy=backward.strategy, group_size=progress.group_size, routed=routed)
-        )
-    if progress.routing is None:
-        return None
-    routing = Routing(
-        strategy=backward.strategy, group_size=progress.group_size, measured=tuple(progress.routing)
-    )
-    return backward.setting(routing)

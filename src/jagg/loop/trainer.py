@@ -37,11 +37,9 @@ from jagg.common import SeedStream, atomic_write_text, generator, peak_memory_mb
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.control import PositiveControl
 from jagg.engine.grpo import (
     GRPOStepLoss,
     RecordingLoss,
-    StepStats,
     TrainedSteps,
     group_advantages,
     per_reward_advantages,
@@ -49,16 +47,8 @@ from jagg.engine.grpo import (
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
-from jagg.loop.calibration import (
-    calibration_windows,
-    measure_setting,
-    measure_windows,
-    record,
-    restore,
-    window_losses,
-)
+from jagg.loop.calibration import Probe, calibrator_for, window_losses
 from jagg.loop.evaluate import evaluate, swapped_in
-from jagg.loop.fidelity import FidelityRecord
 from jagg.loop.rewards import build_run_rewards, score_samples
 from jagg.loop.rollout import Rollout, sample_micro_batches
 from jagg.models import Backbone, Components, TextCond
@@ -66,6 +56,8 @@ from jagg.ops.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resu
 from jagg.ops.grids import save_grid
 from jagg.ops.heartbeat import PhaseWatch
 from jagg.ops.trackers import Trackers
+from jagg.plugins import build_plugins
+from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
 from jagg.scale.optimizer import build_optimizer
 from jagg.scale.placement import DTYPES, place_backbone
 
@@ -96,17 +88,6 @@ class Trainer:
         optim = cfg.optim
         self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
         self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
-        # train.control_cosine (positive control): its directions are functions of the seed (resume-safe)
-        self.control = (
-            None
-            if train.control_cosine is None
-            else PositiveControl(
-                self.params,
-                train.control_cosine,
-                train.control_direction,
-                lambda i: generator(train.seed, SeedStream.CONTROL, i),
-            )
-        )
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
         sampling = cfg.sampling
         self.sigmas = (
@@ -132,9 +113,12 @@ class Trainer:
             keep=cfg.log.keep_checkpoints,
             asynchronous=cfg.log.writes_async(self.device.type),
         )
-        # How the update runs its backward: fixed by the config, or (backward.jagg_frac=auto) None until
-        # ``calibrate`` has measured the routing.
+        # How the update runs its backward: fixed by the config, or measured by the run's calibrator (None until
+        # its first measurement; jagg.loop.calibration)
         self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
+        self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1)
+        # instruments and controls, each acting at its touch points of the update (jagg.plugins)
+        self.plugins = build_plugins(cfg, RunView(self.params, train.seed, self.run_dir, self.dist))
         names = cfg.log.report_to if self.dist.is_main else []  # log.report_to: fed where metrics.jsonl is
         self.trackers = Trackers(names, self.run_dir, cfg.to_dict())
         # per-phase heartbeats / hang stacks of this rank while fit runs (jagg.ops.heartbeat)
@@ -251,40 +235,39 @@ class Trainer:
     def update(self, ro: Rollout) -> dict:
         """Backward over every micro-batch as ``self.backward`` says; optimizer step every grad_accum.
 
-        Stored outputs (``backward.reuse_rollout``) are read only while the weights are the rollout's (no
-        optimizer step since it was sampled: ``Rollout.weights_version``): they are then exactly what a forward
-        would recompute. ``onpolicy_ratio_max_dev`` is the largest |ratio - 1| before the first optimizer step:
-        exactly 0 on the rollout's weights.
+        The plug-ins (``self.plugins``) act at the touch points (``jagg.plugins.base``): when the update begins,
+        before each optimizer step, and with their metrics at the end. Stored outputs are read only while the
+        weights are the rollout's (``_update_inputs``).
         """
         train = self.cfg.train
-        batches = self._micro_batches(ro)
-        step_stats: list[StepStats] = []
-        total: GroupStats | None = None
-        onpolicy_dev, grad_norms, skipped, stepped = 0.0, [], 0, 0
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.control is not None:
-            self.control.start_iteration(self.iteration)
         backward = self.backward.at_window(int(ro.trained[0, 0]))  # routed per window position (MixGRPO)
-        fidelity = self._fidelity_record(ro, batches[0], backward)
-        pending: list[slice] = []  # the micro-batches of the coming optimizer step
-        for k, idx in enumerate(batches):
-            loss, outputs = self._update_inputs(ro, idx)
-            stats = backward.backward(self.velocity(ro.cond.select(idx)), loss, outputs)
+        view = self._view(ro, backward)
+        self.optimizer.zero_grad(set_to_none=True)
+        for plugin in self.plugins:
+            plugin.begin_update(view)
+        total: GroupStats | None = None
+        done: list[MicroBatch] = []
+        pending: list[MicroBatch] = []  # the micro-batches of the coming optimizer step
+        norms, stepped = [], []
+        for k, rows in enumerate(view.micro_batches):
+            loss, outputs = view.inputs(rows)
+            stats = backward.backward(view.velocity(rows), loss, outputs)
             total = stats if total is None else total.merge(stats)
-            step_stats += loss.stats
-            pending.append(idx)
-            if stepped == 0:
-                onpolicy_dev = max(onpolicy_dev, max(st.ppo.ratio_max_dev for st in step_stats))
-            if (k + 1) % train.grad_accum == 0 or k == len(batches) - 1:
-                exact = functools.partial(self._exact_update, ro, pending)
-                compare = (
-                    None if fidelity is None else functools.partial(fidelity.measure_step, self.params, exact)
-                )
-                norm, ok = self._optimizer_step(compare)
-                grad_norms.append(norm)
-                skipped += int(not ok)
-                stepped += 1
-                pending = []
+            pending.append(MicroBatch(rows, loss.stats))
+            if (k + 1) % train.grad_accum == 0 or k == len(view.micro_batches) - 1:
+                norm, ok = self._optimizer_step(view, pending)
+                norms.append(norm)
+                stepped.append(ok)
+                done, pending = done + pending, []
+        row = self._update_row([st for batch in done for st in batch.stats], norms, stepped)
+        passes = total.backward_passes / len(ro.prompts) * train.train_batch_size
+        row |= total.as_metrics() | {"backward_passes_per_sample": passes}
+        for plugin in self.plugins:
+            row |= plugin.metrics()
+        return row
+
+    def _update_row(self, step_stats: list, norms: list[float], stepped: list[bool]) -> dict:
+        """The update's loss, PPO statistics (means over every trained step, over every rank) and steps."""
         means = self.dist.reduce_scalars(
             {
                 "loss": float(np.mean([st.loss for st in step_stats])),
@@ -292,19 +275,27 @@ class Trainer:
                 "approx_kl": float(np.mean([st.ppo.approx_kl for st in step_stats])),
             }
         )
-        finite = any(map(math.isfinite, grad_norms))
+        finite = any(map(math.isfinite, norms))
         return {
             "loss": means["loss"],
-            "grad_norm": float(np.nanmean(grad_norms)) if finite else float("nan"),
+            "grad_norm": float(np.nanmean(norms)) if finite else float("nan"),
             "clip_frac": means["clip_frac"],
             "approx_kl": means["approx_kl"],
-            "onpolicy_ratio_max_dev": self.dist.reduce_scalars({"d": onpolicy_dev}, "max")["d"],
-            "optimizer_steps": stepped,
-            "skipped_steps": skipped,
-            **total.as_metrics(),
-            "backward_passes_per_sample": total.backward_passes / len(ro.prompts) * train.train_batch_size,
-            **({} if fidelity is None else fidelity.row()),
+            "optimizer_steps": len(stepped),
+            "skipped_steps": stepped.count(False),
         }
+
+    def _view(self, ro: Rollout, setting: BackwardSetting) -> UpdateView:
+        """What the plug-ins see of the update of ``ro`` under ``setting`` (``jagg.plugins.base.UpdateView``)."""
+        return UpdateView(
+            iteration=self.iteration,
+            params=self.params,
+            setting=setting,
+            micro_batches=self._micro_batches(ro),
+            inputs=functools.partial(self._update_inputs, ro),
+            velocity=lambda rows: self.velocity(ro.cond.select(rows)),
+            dist=self.dist,
+        )
 
     def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[RecordingLoss, Tensor | None]:
         """The micro-batch's GRPO loss over its T trained steps (scaled 1 / (grad_accum * T)) and its stored
@@ -314,30 +305,13 @@ class Trainer:
         on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
         return loss.recording(), steps.outputs.to(self.device) if on_rollout_weights else None
 
-    def _fidelity_record(self, ro: Rollout, idx: slice, backward: BackwardSetting) -> FidelityRecord | None:
-        """At a ``log.fidelity_every`` iteration: a record with the block cosines of micro-batch ``idx``
-        measured (its optimizer steps are measured as they come); else None."""
-        every = self.cfg.log.fidelity_every
-        if not every or self.iteration % every:
-            return None
-        fidelity = FidelityRecord()
-        loss, outputs = self._update_inputs(ro, idx)
-        fidelity.measure_blocks(backward, self.velocity(ro.cond.select(idx)), loss.loss, self.params, outputs)
-        return fidelity
-
-    def _exact_update(self, ro: Rollout, batches: list[slice]) -> None:
-        """Exact's backward of ``batches`` at the current weights, added to ``.grad`` (the fidelity's shadow)."""
-        for idx in batches:
-            loss, _ = self._update_inputs(ro, idx)
-            self.backward.exact.backward(self.velocity(ro.cond.select(idx)), loss.loss)
-
-    def _optimizer_step(self, compare: Callable[[], None] | None = None) -> tuple[float, bool]:
-        """Degrade (positive control), measure (``compare``, at a fidelity iteration), clip, then step unless
-        the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
-        if self.control is not None:
-            self.control.apply()
-        if compare is not None:
-            compare()
+    def _optimizer_step(
+        self, view: UpdateView | None = None, pending: list[MicroBatch] = ()
+    ) -> tuple[float, bool]:
+        """The plug-ins' touch point before the step (a control degrades the gradient, then fidelity measures
+        it), clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
+        for plugin in self.plugins:
+            plugin.before_step(view, pending)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
         norm = float(full_tensor(norm))  # global norm (a DTensor under FSDP2): same on every rank
         if not math.isfinite(norm):
@@ -354,6 +328,10 @@ class Trainer:
                 for e, p in zip(self.ema, self.params):
                     e.mul_(decay).add_(p.detach(), alpha=1 - decay)
         return norm, True
+
+    def plugin(self, name: str) -> Plugin | None:
+        """The run's plug-in called ``name`` (``jagg.plugins.PLUGINS``), or None where the config leaves it off."""
+        return next((p for p in self.plugins if p.name == name), None)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, it: int) -> tuple[dict, Tensor, dict]:
@@ -380,26 +358,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def calibrate(self, ro: Rollout, it: int = 0) -> dict:
-        """Measure the backward on the rollout ``ro`` of iteration ``it``, first micro-batch, and use it
-        (``jagg.loop.calibration``: the routing of groups under ``backward.jagg_frac=auto``, per window position
-        under MixGRPO, the knots' placement under ``backward.placement=auto``); gradients are left as they were.
+        """Measure the backward on the first micro-batch of the rollout ``ro`` of iteration ``it`` with the run's
+        calibrator and use it from now on (``jagg.loop.calibration``); gradients are left as they were.
         Returns the measurement's metrics and its seconds."""
         t0 = time.perf_counter()
-        backward, idx = self.cfg.backward, slice(0, self.cfg.train.train_batch_size)
-        velocity = self.velocity(ro.cond.select(idx))
-        windows = calibration_windows(backward, self.algorithm, len(self.sigmas) - 1, it)
-        if windows is None:
-            self.backward, metrics = measure_setting(
-                backward,
-                velocity,
-                self.grpo_loss(ro, idx=idx, scale=1.0),
-                self.params,
-                micro_batches=len(self._micro_batches(ro)),
-                grad_accum=self.cfg.train.grad_accum,
-            )
-        else:
-            losses = self._window_losses(velocity, ro, idx, windows, it)
-            self.backward, metrics = measure_windows(backward, velocity, losses, self.params)
+        rows = slice(0, self.cfg.train.train_batch_size)
+        velocity = self.velocity(ro.cond.select(rows))
+        probe = Probe(
+            iteration=it,
+            velocity=velocity,
+            loss=self.grpo_loss(ro, idx=rows, scale=1.0),
+            params=self.params,
+            micro_batches=len(self._micro_batches(ro)),
+            grad_accum=self.cfg.train.grad_accum,
+            window_losses=lambda windows: self._window_losses(velocity, ro, rows, windows, it),
+        )
+        metrics = self.calibrator.measure(probe)
+        self.backward = self.calibrator.setting
         return metrics | {"time_calibrate_s": time.perf_counter() - t0}
 
     def _window_losses(self, velocity, ro: Rollout, idx: slice, windows: list[range], it: int) -> dict:
@@ -421,8 +396,8 @@ class Trainer:
         t0 = time.perf_counter()
         ro = self.rollout(it)
         t_rollout = time.perf_counter() - t0
-        backward, cal = self.cfg.backward, {}
-        if backward.calibrated and (self.backward is None or it % backward.calibrate_every == 0):
+        cal = {}
+        if self.calibrator is not None and self.calibrator.due(it):
             self.watch.enter("calibrate", it)
             cal = self.calibrate(ro, it)  # time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
@@ -464,7 +439,7 @@ class Trainer:
             consecutive_skips=self.consecutive_skips,
             metrics=self.metrics,
             ema=self.ema,
-            **record(self.backward),
+            components=self._states(),
         )
         self.checkpoints.save(
             model=self.backbone, optimizer=self.optimizer, progress=progress, config=self.cfg.to_dict()
@@ -482,9 +457,23 @@ class Trainer:
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
         self.metrics = progress.metrics
-        self.backward = restore(self.cfg.backward, progress) or self.backward
+        self._load_states(progress.components)
         self.checkpointed_at = self.iteration
         self._write_metrics()
+
+    def _states(self) -> dict[str, dict]:
+        """The state of every component that keeps one: the calibrator's measurement, the plug-ins'."""
+        states = {p.name: p.state_dict() for p in self.plugins}
+        if self.calibrator is not None:
+            states["calibration"] = self.calibrator.state_dict()
+        return {name: state for name, state in states.items() if state}
+
+    def _load_states(self, states: dict[str, dict]) -> None:
+        for plugin in self.plugins:
+            plugin.load_state_dict(states.get(plugin.name, {}))
+        if self.calibrator is not None:
+            self.calibrator.load_state_dict(states.get("calibration", {}))
+            self.backward = self.calibrator.setting or self.backward
 
     def _write_metrics(self) -> None:
         if self.dist.is_main:
@@ -540,24 +529,13 @@ class Trainer:
         self._log(row)
         if self.dist.is_main:
             atomic_write_text(self.run_dir / "samples" / f"eval_{it:05d}.json", json.dumps(per_sample))
-        if self.cfg.log.save_eval_state:
-            self._save_eval_state(it, images)
+        weights = self.ema if self.ema is not None else self.params  # what the evaluation sampled
+        for plugin in self.plugins:
+            plugin.after_evaluation(it, images, weights)
         grid_every = self.cfg.log.grid_every
         if self.dist.is_main and (grid_every == 0 or it % grid_every == 0):
             save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
             self.trackers.log_images(images, it)
-
-    def _save_eval_state(self, it: int, images: Tensor) -> None:
-        """``samples/eval_<it>.rank<r>.pt``: this rank's held-out images and its part of the evaluated weights
-        (the EMA where there is one; a DTensor's local shard), float32. Two runs' files give the paired
-        divergence of their samples and weights (``experiments/curves.py``) without loading a checkpoint."""
-        weights = self.ema if self.ema is not None else self.params
-        local = [(w.to_local() if hasattr(w, "to_local") else w).detach().float().cpu() for w in weights]
-        path = self.run_dir / "samples" / f"eval_{it:05d}.rank{self.dist.rank}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"images": images.float().cpu(), "weights": local}, tmp)
-        tmp.replace(path)  # a reader never sees half a file
 
     def _log(self, row: dict) -> None:
         self.metrics.append(row)

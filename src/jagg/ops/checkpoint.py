@@ -85,10 +85,22 @@ class Progress:
     consecutive_skips: int
     metrics: list[dict]
     ema: list[torch.Tensor] | None
-    routing: list[bool] | None = None  # backward.jagg_frac=auto: the last calibrated routing
-    group_size: int | None = None  # backward.group_size=auto: the last calibrated W
-    placement: str | None = None  # backward.placement=auto (knots): the last measured placement rule
-    windows: list[list] | None = None  # jagg_frac=auto under MixGRPO: [window start, routed] per window
+    # each loop component's own state by name (the calibrator's under "calibration"; ``state_dict()``)
+    components: dict[str, dict] = field(default_factory=dict)
+
+
+# Before the loop's components kept their own state, a checkpoint held the calibration in these progress.pt
+# keys; ``legacy_components`` reads them so that such a checkpoint still resumes.
+LEGACY_CALIBRATION_KEYS = ("routing", "group_size", "placement", "windows")
+
+
+def legacy_components(meta: dict) -> dict[str, dict]:
+    """The components' state of a progress.pt: its ``components``, or a checkpoint written before them (the
+    calibration in ``LEGACY_CALIBRATION_KEYS``) read as the calibrator's state."""
+    if "components" in meta:
+        return meta["components"]
+    old = {k: meta.get(k) for k in LEGACY_CALIBRATION_KEYS}
+    return {"calibration": old} if any(v is not None for v in old.values()) else {}
 
 
 def _single_process_ok() -> None:
@@ -345,10 +357,7 @@ def _progress_meta(progress: Progress, config: dict, stepped: bool, dist: DistIn
         "iteration": progress.iteration,
         "consecutive_skips": progress.consecutive_skips,
         "metrics": progress.metrics,
-        "routing": progress.routing,
-        "group_size": progress.group_size,
-        "placement": progress.placement,
-        "windows": progress.windows,
+        "components": progress.components,
         "rng": rng,
         "config": config,
         "optimizer_saved": stepped,
@@ -562,10 +571,7 @@ def load_checkpoint(
         consecutive_skips=meta["consecutive_skips"],
         metrics=meta["metrics"],
         ema=ema,
-        routing=meta.get("routing"),
-        group_size=meta.get("group_size"),
-        placement=meta.get("placement"),
-        windows=meta.get("windows"),
+        components=legacy_components(meta),
     )
 
 

@@ -1,10 +1,11 @@
-"""Gradient fidelity along training (``log.fidelity_every``): how close the update a run applies is to exact's.
+"""Gradient fidelity along training, a plug-in of the update: how close the gradient a run hands to its optimizer
+is to exact's.
 
-At a fidelity iteration the trainer measures, on the same rollout and the same weights:
+At a fidelity iteration it measures, on the same rollout and the same weights:
 
-* per optimizer step, the update the arm applies (after a positive control's degradation, before clipping,
-  which only rescales) against exact's update of the same micro-batches, computed as a shadow and never
-  applied (``compare_to_exact``): its cosine and relative error. An exact arm gets cosine 1 to rounding, a
+* per optimizer step, the gradient the arm hands to AdamW (after a positive control's degradation, before
+  clipping, which only rescales) against exact's gradient of the same micro-batches, computed as a shadow and
+  never applied (``compare_to_exact``): its cosine and relative error. An exact arm gets cosine 1 to rounding, a
   control arm exactly its ``train.control_cosine``;
 * on the update's first micro-batch, every block of the arm's plan alone against the exact backward of the
   steps it spans (``block_cosines``): where along the trajectory the error comes from.
@@ -14,21 +15,21 @@ no rank holds a full gradient. Cost: one exact update per fidelity iteration, on
 aggregated block and of the steps it spans on one micro-batch, and two float64 copies of this rank's gradient
 shard while comparing.
 
-``paired_divergence`` reads two runs' evaluated states (``log.save_eval_state``) and says how far one run's
-held-out samples and weights are from the other's (exact's, same seed) relative to how far exact moved.
+Config key: ``log.fidelity_every`` (0: off; N: every N-th iteration, iteration 0 included).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
+from jagg.config import Config
 from jagg.engine.diagnostics import compare_grads, local_grads
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Interpolation, StepLoss, Velocity
+from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
 
 
 def compare_to_exact(
@@ -98,80 +99,49 @@ def block_cosines(
     return out
 
 
-class FidelityRecord:
-    """The measurements of one fidelity iteration, made where the update reaches them: the blocks before the
-    first micro-batch, then each optimizer step's update; ``row`` gives the metrics."""
+class Fidelity(Plugin):
+    """The measurements of a fidelity iteration, made where the update reaches them: the blocks of the first
+    micro-batch when the update begins, then each optimizer step's gradient (module docstring)."""
 
-    def __init__(self) -> None:
+    name = "fidelity"
+    KEYS = ("log.fidelity_every",)
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.active = False
+
+    @classmethod
+    def from_config(cls, cfg: Config, run: RunView) -> Fidelity | None:
+        return cls(cfg.log.fidelity_every) if cfg.log.fidelity_every else None
+
+    def begin_update(self, view: UpdateView) -> None:
+        self.active = view.iteration % self.every == 0
+        if not self.active:
+            return
         self.cosines: list[float] = []
         self.rel_errs: list[float] = []
-        self.group_cosines: dict[str, float] = {}
-        self.seconds = 0.0
-
-    def measure_blocks(
-        self, setting: BackwardSetting, velocity: Velocity, loss: StepLoss, params, outputs
-    ) -> None:
         t0 = time.perf_counter()
-        self.group_cosines = block_cosines(setting, velocity, loss, params, outputs)
-        self.seconds += time.perf_counter() - t0
+        rows = view.micro_batches[0]
+        loss, outputs = view.inputs(rows)
+        self.group_cosines = block_cosines(view.setting, view.velocity(rows), loss.loss, view.params, outputs)
+        self.seconds = time.perf_counter() - t0
 
-    def measure_step(self, params: Sequence[torch.nn.Parameter], run_exact: Callable[[], None]) -> None:
-        """The gradient about to be applied vs ``run_exact``'s (``compare_to_exact``)."""
+    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
+        if not self.active:
+            return
         t0 = time.perf_counter()
-        cos, rel = compare_to_exact(params, run_exact)
+        cos, rel = compare_to_exact(view.params, lambda: view.exact_backward(pending))
         self.cosines.append(cos)
         self.rel_errs.append(rel)
         self.seconds += time.perf_counter() - t0
 
-    def row(self) -> dict:
+    def metrics(self) -> dict:
         """Means over the iteration's optimizer steps, the per-block cosines and the seconds it all took."""
+        if not self.active:
+            return {}
         return {
             "fidelity_cosine": sum(self.cosines) / len(self.cosines),
             "fidelity_rel_err": sum(self.rel_errs) / len(self.rel_errs),
             "fidelity_group_cosines": self.group_cosines,
             "time_fidelity_s": self.seconds,
         }
-
-
-def _eval_states(run_dir: Path) -> dict[int, list[dict]]:
-    """``{iteration: [rank 0's state, rank 1's, ...]}`` of the run's ``samples/eval_<it>.rank<r>.pt``
-    (``log.save_eval_state``)."""
-    found: dict[int, dict[int, Path]] = {}
-    for path in (Path(run_dir) / "samples").glob("eval_*.rank*.pt"):
-        it, rank = path.name[5:-3].split(".rank")
-        found.setdefault(int(it), {})[int(rank)] = path
-    return {
-        it: [torch.load(ranks[r], weights_only=True) for r in sorted(ranks)] for it, ranks in found.items()
-    }
-
-
-def _sq_dist(a: list[dict], b: list[dict], key: str) -> float:
-    """The squared distance of two runs' ``key`` (images or weights) over every rank's part, float64."""
-    total = 0.0
-    for x, y in zip(a, b, strict=True):
-        xs, ys = (x[key], y[key]) if key == "weights" else ([x[key]], [y[key]])
-        total += sum(float(((u.double() - v.double()) ** 2).sum()) for u, v in zip(xs, ys, strict=True))
-    return total
-
-
-def paired_divergence(run_dir: Path, exact_dir: Path) -> dict[int, dict[str, float]]:
-    """How far a run has moved from exact's run of the same seed, at each evaluation both saved:
-
-        div_weights_rel = ||theta_run - theta_exact|| / ||theta_exact - theta_0||
-        div_samples_rel = ||x_run - x_exact|| / ||x_exact - x_0||   (all held-out images, same noise)
-
-    with theta_0 and x_0 exact's evaluation at iteration 0 (the base model, identical for every arm). 0 for
-    exact itself; runs are deterministic, so no evaluation noise enters. NaN where exact has not moved yet
-    (iteration 0). A difference grows once two runs' rollouts differ: protocol version 4's pilot found every
-    non-exact arm near 1 (docs/decisions.md 24)."""
-    mine, exact = _eval_states(run_dir), _eval_states(exact_dir)
-    if 0 not in exact:
-        raise FileNotFoundError(f"{exact_dir}: no samples/eval_00000.rank*.pt (log.save_eval_state)")
-    out = {}
-    for it in sorted(set(mine) & set(exact)):
-        row = {}
-        for key, name in (("weights", "div_weights_rel"), ("images", "div_samples_rel")):
-            moved = _sq_dist(exact[it], exact[0], key)
-            row[name] = (_sq_dist(mine[it], exact[it], key) / moved) ** 0.5 if moved > 0 else float("nan")
-        out[it] = row
-    return out
