@@ -5,18 +5,22 @@ Each case's metrics rows (timings left out) and its checkpoint tensors (one sha2
 dtype, shape and bytes) must be bitwise equal to the recording. On a CPU other than the recording's (another
 model, or torch's kernels on another instruction set) float kernels round differently, so there the rows'
 numbers and the per-part tensor sums are compared to 1e-6 instead; the recording names its CPU.
+
+Checkpoints written by that trainer (``tests/golden/checkpoints``) resume with the current one.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
+import old_checkpoints  # noqa: E402
 import trainer_runs  # noqa: E402
 
 GOLDEN = json.loads(trainer_runs.OUT.read_text())
@@ -58,3 +62,38 @@ def test_the_comparison_detects_a_changed_number():
     assert _close(moved, rows) and json.dumps(moved, sort_keys=True) != json.dumps(rows, sort_keys=True)
     del moved[1]["loss"]
     assert _close(moved, rows)
+
+
+@pytest.mark.parametrize("case", old_checkpoints.CASES)
+def test_a_checkpoint_written_before_the_refactor_resumes(case, tmp_path):
+    """A checkpoint of the trainer before the plug-in refactor (the calibration in progress.pt's own keys) resumes:
+    the calibrator gets back what was measured, and the resumed run ends where an uninterrupted run ends."""
+    import torch
+
+    from helpers import build_trainer, tiny_config
+    from jagg.ops.checkpoint import LEGACY_CALIBRATION_KEYS, find_checkpoint, read_checkpoint
+
+    config, extra = trainer_runs.cases()[case]
+
+    def cfg(run_dir):
+        return tiny_config(
+            run_dir, *trainer_runs.GOLDEN_RUN, *extra, *old_checkpoints.LORA, config=f"configs/world/{config}"
+        )
+
+    run = tmp_path / "old"
+    shutil.copytree(old_checkpoints.HERE / "checkpoints" / case, run)
+    old = torch.load(run / "checkpoint" / "progress.pt", weights_only=False)
+    assert "components" not in old and any(old[k] is not None for k in LEGACY_CALIBRATION_KEYS)
+    resumed = build_trainer(cfg(run))
+    resumed.load_checkpoint()
+    assert resumed.iteration == 2
+    assert resumed.backward is not None and resumed.backward == resumed.calibrator.setting
+    state = resumed.calibrator.state_dict()
+    assert state == {k: old[k] for k in state}  # what the old code measured, read back
+    resumed.fit()
+    fresh = build_trainer(cfg(tmp_path / "fresh"))
+    fresh.fit()
+    rows = [[trainer_runs.strip(r) for r in t.metrics] for t in (resumed, fresh)]
+    assert json.dumps(rows[0], sort_keys=True) == json.dumps(rows[1], sort_keys=True)
+    digests = [trainer_runs.digest(read_checkpoint(find_checkpoint(d))) for d in (run, tmp_path / "fresh")]
+    assert digests[0]["sha256"] == digests[1]["sha256"]
