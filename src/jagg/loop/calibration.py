@@ -59,7 +59,10 @@ class Probe:
 
 
 class Calibrator:
-    """One routing kind's measurement (module docstring); ``setting`` is the last one measured or restored."""
+    """One routing kind's measurement (module docstring); ``setting`` is the last one measured or restored.
+    Its checkpoint state sits under ``name`` beside the plug-ins' (``jagg.plugins.base``)."""
+
+    name = "calibration"
 
     def __init__(self, backward: BackwardConfig) -> None:
         self.config = backward

@@ -16,6 +16,7 @@ import jagg.scale.imagereward  # noqa: F401  (registers imagereward)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
 from jagg.config import Config
+from jagg.engine.grpo import group_advantages, per_reward_advantages
 from jagg.ops import preflight
 from jagg.rewards import REWARDS, Reward, WeightedRewards, build_reward
 
@@ -65,3 +66,13 @@ def score_samples(
         if name not in scores:
             scores[name] = fn(images, prompts).float()
     return total, scores
+
+
+def rollout_advantages(cfg: Config, rewards: Tensor, scores: dict[str, Tensor], group_ids: Tensor) -> Tensor:
+    """The advantages of a global batch: the training reward normalised in its prompt group (``algorithm.adv_*``),
+    or under ``algorithm.adv_aggregation: per_reward`` each reward normalised, then weighted (MixGRPO)."""
+    algorithm = cfg.algorithm
+    norm = dict(std_mode=algorithm.adv_std, unbiased=algorithm.adv_unbiased, eps=algorithm.adv_eps)
+    if algorithm.adv_aggregation == "per_reward":
+        return per_reward_advantages(scores, cfg.reward.weights, group_ids, **norm, clip=algorithm.adv_clip)
+    return group_advantages(rewards, group_ids, **norm, clip=algorithm.adv_clip)

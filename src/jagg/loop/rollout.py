@@ -3,21 +3,29 @@
 ``Rollout`` is what an update reads; ``sample_micro_batches`` runs ``sample_trajectory`` per micro-batch of
 ``train.train_batch_size`` samples with the SDE seed of its global micro-batch index (so a rank's share is
 sampled exactly as in a single-process run); ``at_steps`` gathers per-step tensors at each sample's trained
-steps. ``Trainer.rollout`` draws the prompts, noise and steps and puts them together.
+steps. ``Sampler`` (what ``Trainer.rollout`` calls) draws the prompts, noise and steps and puts them together.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from jagg.common import SeedStream, generator
+from jagg.config import Config
+from jagg.distributed import DistInfo
+from jagg.engine.algorithms import Algorithm
 from jagg.engine.grpo import TrainedSteps
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.strategies import Velocity
-from jagg.models import TextCond
+from jagg.loop.rewards import rollout_advantages, score_samples
+from jagg.models import Components, TextCond
+from jagg.ops.heartbeat import PhaseWatch
+from jagg.rewards import Reward, WeightedRewards
 
 
 @dataclass(kw_only=True)
@@ -48,6 +56,13 @@ class Rollout:
             old_log_prob=at_steps(traj.log_probs, idx, steps),
             outputs=None if traj.outputs is None else at_steps(traj.outputs, idx, steps),
         )
+
+    def reward_row(self) -> dict:
+        """The metrics of its rewards over the global batch: the training reward's and each reward's mean / std."""
+        row = {"reward_mean": self.rewards.mean().item(), "reward_std": self.rewards.std().item()}
+        for name, score in self.components.items():
+            row[f"reward_{name}_mean"], row[f"reward_{name}_std"] = score.mean().item(), score.std().item()
+        return row
 
 
 def at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Tensor:
@@ -97,3 +112,84 @@ def sample_micro_batches(
         chunks[0].kinds,
         torch.cat([c.outputs for c in chunks], dim=1) if keep_outputs else None,
     )
+
+
+class Sampler:
+    """How a run collects its rollouts, bound once: every draw of an iteration (prompts, initial noise, SDE seeds,
+    trained steps) from one generator, identical on every rank; this rank's share sampled in train micro-batches,
+    decoded and scored; rewards gathered over the ranks (groups may span them), then the advantages."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        comp: Components,
+        algorithm: Algorithm,
+        sigmas: Tensor,
+        *,
+        velocity: Callable[[TextCond], Velocity],
+        rewards: tuple[WeightedRewards, dict[str, Reward]],
+        dist: DistInfo,
+        device: torch.device,
+        watch: PhaseWatch,
+    ) -> None:
+        self.cfg, self.comp, self.algorithm, self.sigmas = cfg, comp, algorithm, sigmas
+        self.velocity, (self.train_reward, self.eval_rewards) = velocity, rewards
+        self.dist, self.device, self.watch = dist, device, watch
+        self.latent_dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
+
+    def noise(self, n: int, gen: torch.Generator) -> Tensor:
+        """(n, C, H, W) standard-normal latents from ``gen``, drawn in float32 on the CPU (the same on every
+        device), in the run's latent dtype on its device."""
+        shape = (n, *self.comp.latent_shape)
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device, self.latent_dtype)
+
+    @torch.no_grad()
+    def __call__(self, it: int, stream: SeedStream, weights_version: int) -> Rollout:
+        """N = prompts x images trajectories of draw ``it`` of ``stream``, scored, with their advantages."""
+        t_start = time.perf_counter()
+        train, algorithm = self.cfg.train, self.cfg.algorithm
+        gen = generator(train.seed, stream, it)  # identical draws on every rank
+        picks = torch.randint(len(self.comp.train_prompts), (train.prompts_per_iter,), generator=gen)
+        all_prompts = [self.comp.train_prompts[i] for i in picks for _ in range(train.images_per_prompt)]
+        group_ids = torch.arange(train.prompts_per_iter).repeat_interleave(train.images_per_prompt)
+        mine = self.dist.share(len(all_prompts))  # this rank's samples of the global batch
+        prompts = all_prompts[mine]
+        cond = self.comp.text_encoder.encode_prompts(prompts)
+        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen, iteration=it)  # MixGRPO's window
+        sigmas, kinds = self.algorithm.rollout_schedule(self.sigmas, kinds)  # MixGRPO-Flash: after it
+        if algorithm.init_same_noise:  # DanceGRPO: one x_T per prompt, images differ by their SDE noise
+            per_prompt = self.noise(train.prompts_per_iter, gen)
+            noise = per_prompt.repeat_interleave(train.images_per_prompt, dim=0)[mine]
+        else:
+            noise = self.noise(len(all_prompts), gen)[mine]
+        sde_seed = int(torch.randint(2**62, (1,), generator=gen))
+        traj = sample_micro_batches(
+            lambda rows: self.velocity(cond.select(rows)),
+            noise,
+            sigmas.to(self.device),
+            kinds,
+            batch_size=train.train_batch_size,
+            first_sample=mine.start,
+            sde_seed=sde_seed,
+            noise_level=algorithm.noise_level,
+            keep_outputs=self.cfg.backward.reuse_rollout,
+        )
+        trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
+        t_sampled = time.perf_counter()
+        self.watch.enter("reward", it)
+        images = self.comp.decode(traj.final.float()).cpu()
+        evals = self.eval_rewards if self.cfg.log.eval_rewards_on_train else {}  # else: at evaluations only
+        rewards, scores = score_samples(images, prompts, self.train_reward, evals)
+        rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
+        scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
+        return Rollout(
+            prompts=prompts,
+            cond=cond,
+            traj=traj,
+            trained=trained,
+            rewards=rewards,
+            components=scores,
+            advantages=rollout_advantages(self.cfg, rewards, scores, group_ids)[mine],
+            timing={"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled},
+            weights_version=weights_version,
+        )

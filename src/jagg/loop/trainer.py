@@ -1,29 +1,22 @@
 """One GRPO training loop for every algorithm, backbone and backward strategy.
 
-    rollout (no grad, SDE where the algorithm explores) -> rewards -> group advantages
-    -> [calibrate: measure the backward, with backward.jagg_frac=auto or backward.placement=auto]
-    -> update: per micro-batch, its trained steps (``Rollout.at``) and their GRPO loss go through
-       ``self.backward.backward`` (a ``BackwardSetting``: one plan of knots; the loop never reads its name)
-    -> optimizer step every ``grad_accum`` micro-batches (grad-norm clip, non-finite updates skipped)
-    -> metrics (JSONL), periodic held-out evaluation (``jagg.loop.evaluate``), checkpoints.
+    rollout (no grad; SDE where the algorithm explores) -> rewards -> group advantages
+    -> [calibrate: the run's calibrator measures the backward when due, ``jagg.loop.calibration``]
+    -> update: each micro-batch's trained steps (``Rollout.at``) and GRPO loss go through ``self.backward``
+       (a ``BackwardSetting``: one plan of knots), an optimizer step every ``grad_accum`` micro-batches;
+       the plug-ins (``jagg.plugins``) act at its touch points
+    -> metrics, held-out evaluation, checkpoints when due.
 
-Follows the DanceGRPO / Flow-GRPO loops (docs/references.md): the per-step loss (``GRPOStepLoss``, built by
-``Trainer.grpo_loss``) is the clipped PPO surrogate on the SDE log-prob of the stored next latent, scaled by
-1 / (grad_accum * T). Rollouts and updates use the same micro-batches, so until the first optimizer step after
-a rollout every ratio is exactly 1. Every random draw of iteration ``it`` comes from the generator
-(seed, ``SeedStream.ROLLOUT``, it), which makes a resumed run reproduce the uninterrupted one.
-
-Multi-process (torchrun, FSDP2): every rank draws the same prompts, noise, SDE windows and trained steps for the
-whole global batch and keeps its contiguous share (micro-batch k is sampled with the SDE seed (seed_it + k)
-wherever it runs, so the rollouts equal a single-process run's); rewards are gathered before the group
-advantages. Only rank 0 writes metrics and sample grids; every rank writes its own checkpoint shards;
-``train.grad_accum`` counts micro-batches per rank. docs/architecture.md walks through one iteration.
+Follows the DanceGRPO / Flow-GRPO loops (docs/references.md). Rollouts and updates use the same micro-batches, so
+until the first optimizer step every PPO ratio is exactly 1. Every draw of iteration ``it`` comes from the
+generator (seed, ``SeedStream.ROLLOUT``, it), so a resumed run reproduces the uninterrupted one. Under torchrun
+(FSDP2) every rank draws the whole global batch and keeps its contiguous share; rewards are gathered before the
+advantages; rank 0 writes the logs, every rank its checkpoint shards. docs/architecture.md walks one iteration.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 from collections.abc import Callable
@@ -33,37 +26,36 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg.common import SeedStream, atomic_write_text, generator, peak_memory_mb
+from jagg.common import SeedStream, generator, peak_memory_mb
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.grpo import (
-    GRPOStepLoss,
-    RecordingLoss,
-    TrainedSteps,
-    group_advantages,
-    per_reward_advantages,
-)
+from jagg.engine.grpo import GRPOStepLoss, RecordingLoss, TrainedSteps
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
 from jagg.loop.calibration import Probe, calibrator_for, window_losses
 from jagg.loop.evaluate import evaluate, swapped_in
-from jagg.loop.rewards import build_run_rewards, score_samples
-from jagg.loop.rollout import Rollout, sample_micro_batches
+from jagg.loop.rewards import build_run_rewards
+from jagg.loop.rollout import Rollout, Sampler
 from jagg.models import Backbone, Components, TextCond
 from jagg.ops.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
-from jagg.ops.grids import save_grid
 from jagg.ops.heartbeat import PhaseWatch
-from jagg.ops.trackers import Trackers
+from jagg.ops.trackers import RunLog
 from jagg.plugins import build_plugins
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
-from jagg.scale.optimizer import build_optimizer
+from jagg.scale.optimizer import build_optimizer, update_ema
 from jagg.scale.placement import DTYPES, place_backbone
 
 
 class TrainingAborted(RuntimeError):
     """Too many consecutive non-finite updates; a final checkpoint has been written."""
+
+    def __init__(self, skips: int, limit: int, checkpoint: Path) -> None:
+        super().__init__(
+            f"{skips} consecutive optimizer steps had a non-finite loss or gradient "
+            f"(train.max_consecutive_skips={limit}); last checkpoint: {checkpoint}"
+        )
 
 
 class Trainer:
@@ -77,41 +69,30 @@ class Trainer:
         self.dtype = DTYPES[train.precision]
         # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, and
         # under FSDP2 the shards of rank 0's weights (jagg.scale.placement)
+        # and with a KL term an unsharded frozen reference copy (small models; no KL at paper scale)
+        kl = cfg.algorithm.kl_beta > 0
         self.backbone, self.reference = place_backbone(
-            cfg,
-            comp.backbone,
-            device=self.device,
-            dist=self.dist,
-            reference=cfg.algorithm.kl_beta > 0,  # unsharded frozen copy (small models; no KL at paper scale)
+            cfg, comp.backbone, device=self.device, dist=self.dist, reference=kl
         )
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
-        optim = cfg.optim
         self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
-        self.ema = [p.detach().clone() for p in self.params] if optim.ema_decay > 0 else None
+        self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
-        sampling = cfg.sampling
-        self.sigmas = (
-            comp.sigmas
-            if comp.sigmas is not None
-            else shifted_linear_sigmas(sampling.num_steps, sampling.shift)
-        )
+        steps, shift = cfg.sampling.num_steps, cfg.sampling.shift  # the pipeline's schedule where it has one
+        self.sigmas = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(steps, shift)
+        eval_steps = cfg.sampling.eval_num_steps
         self.eval_sigmas = (
-            comp.eval_sigmas
-            if comp.eval_sigmas is not None
-            else shifted_linear_sigmas(sampling.eval_num_steps, sampling.shift)
+            comp.eval_sigmas if comp.eval_sigmas is not None else shifted_linear_sigmas(eval_steps, shift)
         )
         self.train_reward, self.eval_rewards = build_run_rewards(cfg, self.device)
         self.iteration = 0
         self.consecutive_skips = 0
         self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
-        self.metrics: list[dict] = []
         self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
         # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
+        asynchronous = cfg.log.writes_async(self.device.type)
         self.checkpoints = CheckpointWriter(
-            self.run_dir,
-            self.dist,
-            keep=cfg.log.keep_checkpoints,
-            asynchronous=cfg.log.writes_async(self.device.type),
+            self.run_dir, self.dist, keep=cfg.log.keep_checkpoints, asynchronous=asynchronous
         )
         # How the update runs its backward: fixed by the config, or measured by the run's calibrator (None until
         # its first measurement; jagg.loop.calibration)
@@ -119,10 +100,24 @@ class Trainer:
         self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1)
         # instruments and controls, each acting at its touch points of the update (jagg.plugins)
         self.plugins = build_plugins(cfg, RunView(self.params, train.seed, self.run_dir, self.dist))
-        names = cfg.log.report_to if self.dist.is_main else []  # log.report_to: fed where metrics.jsonl is
-        self.trackers = Trackers(names, self.run_dir, cfg.to_dict())
+        # metrics.jsonl, trackers (log.report_to), per-sample scores and grids of evaluations (rank 0)
+        self.run_log = RunLog(
+            self.run_dir, self.dist.is_main, cfg.log.report_to, cfg.to_dict(), cfg.log.grid_every
+        )
         # per-phase heartbeats / hang stacks of this rank while fit runs (jagg.ops.heartbeat)
         self.watch = PhaseWatch(self.dist.rank, cfg.log.heartbeat_s, cfg.log.phase_timeout_s, self.run_dir)
+        rewards = (self.train_reward, self.eval_rewards)
+        self.sampler = Sampler(
+            cfg,
+            comp,
+            self.algorithm,
+            self.sigmas,
+            velocity=self.velocity,
+            rewards=rewards,
+            dist=self.dist,
+            device=self.device,
+            watch=self.watch,
+        )
 
     # ------------------------------------------------------------------ model calls
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -137,77 +132,12 @@ class Trainer:
 
         return v
 
-    def _noise(self, n: int, gen: torch.Generator) -> Tensor:
-        shape = (n, *self.comp.latent_shape)
-        return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device, self._latent_dtype)
-
-    @property
-    def _latent_dtype(self) -> torch.dtype:
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
-
     # ------------------------------------------------------------------ rollout
-    @torch.no_grad()
     def rollout(self, it: int, stream: SeedStream = SeedStream.ROLLOUT) -> Rollout:
-        """Sample N = prompts x images trajectories in train micro-batches, score them, compute advantages.
-
-        Every draw (prompts, initial noise, SDE seeds, trained steps) comes from draw ``it`` of ``stream``:
-        training iteration ``it`` by default; drivers take extra rollouts from their own named stream.
-        """
-        t_start = time.perf_counter()
+        """The rollout of draw ``it`` of ``stream`` on the current weights (``jagg.loop.rollout.Sampler``):
+        training iteration ``it`` by default; drivers take extra rollouts from their own named stream."""
         self.watch.enter("rollout", it)
-        train, algorithm = self.cfg.train, self.cfg.algorithm
-        gen = generator(train.seed, stream, it)  # identical draws on every rank
-        picks = torch.randint(len(self.comp.train_prompts), (train.prompts_per_iter,), generator=gen)
-        all_prompts = [self.comp.train_prompts[i] for i in picks for _ in range(train.images_per_prompt)]
-        group_ids = torch.arange(train.prompts_per_iter).repeat_interleave(train.images_per_prompt)
-        mine = self.dist.share(len(all_prompts))  # this rank's samples of the global batch
-        prompts = all_prompts[mine]
-        cond = self.comp.text_encoder.encode_prompts(prompts)
-        kinds = self.algorithm.step_kinds(len(self.sigmas) - 1, gen, iteration=it)  # MixGRPO's window
-        sigmas, kinds = self.algorithm.rollout_schedule(self.sigmas, kinds)  # MixGRPO-Flash: after it
-        if algorithm.init_same_noise:  # DanceGRPO: one x_T per prompt, images differ by their SDE noise
-            per_prompt = self._noise(train.prompts_per_iter, gen)
-            noise = per_prompt.repeat_interleave(train.images_per_prompt, dim=0)[mine]
-        else:
-            noise = self._noise(len(all_prompts), gen)[mine]
-        sde_seed = int(torch.randint(2**62, (1,), generator=gen))
-        traj = sample_micro_batches(
-            lambda rows: self.velocity(cond.select(rows)),
-            noise,
-            sigmas.to(self.device),
-            kinds,
-            batch_size=train.train_batch_size,
-            first_sample=mine.start,
-            sde_seed=sde_seed,
-            noise_level=algorithm.noise_level,
-            keep_outputs=self.cfg.backward.reuse_rollout,
-        )
-        trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
-        t_sampled = time.perf_counter()
-        self.watch.enter("reward", it)
-        images = self.comp.decode(traj.final.float()).cpu()
-        evals = self.eval_rewards if self.cfg.log.eval_rewards_on_train else {}  # else: at evaluations only
-        rewards, scores = score_samples(images, prompts, self.train_reward, evals)
-        rewards = self.dist.gather_cat(rewards)  # (N,): groups may span ranks
-        scores = {k: self.dist.gather_cat(v.cpu()) for k, v in scores.items()}
-        norm = dict(std_mode=algorithm.adv_std, unbiased=algorithm.adv_unbiased, eps=algorithm.adv_eps)
-        if algorithm.adv_aggregation == "per_reward":  # each reward normalised, then weighted (MixGRPO)
-            weights = self.cfg.reward.weights
-            adv = per_reward_advantages(scores, weights, group_ids, **norm, clip=algorithm.adv_clip)[mine]
-        else:
-            adv = group_advantages(rewards, group_ids, **norm, clip=algorithm.adv_clip)[mine]
-        timing = {"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled}
-        return Rollout(
-            prompts=prompts,
-            cond=cond,
-            traj=traj,
-            trained=trained,
-            rewards=rewards,
-            components=scores,
-            advantages=adv,
-            timing=timing,
-            weights_version=self.weights_version,
-        )
+        return self.sampler(it, stream, self.weights_version)
 
     # ------------------------------------------------------------------ update
     def grpo_loss(
@@ -323,10 +253,7 @@ class Trainer:
         self.consecutive_skips = 0
         self.weights_version += 1
         if self.ema is not None:
-            decay = self.cfg.optim.ema_decay
-            with torch.no_grad():
-                for e, p in zip(self.ema, self.params):
-                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+            update_ema(self.ema, self.params, self.cfg.optim.ema_decay)
         return norm, True
 
     def plugin(self, name: str) -> Plugin | None:
@@ -344,7 +271,7 @@ class Trainer:
         eval_prompts = self.comp.eval_prompts[: log.eval_prompts]
         prompts = [p for p in eval_prompts for _ in range(log.eval_images_per_prompt)]
         gen = generator(self.cfg.train.seed, SeedStream.EVAL)  # the same noise at every evaluation
-        noise = self._noise(len(prompts), gen)
+        noise = self.sampler.noise(len(prompts), gen)
         with swapped_in(self.params, self.ema):
             return evaluate(
                 velocity=self.velocity,
@@ -404,13 +331,7 @@ class Trainer:
         self.watch.enter("update", it)
         upd = self.update(ro)
         t2 = time.perf_counter()
-        row = {
-            "iteration": it + 1,
-            "reward_mean": ro.rewards.mean().item(),
-            "reward_std": ro.rewards.std().item(),
-        }
-        for name, score in ro.components.items():
-            row[f"reward_{name}_mean"], row[f"reward_{name}_std"] = score.mean().item(), score.std().item()
+        row = {"iteration": it + 1, **ro.reward_row()}
         row.update(upd)
         row.update(cal)
         row.update(ro.timing)
@@ -439,7 +360,7 @@ class Trainer:
             consecutive_skips=self.consecutive_skips,
             metrics=self.metrics,
             ema=self.ema,
-            components=self._states(),
+            components={c.name: c.state_dict() for c in self._stateful},
         )
         self.checkpoints.save(
             model=self.backbone, optimizer=self.optimizer, progress=progress, config=self.cfg.to_dict()
@@ -456,30 +377,17 @@ class Trainer:
         )
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
-        self.metrics = progress.metrics
-        self._load_states(progress.components)
-        self.checkpointed_at = self.iteration
-        self._write_metrics()
-
-    def _states(self) -> dict[str, dict]:
-        """The state of every component that keeps one: the calibrator's measurement, the plug-ins'."""
-        states = {p.name: p.state_dict() for p in self.plugins}
+        for component in self._stateful:
+            component.load_state_dict(progress.components.get(component.name, {}))
         if self.calibrator is not None:
-            states["calibration"] = self.calibrator.state_dict()
-        return {name: state for name, state in states.items() if state}
-
-    def _load_states(self, states: dict[str, dict]) -> None:
-        for plugin in self.plugins:
-            plugin.load_state_dict(states.get(plugin.name, {}))
-        if self.calibrator is not None:
-            self.calibrator.load_state_dict(states.get("calibration", {}))
             self.backward = self.calibrator.setting or self.backward
+        self.checkpointed_at = self.iteration
+        self.run_log.restart(progress.metrics)
 
-    def _write_metrics(self) -> None:
-        if self.dist.is_main:
-            atomic_write_text(
-                self.run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in self.metrics)
-            )
+    @property
+    def _stateful(self) -> list:
+        """The components that keep their own checkpoint state (``state_dict`` / ``load_state_dict``)."""
+        return [*self.plugins, *([self.calibrator] if self.calibrator is not None else [])]
 
     # ------------------------------------------------------------------ main loop
     def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
@@ -496,7 +404,7 @@ class Trainer:
             if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
                 self.save_checkpoint()
         self.watch.stop()
-        self.trackers.close()
+        self.run_log.close()
         return self.metrics
 
     def _next_iteration(self, progress: Callable[[dict], None] | None) -> None:
@@ -507,18 +415,14 @@ class Trainer:
         if log.eval_every and (self.iteration % log.eval_every == 0 or self.iteration == train.iterations):
             self._evaluate_and_log(self.iteration, row)
         else:
-            self._log(row)
+            self.run_log.append(row)
         if progress:
             progress(row)
         if self.consecutive_skips >= train.max_consecutive_skips:
             self.save_checkpoint()
             self.checkpoints.finish()  # complete on every rank before the abort
             self.watch.stop()
-            raise TrainingAborted(
-                f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or gradient "
-                f"(train.max_consecutive_skips={train.max_consecutive_skips}); "
-                f"last checkpoint: {self.checkpoint_path}"
-            )
+            raise TrainingAborted(self.consecutive_skips, train.max_consecutive_skips, self.checkpoint_path)
         if log.checkpoint_every and self.iteration % log.checkpoint_every == 0:
             self.save_checkpoint()
 
@@ -526,20 +430,13 @@ class Trainer:
         self.watch.enter("evaluate", it)
         ev, images, per_sample = self.evaluate(it)
         row.update(ev)
-        self._log(row)
-        if self.dist.is_main:
-            atomic_write_text(self.run_dir / "samples" / f"eval_{it:05d}.json", json.dumps(per_sample))
+        self.run_log.append(row)
+        self.run_log.evaluation(it, per_sample, images)
         weights = self.ema if self.ema is not None else self.params  # what the evaluation sampled
         for plugin in self.plugins:
             plugin.after_evaluation(it, images, weights)
-        grid_every = self.cfg.log.grid_every
-        if self.dist.is_main and (grid_every == 0 or it % grid_every == 0):
-            save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
-            self.trackers.log_images(images, it)
 
-    def _log(self, row: dict) -> None:
-        self.metrics.append(row)
-        if self.dist.is_main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            self.trackers.log_row(row)
+    @property
+    def metrics(self) -> list[dict]:
+        """Every row logged so far (a resumed run's include the checkpoint's)."""
+        return self.run_log.rows

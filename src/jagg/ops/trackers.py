@@ -13,7 +13,7 @@ and / or Weights & Biases.
                   ``pip install 'jagg[trackers]'`` (tested with wandb 0.31.0)
 
 Each tracker library is imported only when named (``jagg.ops.preflight`` checks that it is installed before
-anything is written). Only rank 0 opens trackers; the trainer feeds them where it appends to metrics.jsonl.
+anything is written). Only rank 0 opens trackers; ``RunLog`` feeds them where it appends to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from urllib.parse import urlparse
 import numpy as np
 from torch import Tensor
 
-from jagg.ops.grids import grid_array
+from jagg.common import atomic_write_text
+from jagg.ops.grids import grid_array, save_grid
 
 
 def scalars(row: dict, prefix: str = "") -> dict[str, float]:
@@ -140,3 +141,41 @@ class Trackers:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+class RunLog:
+    """What a run writes as it goes, on rank 0: metrics.jsonl (one row per iteration, appended), the trackers
+    (``log.report_to``), and per evaluation the per-sample scores (``samples/eval_<it>.json``) and, every
+    ``log.grid_every`` evaluations' iterations, the sample grid. Every rank keeps the rows (``rows``)."""
+
+    def __init__(
+        self, run_dir: Path, is_main: bool, report_to: list[str], config: dict, grid_every: int
+    ) -> None:
+        self.run_dir, self.is_main, self.grid_every = Path(run_dir), is_main, grid_every
+        self.rows: list[dict] = []
+        self.trackers = Trackers(report_to if is_main else [], self.run_dir, config)
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.is_main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            self.trackers.log_row(row)
+
+    def restart(self, rows: list[dict]) -> None:
+        """Continue from ``rows`` (a resumed checkpoint's): metrics.jsonl is rewritten to hold exactly them."""
+        self.rows = rows
+        if self.is_main:
+            atomic_write_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in rows))
+
+    def evaluation(self, it: int, per_sample: dict, images: Tensor) -> None:
+        """The per-sample scores of the evaluation at iteration ``it`` and, when due, its sample grid."""
+        if not self.is_main:
+            return
+        atomic_write_text(self.run_dir / "samples" / f"eval_{it:05d}.json", json.dumps(per_sample))
+        if self.grid_every == 0 or it % self.grid_every == 0:
+            save_grid(images, self.run_dir / "samples" / f"iter_{it:05d}.png")
+            self.trackers.log_images(images, it)
+
+    def close(self) -> None:
+        self.trackers.close()

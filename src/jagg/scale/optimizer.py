@@ -69,3 +69,10 @@ def check_fused(cfg: Config, device: torch.device) -> None:
             f"optim.fused=true: fused AdamW failed on {device.type} / {dtype} ({_first_line(err)}); "
             "set optim.fused=false"
         ) from err
+
+
+@torch.no_grad()
+def update_ema(ema: list[torch.Tensor], params: Iterable[torch.nn.Parameter], decay: float) -> None:
+    """``ema <- decay * ema + (1 - decay) * params``, in place (the weights evaluations use, ``optim.ema_decay``)."""
+    for e, p in zip(ema, params):
+        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
