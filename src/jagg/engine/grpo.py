@@ -9,9 +9,10 @@ and the tests all use it (docs/conventions.md, docs/references.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -136,6 +137,15 @@ class StepStats:
 
     loss: float  # L_i, unscaled (the clipped surrogate plus the KL term)
     ppo: PPOStats
+
+    @staticmethod
+    def means(stats: Sequence[StepStats]) -> dict[str, float]:
+        """The mean loss, clip fraction and approximate KL over ``stats`` (one per trained step evaluated)."""
+        return {
+            "loss": float(np.mean([st.loss for st in stats])),
+            "clip_frac": float(np.mean([st.ppo.clip_frac for st in stats])),
+            "approx_kl": float(np.mean([st.ppo.approx_kl for st in stats])),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,11 +21,11 @@ from jagg.distributed import DistInfo
 from jagg.engine.algorithms import Algorithm
 from jagg.engine.grpo import TrainedSteps
 from jagg.engine.sampling import Trajectory, sample_trajectory
+from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import Velocity
-from jagg.loop.rewards import rollout_advantages, score_samples
+from jagg.loop.rewards import build_run_rewards, rollout_advantages, score_samples
 from jagg.models import Components, TextCond
 from jagg.ops.heartbeat import PhaseWatch
-from jagg.rewards import Reward, WeightedRewards
 
 
 @dataclass(kw_only=True)
@@ -125,16 +125,15 @@ class Sampler:
         comp: Components,
         algorithm: Algorithm,
         sigmas: Tensor,
-        *,
         velocity: Callable[[TextCond], Velocity],
-        rewards: tuple[WeightedRewards, dict[str, Reward]],
         dist: DistInfo,
         device: torch.device,
         watch: PhaseWatch,
     ) -> None:
         self.cfg, self.comp, self.algorithm, self.sigmas = cfg, comp, algorithm, sigmas
-        self.velocity, (self.train_reward, self.eval_rewards) = velocity, rewards
-        self.dist, self.device, self.watch = dist, device, watch
+        self.velocity, self.dist, self.device, self.watch = velocity, dist, device, watch
+        # the training reward (weighted) and the held-out judges, each built once on the run's device
+        self.train_reward, self.eval_rewards = build_run_rewards(cfg, device)
         self.latent_dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
 
     def noise(self, n: int, gen: torch.Generator) -> Tensor:
@@ -193,3 +192,14 @@ class Sampler:
             timing={"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled},
             weights_version=weights_version,
         )
+
+
+def schedules(comp: Components, cfg: Config) -> tuple[Tensor, Tensor]:
+    """The training and evaluation schedules (S + 1,): the pipeline's where it has them (real models), else the
+    shifted linear schedule of ``sampling.num_steps`` / ``sampling.eval_num_steps``."""
+    s = cfg.sampling
+    train = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(s.num_steps, s.shift)
+    held_out = (
+        comp.eval_sigmas if comp.eval_sigmas is not None else shifted_linear_sigmas(s.eval_num_steps, s.shift)
+    )
+    return train, held_out

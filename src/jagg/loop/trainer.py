@@ -30,14 +30,12 @@ from jagg.common import SeedStream, generator, peak_memory_mb
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.grpo import GRPOStepLoss, RecordingLoss, TrainedSteps
+from jagg.engine.grpo import GRPOStepLoss, RecordingLoss, StepStats, TrainedSteps
 from jagg.engine.routing import BackwardSetting
-from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GroupStats
 from jagg.loop.calibration import Probe, calibrator_for, window_losses
 from jagg.loop.evaluate import evaluate, swapped_in
-from jagg.loop.rewards import build_run_rewards
-from jagg.loop.rollout import Rollout, Sampler
+from jagg.loop.rollout import Rollout, Sampler, schedules
 from jagg.models import Backbone, Components, TextCond
 from jagg.ops.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.ops.heartbeat import PhaseWatch
@@ -78,15 +76,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
         self.ema = [p.detach().clone() for p in self.params] if cfg.optim.ema_decay > 0 else None
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
-        steps, shift = cfg.sampling.num_steps, cfg.sampling.shift  # the pipeline's schedule where it has one
-        self.sigmas = comp.sigmas if comp.sigmas is not None else shifted_linear_sigmas(steps, shift)
-        eval_steps = cfg.sampling.eval_num_steps
-        self.eval_sigmas = (
-            comp.eval_sigmas if comp.eval_sigmas is not None else shifted_linear_sigmas(eval_steps, shift)
-        )
-        self.train_reward, self.eval_rewards = build_run_rewards(cfg, self.device)
-        self.iteration = 0
-        self.consecutive_skips = 0
+        self.sigmas, self.eval_sigmas = schedules(comp, cfg)
+        self.iteration, self.consecutive_skips = 0, 0
         self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
         self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
         # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
@@ -100,26 +91,20 @@ class Trainer:
         self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1)
         # instruments and controls, each acting at its touch points of the update (jagg.plugins)
         self.plugins = build_plugins(cfg, RunView(self.params, train.seed, self.run_dir, self.dist))
+        # what keeps its own checkpoint state (state_dict / load_state_dict, by name)
+        self.stateful = [*self.plugins, *([self.calibrator] if self.calibrator else [])]
         # metrics.jsonl, trackers (log.report_to), per-sample scores and grids of evaluations (rank 0)
         self.run_log = RunLog(
             self.run_dir, self.dist.is_main, cfg.log.report_to, cfg.to_dict(), cfg.log.grid_every
         )
         # per-phase heartbeats / hang stacks of this rank while fit runs (jagg.ops.heartbeat)
         self.watch = PhaseWatch(self.dist.rank, cfg.log.heartbeat_s, cfg.log.phase_timeout_s, self.run_dir)
-        rewards = (self.train_reward, self.eval_rewards)
         self.sampler = Sampler(
-            cfg,
-            comp,
-            self.algorithm,
-            self.sigmas,
-            velocity=self.velocity,
-            rewards=rewards,
-            dist=self.dist,
-            device=self.device,
-            watch=self.watch,
+            cfg, comp, self.algorithm, self.sigmas, self.velocity, self.dist, self.device, self.watch
         )
+        self.eval_rewards = self.sampler.eval_rewards  # the held-out judges (the training reward's too)
 
-    # ------------------------------------------------------------------ model calls
+    # ------------------------------------------------------------------ model calls and rollouts
     def velocity(self, cond: TextCond, model: Backbone | None = None):
         """``velocity(z, t)`` of ``model`` (default: the trained backbone), autocast under bf16."""
         model = model or self.backbone
@@ -132,7 +117,6 @@ class Trainer:
 
         return v
 
-    # ------------------------------------------------------------------ rollout
     def rollout(self, it: int, stream: SeedStream = SeedStream.ROLLOUT) -> Rollout:
         """The rollout of draw ``it`` of ``stream`` on the current weights (``jagg.loop.rollout.Sampler``):
         training iteration ``it`` by default; drivers take extra rollouts from their own named stream."""
@@ -176,44 +160,32 @@ class Trainer:
         for plugin in self.plugins:
             plugin.begin_update(view)
         total: GroupStats | None = None
-        done: list[MicroBatch] = []
+        step_stats: list[StepStats] = []  # one per trained step of every micro-batch
         pending: list[MicroBatch] = []  # the micro-batches of the coming optimizer step
-        norms, stepped = [], []
+        steps: list[tuple[float, bool]] = []  # (gradient norm, stepped) per optimizer step
         for k, rows in enumerate(view.micro_batches):
             loss, outputs = view.inputs(rows)
             stats = backward.backward(view.velocity(rows), loss, outputs)
             total = stats if total is None else total.merge(stats)
+            step_stats += loss.stats
             pending.append(MicroBatch(rows, loss.stats))
             if (k + 1) % train.grad_accum == 0 or k == len(view.micro_batches) - 1:
-                norm, ok = self._optimizer_step(view, pending)
-                norms.append(norm)
-                stepped.append(ok)
-                done, pending = done + pending, []
-        row = self._update_row([st for batch in done for st in batch.stats], norms, stepped)
+                steps.append(self._optimizer_step(view, pending))
+                pending = []
+        row = self._update_row(step_stats, steps)
         passes = total.backward_passes / len(ro.prompts) * train.train_batch_size
         row |= total.as_metrics() | {"backward_passes_per_sample": passes}
         for plugin in self.plugins:
             row |= plugin.metrics()
         return row
 
-    def _update_row(self, step_stats: list, norms: list[float], stepped: list[bool]) -> dict:
-        """The update's loss, PPO statistics (means over every trained step, over every rank) and steps."""
-        means = self.dist.reduce_scalars(
-            {
-                "loss": float(np.mean([st.loss for st in step_stats])),
-                "clip_frac": float(np.mean([st.ppo.clip_frac for st in step_stats])),
-                "approx_kl": float(np.mean([st.ppo.approx_kl for st in step_stats])),
-            }
-        )
-        finite = any(map(math.isfinite, norms))
-        return {
-            "loss": means["loss"],
-            "grad_norm": float(np.nanmean(norms)) if finite else float("nan"),
-            "clip_frac": means["clip_frac"],
-            "approx_kl": means["approx_kl"],
-            "optimizer_steps": len(stepped),
-            "skipped_steps": stepped.count(False),
-        }
+    def _update_row(self, step_stats: list[StepStats], steps: list[tuple[float, bool]]) -> dict:
+        """The update's loss and PPO statistics (means over every trained step and rank) and its steps."""
+        norms = [norm for norm, _ in steps]
+        grad_norm = float(np.nanmean(norms)) if any(map(math.isfinite, norms)) else float("nan")
+        skipped = sum(not stepped for _, stepped in steps)
+        means = self.dist.reduce_scalars(StepStats.means(step_stats))
+        return means | {"grad_norm": grad_norm, "optimizer_steps": len(steps), "skipped_steps": skipped}
 
     def _view(self, ro: Rollout, setting: BackwardSetting) -> UpdateView:
         """What the plug-ins see of the update of ``ro`` under ``setting`` (``jagg.plugins.base.UpdateView``)."""
@@ -288,6 +260,7 @@ class Trainer:
         """Measure the backward on the first micro-batch of the rollout ``ro`` of iteration ``it`` with the run's
         calibrator and use it from now on (``jagg.loop.calibration``); gradients are left as they were.
         Returns the measurement's metrics and its seconds."""
+        self.watch.enter("calibrate", it)
         t0 = time.perf_counter()
         rows = slice(0, self.cfg.train.train_batch_size)
         velocity = self.velocity(ro.cond.select(rows))
@@ -320,29 +293,18 @@ class Trainer:
         )
 
     def train_iteration(self, it: int) -> dict:
+        """Rollout, calibration when due (its own time, outside the rollout and update phases), update: the row."""
         t0 = time.perf_counter()
         ro = self.rollout(it)
-        t_rollout = time.perf_counter() - t0
-        cal = {}
-        if self.calibrator is not None and self.calibrator.due(it):
-            self.watch.enter("calibrate", it)
-            cal = self.calibrate(ro, it)  # time_calibrate_s, outside the rollout and update phases
         t1 = time.perf_counter()
-        self.watch.enter("update", it)
-        upd = self.update(ro)
+        cal = self.calibrate(ro, it) if self.calibrator is not None and self.calibrator.due(it) else {}
         t2 = time.perf_counter()
-        row = {"iteration": it + 1, **ro.reward_row()}
-        row.update(upd)
-        row.update(cal)
-        row.update(ro.timing)
-        row.update(
-            time_rollout_s=t_rollout,
-            time_update_s=t2 - t1,
-            time_iteration_s=t2 - t0,
-            lr=self.optimizer.param_groups[0]["lr"],
-            peak_memory_mb=peak_memory_mb(self.device),
-        )
-        return row
+        self.watch.enter("update", it)
+        row = {"iteration": it + 1, **ro.reward_row(), **self.update(ro), **cal, **ro.timing}
+        t3 = time.perf_counter()
+        lr, memory = self.optimizer.param_groups[0]["lr"], peak_memory_mb(self.device)
+        times = {"time_rollout_s": t1 - t0, "time_update_s": t3 - t2, "time_iteration_s": t3 - t0}
+        return row | times | {"lr": lr, "peak_memory_mb": memory}
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -360,7 +322,7 @@ class Trainer:
             consecutive_skips=self.consecutive_skips,
             metrics=self.metrics,
             ema=self.ema,
-            components={c.name: c.state_dict() for c in self._stateful},
+            components={c.name: c.state_dict() for c in self.stateful},
         )
         self.checkpoints.save(
             model=self.backbone, optimizer=self.optimizer, progress=progress, config=self.cfg.to_dict()
@@ -377,17 +339,12 @@ class Trainer:
         )
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
-        for component in self._stateful:
+        for component in self.stateful:
             component.load_state_dict(progress.components.get(component.name, {}))
         if self.calibrator is not None:
             self.backward = self.calibrator.setting or self.backward
         self.checkpointed_at = self.iteration
         self.run_log.restart(progress.metrics)
-
-    @property
-    def _stateful(self) -> list:
-        """The components that keep their own checkpoint state (``state_dict`` / ``load_state_dict``)."""
-        return [*self.plugins, *([self.calibrator] if self.calibrator is not None else [])]
 
     # ------------------------------------------------------------------ main loop
     def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
@@ -427,6 +384,7 @@ class Trainer:
             self.save_checkpoint()
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
+        """Evaluate, log ``row`` with the scores, write the samples, then the plug-ins' touch point."""
         self.watch.enter("evaluate", it)
         ev, images, per_sample = self.evaluate(it)
         row.update(ev)
