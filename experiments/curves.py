@@ -476,7 +476,9 @@ def world_builds(metas: list[dict]) -> str:
             if build
             else "not recorded (an earlier build)"
         )
-        seeds.setdefault(name, set()).add(m["seed"])
+        # older metas (version 3) list all the protocol's seeds under "seed"; the run's own is in its run.json
+        seed = m["seed"] if isinstance(m["seed"], int) else m["run_json"]["train"]["seed"]
+        seeds.setdefault(name, set()).add(seed)
     if list(seeds) == ["not recorded (an earlier build)"]:
         return ""
     return "world build (flux weights' sha256) by seed: " + "; ".join(

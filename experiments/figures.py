@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import runpy
 from pathlib import Path
 
+# The drivers whose drawing functions regenerate their own figures (experiments/, which is sys.path[0] when
+# this file runs): figures.py is the one place that imports drivers; they never import each other.
+import cosine
+import curves
+import knots
+import table1
+import theorem1
 from jagg.loop.timing import TIMING_SETUPS
 from plotting import (
     figure_footer,
@@ -247,17 +253,10 @@ def plot_memory(results: Path, png: Path) -> None:
     save_figure(fig, png, dpi=100)
 
 
-def regenerator(driver: str, name: str):
-    """The drawing function ``name`` of the driver file, loaded when called (run as a file, not imported as a
-    module: the drivers share code through ``jagg`` and experiments/plotting.py only, never through each
-    other)."""
-    return lambda path, png: runpy.run_path(str(EXPERIMENTS / driver))[name](path, png)
-
-
 # (what, input under results/, figure under paper_figures/, regenerate(input, figure))
 TARGETS = [
-    ("Theorem 1", "theorem1.csv", "theorem1.png", regenerator("theorem1.py", "plot")),
-    ("Table 1", "table1.csv", "table1_update_reduction.png", regenerator("table1.py", "render")),
+    ("Theorem 1", "theorem1.csv", "theorem1.png", theorem1.plot),
+    ("Table 1", "table1.csv", "table1_update_reduction.png", table1.render),
     ("time per phase", "table1.csv", "table1_phases.png", plot_phases),
     (
         "speed-up vs W",
@@ -266,22 +265,15 @@ TARGETS = [
         lambda path, png: plot_speedup(path.parent, png),
     ),
     ("memory per mode", "table1.csv", "memory_per_mode.png", lambda path, png: plot_memory(path.parent, png)),
-    ("cosine", "cosine.csv", "cosine_per_group.png", regenerator("cosine.py", "render")),
-    ("knots", "knots.csv", "knots_cosine.png", regenerator("knots.py", "render")),
-    (
-        "reward curves",
-        "curves",
-        ".",
-        regenerator("curves.py", "render"),
-    ),  # one reward_curves_<recipe>.png per recipe
+    ("cosine", "cosine.csv", "cosine_per_group.png", cosine.render),
+    ("knots", "knots.csv", "knots_cosine.png", knots.render),
+    ("reward curves", "curves", ".", curves.render),  # one reward_curves_<recipe>.png per recipe
 ]
 
 
 def curves_regenerator(protocol: str, pilot: bool):
     """curves.py's ``render`` under a later protocol file (version 3's is its default)."""
-    return lambda path, png: runpy.run_path(str(EXPERIMENTS / "curves.py"))["render"](
-        path, png, EXPERIMENTS / protocol, pilot=pilot
-    )
+    return lambda path, png: curves.render(path, png, EXPERIMENTS / protocol, pilot=pilot)
 
 
 # the protocols after version 3, by results folder; each with its pilot (figures under paper_figures/pilot/)

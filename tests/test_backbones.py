@@ -52,6 +52,31 @@ def test_text_conditioning_changes_the_output(name):
     assert not torch.allclose(a, b)
 
 
+@pytest.mark.parametrize("name, guidance", [*((n, None) for n in sorted(BACKBONES)), ("sd3", 4.5)])
+def test_stacked_latents_tile_the_conditioning(name, guidance):
+    """k * B latent rows on a conditioning of B rows (the batched endpoint forward) give each block of B rows
+    the velocity it gets alone; SD3 also under true CFG, whose negative conditioning is tiled with the rest.
+    Rows that are no multiple of B are refused (``Backbone.conditioning_for``)."""
+    channels = 16 if name == "sd3" else 3
+    bb = build_tiny_backbone(name, **({} if name == "sd3" else {"latent_channels": channels})).double()
+    cond = _cond(2).to(dtype=torch.float64)
+    if guidance is not None:
+        bb.guidance_scale = guidance
+        neg = torch.zeros(2, 6, 32, dtype=torch.float64)
+        cond.neg_embeds, cond.neg_pooled = neg, neg[:, 0]
+    z = torch.randn(6, channels, 8, 8, dtype=torch.float64)
+    t = torch.tensor([0.2, 0.3, 0.5, 0.6, 0.8, 0.9], dtype=torch.float64)
+    with torch.no_grad():
+        stacked = bb.velocity(z, t, cond)
+        blocks = [bb.velocity(z[i : i + 2], t[i : i + 2], cond) for i in (0, 2, 4)]
+        if guidance is not None:  # CFG changes the output, so the tiled negative conditioning was used
+            plain = bb.velocity(z[:2], t[:2], TextCond(embeds=cond.embeds, pooled=cond.pooled))
+            assert not torch.allclose(blocks[0], plain)
+    torch.testing.assert_close(stacked, torch.cat(blocks), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="not a multiple of the conditioning batch 2"):
+        bb.velocity(z[:3], 0.5, cond)
+
+
 def test_tiny_backbone_is_deterministic_in_seed():
     a, b = build_tiny_backbone("flux", seed=3), build_tiny_backbone("flux", seed=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -659,6 +659,15 @@ def test_a_partial_design_renders_and_names_the_arms_it_leaves_out(tmp_path):
     assert "| endpoints |" not in summary and "| jagg | +0.971" in summary
 
 
+def test_world_builds_reads_each_runs_own_seed():
+    """Version 3's metas (results/curves/) list every seed of the protocol under ``seed``; the run's own is in
+    its run.json. Both forms name the run's seed, so `figures` renders the committed results."""
+    old = {"seed": [20, 21], "run_json": {"train": {"seed": 21}}, "world_build": {"flux": "aaaa"}}
+    new = {"seed": 20, "run_json": {"train": {"seed": 20}}, "world_build": {"flux": "aaaa"}}
+    assert curves.world_builds([new, old]) == "world build (flux weights' sha256) by seed: 20, 21: aaaa"
+    assert curves.world_builds([{"seed": [20, 21], "run_json": {"train": {"seed": 20}}}]) == ""
+
+
 def test_curves_reruns_an_unfinished_seeds_arms_trained_on_another_world_build(tmp_path, monkeypatch):
     """A seed's arms are compared with each other, so they must share one world build: a seed still missing
     an arm reruns the arms recorded on another build (or on none), exact's run with them; a finished seed is

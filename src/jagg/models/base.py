@@ -97,16 +97,24 @@ class Backbone(nn.Module):
         [z_0; z_{W-1}]); the conditioning is then tiled k times.
         """
         b, _, h, w = z.shape
-        if b != cond.batch_size:
-            if b % cond.batch_size:
-                raise ValueError(
-                    f"latent batch {b} is not a multiple of the conditioning batch {cond.batch_size}"
-                )
-            cond = cond.tile(b // cond.batch_size)
+        cond = self.conditioning_for(b, cond)
         param = next(self.transformer.parameters())
         timestep = torch.as_tensor(t, dtype=param.dtype, device=z.device).expand(b)
         out = self._forward_tokens(pack_2x2(z.to(param.dtype)), timestep, cond, h, w)
         return unpack_2x2(out, h, w).to(z.dtype)
+
+    @staticmethod
+    def conditioning_for(rows: int, cond: TextCond) -> TextCond:
+        """The conditioning of a latent batch of ``rows`` rows: ``cond`` itself, or ``cond`` tiled k times where
+        ``rows`` = k * B (the batched endpoint forward); a ValueError where ``rows`` is no multiple of B. Every
+        adapter's ``velocity`` goes through here."""
+        if rows == cond.batch_size:
+            return cond
+        if rows % cond.batch_size:
+            raise ValueError(
+                f"latent batch {rows} is not a multiple of the conditioning batch {cond.batch_size}"
+            )
+        return cond.tile(rows // cond.batch_size)
 
     def bind(self, cond: TextCond):
         """``velocity(z, t)`` with the conditioning fixed: the callable the backward strategies take."""

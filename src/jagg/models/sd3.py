@@ -62,14 +62,9 @@ class SD3Backbone(Backbone):
 
     def velocity(self, z: Tensor, t: Tensor | float, cond: TextCond) -> Tensor:
         """v(z, t | cond) on (B, C, H, W); ``t`` is sigma in [0, 1] (scalar or (B,)); rows of ``z`` may be k
-        times the conditioning's (the batched endpoint forward), as ``Backbone.velocity``."""
+        times the conditioning's (the batched endpoint forward; ``Backbone.conditioning_for``)."""
         b = z.shape[0]
-        if b != cond.batch_size:
-            if b % cond.batch_size:
-                raise ValueError(
-                    f"latent batch {b} is not a multiple of the conditioning batch {cond.batch_size}"
-                )
-            cond = cond.tile(b // cond.batch_size)
+        cond = self.conditioning_for(b, cond)
         param = next(self.transformer.parameters())
         x = z.to(param.dtype)
         timestep = 1000 * torch.as_tensor(t, dtype=param.dtype, device=z.device).expand(b)
