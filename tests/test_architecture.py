@@ -224,3 +224,23 @@ def test_loop_holds_the_loop_only():
     files = sorted(p.name for p in (SRC / "loop").glob("*.py"))
     assert len(files) <= 12, files
     assert not [p for p in (SRC / "loop").iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+def test_the_concept_table_names_everything_one_iteration_meets():
+    """docs/architecture.md counts the concepts of one iteration by hand; every name the mechanical walk of the
+    trainer finds (experiments/count_concepts.py) must be in that table, and the table holds at most 25."""
+    import re
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from count_concepts import iteration_names
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("**Now: ") : doc.index("**Before the plug-in refactor")]
+    rows = [line for line in table.splitlines() if re.match(r"\| \d+ \|", line)]
+    stated = int(re.search(r"\*\*Now: (\d+) concepts", table).group(1))
+    assert len(rows) == stated <= 25
+    in_table = set(re.findall(r"`([A-Za-z_]+)`", "\n".join(rows)))
+    missing = sorted(set(iteration_names()) - in_table)
+    assert not missing, (
+        f"names one iteration meets that docs/architecture.md's table does not place: {missing}"
+    )
