@@ -54,3 +54,8 @@ def test_relative_links_and_anchors_resolve(page):
 def test_heading_ids_follow_github():
     text = "# A `code` title: with, punctuation\n## Same\n## Same\n```\n# not a heading\n```\n"
     assert heading_ids(text) == {"a-code-title-with-punctuation", "same", "same-1"}
+
+
+def test_the_readme_stays_short():
+    """The README is the front page: status, quick start, headline results, pointers; detail lives in docs/."""
+    assert len((ROOT / "README.md").read_text()) <= 12_000
