@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -84,8 +85,8 @@ class Plugin:
     def begin_update(self, view: UpdateView) -> None:
         pass
 
-    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
-        pass
+    def before_step(self, view: UpdateView | None, pending: Sequence[MicroBatch]) -> None:
+        """``view`` is None (and ``pending`` empty) for an optimizer step taken outside an update."""
 
     def metrics(self) -> dict:
         return {}
@@ -106,5 +107,5 @@ class RunView:
 
     params: Sequence[torch.nn.Parameter]
     seed: int
-    run_dir: object  # pathlib.Path
+    run_dir: Path
     dist: DistInfo
