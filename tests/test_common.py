@@ -1,5 +1,5 @@
 """``jagg.common`` plumbing: atomic writes keep the umask's permissions and are fsynced; run metadata records
-the versions of every library that can change a number."""
+the versions of every library that can change a number; a renamed keyword is still taken under its old name."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from jagg import common
-from jagg.common import ProgressETA, atomic_write_text, format_seconds, run_metadata, write_table
+from jagg.common import (
+    ProgressETA,
+    atomic_write_text,
+    format_seconds,
+    renamed_keywords,
+    run_metadata,
+    write_table,
+)
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
@@ -92,3 +99,14 @@ def test_progress_eta_from_the_mean_pace():
     assert eta.step(n=2) == "[4/4 100%] table1 | elapsed 1h01m | ETA 0s"
     assert out.getvalue().count("\n") == 3
     assert [format_seconds(s) for s in (0, 59.4, 425, 3720)] == ["0s", "59s", "7m05s", "1h02m"]
+
+
+def test_renamed_keywords_take_the_old_name_as_the_new_one():
+    @renamed_keywords(endpoints="graph_mode")
+    def measure(x, *, graph_mode):
+        return x, graph_mode
+
+    assert measure(1, endpoints="joint") == measure(1, graph_mode="joint") == (1, "joint")
+    assert measure.__name__ == "measure"
+    with pytest.raises(TypeError, match="both endpoints= and graph_mode="):
+        measure(1, endpoints="joint", graph_mode="batched")

@@ -1,8 +1,9 @@
 """Plumbing shared by the drivers: threads, named seed streams, run metadata (git SHA, versions, hardware),
-atomic writes, a progress line with an ETA for long drivers."""
+atomic writes, a progress line with an ETA for long drivers, and the old names of renamed keywords."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from enum import IntEnum
 from pathlib import Path
 
@@ -44,6 +46,28 @@ class SeedStream(IntEnum):
 def generator(seed: int, stream: SeedStream, index: int = 0) -> torch.Generator:
     """A fresh CPU generator for draw ``index`` of ``stream`` in a run seeded ``seed`` (same on every rank)."""
     return torch.Generator().manual_seed(seed * 1_000_003 + (int(stream) + index) * 7919)
+
+
+def renamed_keywords(**old_to_new: str) -> Callable[[Callable], Callable]:
+    """Let a function take each renamed keyword under its old name too (``old="new"``), so that a caller not yet
+    moved to the new name keeps working; both names in one call is a TypeError. An entry goes once no caller
+    uses the old name."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def accepting_old_names(*args, **kwargs):
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(
+                            f"{fn.__name__}() got both {old}= and {new}= ({old} is {new}'s old name)"
+                        )
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return accepting_old_names
+
+    return wrap
 
 
 def git_sha(short: bool = False) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from jagg.common import renamed_keywords
 from jagg.engine.grpo import TrainedSteps
 from jagg.engine.sampling import Trajectory, sample_trajectory
 from jagg.engine.strategies import Velocity
@@ -56,6 +57,7 @@ def at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Te
     return per_step[:, idx][steps.T + offset, cols]
 
 
+@renamed_keywords(keep_outputs="stored_outputs")
 def sample_micro_batches(
     velocity: Callable[[slice], Velocity],
     noise: Tensor,
@@ -66,13 +68,13 @@ def sample_micro_batches(
     first_sample: int,
     sde_seed: int,
     noise_level: float,
-    keep_outputs: bool,
+    stored_outputs: bool,
 ) -> Trajectory:
     """``sample_trajectory`` over ``noise`` (n, ...) in micro-batches of ``batch_size``, concatenated.
 
     ``velocity(rows)`` is the model's velocity for the samples ``rows``; micro-batch k of the global batch
     (``first_sample`` is this rank's first sample) draws its SDE noise from a generator seeded
-    ``sde_seed + k`` on the noise's device. ``keep_outputs`` stores every step's model output too.
+    ``sde_seed + k`` on the noise's device. ``stored_outputs`` keeps every step's model output too.
     """
     chunks = []
     for start in range(0, noise.shape[0], batch_size):
@@ -87,7 +89,7 @@ def sample_micro_batches(
                 kinds,
                 noise_level=noise_level,
                 generator=sde_gen,
-                keep_outputs=keep_outputs,
+                stored_outputs=stored_outputs,
             )
         )
     return Trajectory(
@@ -95,5 +97,5 @@ def sample_micro_batches(
         torch.cat([c.log_probs for c in chunks], dim=1),
         chunks[0].sigmas,
         chunks[0].kinds,
-        torch.cat([c.outputs for c in chunks], dim=1) if keep_outputs else None,
+        torch.cat([c.outputs for c in chunks], dim=1) if stored_outputs else None,
     )
