@@ -116,7 +116,7 @@ world-rl: $(STAMP) pretrain ## DanceGRPO + JAGG on the world, 180 iterations (~1
 	@# The committed results came from the paper-literal update (joint endpoints, every step forwarded); these two
 	@# overrides reproduce them bit for bit. The default (batched + stored outputs) is the same gradient up to
 	@# float rounding and faster, but a 180-iteration run then drifts from the committed numbers at rounding level.
-	$(PY) -m jagg.train --config configs/world/flux_dancegrpo.yaml --overwrite backward.endpoints=joint backward.reuse_rollout=false
+	$(PY) -m jagg.train --config configs/world/flux_dancegrpo.yaml --overwrite backward.graph_mode=joint backward.stored_outputs=false
 	$(PY) experiments/world_rl_report.py --run runs/world/flux_dancegrpo --markdown results/world_rl_eval.md
 
 figures: $(STAMP) ## Regenerate every table and figure from results/ alone (no training)

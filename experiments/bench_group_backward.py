@@ -1,4 +1,4 @@
-"""Benchmark: one group's backward, exact vs every JAGG endpoint mode, with and without stored outputs.
+"""Benchmark: one group's backward, exact vs every JAGG graph mode, with and without stored outputs.
 
 For each backbone and W, the variants (``variants(W)``, backward settings) run interleaved (rotating order) on the same group and the
 median wall time is reported, with the speed-up predicted by pass counting (the cost model
@@ -47,8 +47,10 @@ MODES = [(mode, stored) for mode in ("joint", "batched", "sequential") for store
 def variants(w: int) -> list[BackwardSetting]:
     """The compared settings of one group of ``w`` steps (labels: ``BackwardSetting.label``)."""
     group = lambda strategy: Routing(strategy=strategy, group_size=w, jagg_frac=1.0)  # noqa: E731
-    exact = BackwardSetting(routing=group("exact"), reuse_outputs=False)
-    return [exact] + [BackwardSetting(routing=group("jagg"), endpoints=m, reuse_outputs=r) for m, r in MODES]
+    exact = BackwardSetting(routing=group("exact"), stored_outputs=False)
+    return [exact] + [
+        BackwardSetting(routing=group("jagg"), graph_mode=m, stored_outputs=s) for m, s in MODES
+    ]
 
 
 def make_group(name: str, w: int, batch: int, size: int, seed: int):
@@ -135,7 +137,7 @@ def bench_one(name: str, w: int, repeats: int, batch: int, size: int, seed: int)
     c = per_pass_costs(bb, velocity, latents, sigmas, step_loss, repeats)
     ideal = {}
     for v in settings:
-        cost = v.cost(w, batch=latents.shape[1], stored=True)
+        cost = v.cost(w, batch=latents.shape[1], stored_outputs=True)
         no_grad = cost.forward_passes - cost.forward_passes_with_grad
         ideal[v] = (
             cost.forward_passes_with_grad * c["f_grad"]
@@ -154,8 +156,8 @@ def bench_one(name: str, w: int, repeats: int, batch: int, size: int, seed: int)
                 W=w,
                 variant=v.label,
                 strategy=v.routing.strategy,
-                endpoints="" if v.routing.strategy == "exact" else v.endpoints,
-                stored_outputs=v.reuse_outputs,
+                endpoints="" if v.routing.strategy == "exact" else v.graph_mode,  # the CSV's column names
+                stored_outputs=v.stored_outputs,
                 batch=batch,
                 latent=f"16x{size}x{size}",
                 params=sum(p.numel() for p in bb.parameters()),

@@ -37,9 +37,9 @@ PHASES = [  # table1.csv columns, stacked bottom to top
 PAPER_CONFIGS = ["flux_dancegrpo", "flux_flowgrpo_fast", "qwenimage_dancegrpo", "qwenimage_flowgrpo_fast"]
 MEMORY_MODES = [  # (label, backward overrides) of the memory figure
     ("exact", ["backward.strategy=exact"]),
-    ("jagg joint", ["backward.endpoints=joint"]),
-    ("jagg batched", ["backward.endpoints=batched"]),
-    ("jagg sequential", ["backward.endpoints=sequential"]),
+    ("jagg joint", ["backward.graph_mode=joint"]),
+    ("jagg batched", ["backward.graph_mode=batched"]),
+    ("jagg sequential", ["backward.graph_mode=sequential"]),
 ]
 
 
@@ -54,7 +54,7 @@ def _plt():
 
 def plot_phases(csv: Path, png: Path) -> None:
     """Time per iteration by phase (stacked: sampling, reward, update forward, update backward, other), one
-    panel per setup, one bar per strategy / endpoint mode (results/table1.csv)."""
+    panel per setup, one bar per strategy / graph mode (results/table1.csv)."""
     import pandas as pd
 
     plt = _plt()
@@ -150,21 +150,14 @@ def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> l
     from jagg.capacity.memory_model import GIB, memory_plan, meta_transformer
     from jagg.capacity.pass_plan import trained_steps_per_sample
     from jagg.config import load_config
-    from jagg.engine.routing import trajectory_cost
 
     rows = []
     for name in PAPER_CONFIGS:
         for label, overrides in MEMORY_MODES:
             cfg = load_config(configs / f"{name}.yaml", overrides)
-            backward = cfg.backward
-            routing = backward.planned_setting().routing  # auto: as the dry run plans it
-            cost = trajectory_cost(
-                routing.plans(trained_steps_per_sample(cfg)),
-                endpoints=backward.endpoints,
-                reuse_outputs=backward.reuse_rollout,
-                endpoint_signals=backward.endpoint_signals,
-            )
-            held = backward.strategy != "exact" and backward.endpoints == "joint"
+            setting = cfg.backward.planned_setting()  # auto: as the dry run plans it
+            cost = setting.cost(trained_steps_per_sample(cfg), stored_outputs=True)
+            held = setting.holds_gradients  # joint: the later graph's gradients wait unsharded
             model, _ = meta_transformer(cfg)
             mp = memory_plan(cfg, world_size, cost.graphs_alive, held, model)
             peak = mp.transient()  # update activations, a no-grad forward or the AdamW step
@@ -186,7 +179,7 @@ def memory_rows(configs: Path = Path("configs/paper"), world_size: int = 8) -> l
 
 
 def plot_memory(results: Path, png: Path) -> None:
-    """Memory per endpoint mode: (a) the dry-run plan per GPU for the four paper configs on 8 GPUs, against
+    """Memory per graph mode: (a) the dry-run plan per GPU for the four paper configs on 8 GPUs, against
     80 GB and 141 GB; (b) autograd-saved activations at peak measured on the CPU world (results/table1.csv)."""
     import pandas as pd
 

@@ -21,7 +21,7 @@ if the time left of ``--budget-s`` (default 480 s) is at least its own budget, s
    bandwidth) and load (bit-equal).
 7. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
    W = 3, jagg_frac 0.6) with ``BackwardSetting.backward`` for exact and JAGG in every
-   ``ENDPOINT_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
+   ``GRAPH_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
    backbones at the paper resolutions (Flux 720 px; Qwen-Image 720 and 512 px), with peak memory.
 
 "Update" is the gradient computation of one micro-batch (no optimizer step, which stage 6 times). Full-parameter
@@ -62,7 +62,7 @@ from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import TrainedSteps
 from jagg.engine.routing import Routing
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
-from jagg.engine.strategies import ENDPOINT_MODES, group_backward
+from jagg.engine.strategies import GRAPH_MODES, GraphRun, group_interpolation
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
 from jagg.scale.architectures import KNOWN_CONFIGS, VAE_SCALE
 from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
@@ -106,12 +106,12 @@ RESOLUTIONS = {
 TEXT_TOKENS = {"flux": _DANCE.model.max_sequence_length, "qwenimage": 128}
 TINY_LATENT = {720: 8, 512: 4}  # CPU stand-ins for 90x90 / 64x64 latents
 TINY_TEXT_TOKENS = 8
-# The paper config's backward (W, jagg_frac 0.6) in every endpoint mode, with and without stored outputs, and
+# The paper config's backward (W, jagg_frac 0.6) in every graph mode, with and without stored outputs, and
 # the exact baseline; labelled by ``BackwardSetting.label``.
 _SETTING = _DANCE.backward.fixed_setting()
 SETTINGS = [dataclasses.replace(_SETTING, routing=Routing(strategy="exact", group_size=GROUP_SIZE))] + [
-    dataclasses.replace(_SETTING, endpoints=mode, reuse_outputs=stored)
-    for mode in ENDPOINT_MODES
+    dataclasses.replace(_SETTING, graph_mode=mode, stored_outputs=stored)
+    for mode in GRAPH_MODES
     for stored in (False, True)
 ]
 
@@ -215,16 +215,15 @@ def _free(model: nn.Module | None, device) -> None:
 def run_variants(model, velocity, x, sigma, outputs, loss, device, deadline: float) -> list[dict]:
     """Time ``BackwardSetting.backward`` for every setting (after a short untimed warm-up) and record peak
     memory."""
-    with _autocast(device):  # kernels and allocator, outside the timing
-        group_backward(velocity, x[:1], sigma[:1], loss, "exact")
-        group_backward(
-            velocity, x[:GROUP_SIZE], sigma[:GROUP_SIZE], loss, "jagg", outputs=outputs[:GROUP_SIZE]
-        )
+    with _autocast(device):  # kernels and allocator, outside the timing: one plain step, one JAGG group
+        for strategy, w in (("exact", 1), ("jagg", GROUP_SIZE)):
+            plan = group_interpolation(strategy, sigma[:w])
+            GraphRun().run_plan(plan, velocity, x[:w], sigma[:w], loss, outputs[:w] if w > 1 else None)
     rows = []
     for setting in SETTINGS:
         strategy = setting.routing.strategy
-        row = dict(variant=setting.label, strategy=strategy, stored_outputs=setting.reuse_outputs)
-        row["endpoints"] = "" if strategy == "exact" else setting.endpoints
+        row = dict(variant=setting.label, strategy=strategy, stored_outputs=setting.stored_outputs)
+        row["endpoints"] = "" if strategy == "exact" else setting.graph_mode  # the CSV's column names
         if time.perf_counter() > deadline:
             rows.append({**row, "status": "skipped (time budget)"})
             continue

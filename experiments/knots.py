@@ -112,7 +112,15 @@ def measure(backbone: str, structure: str, args, progress: ProgressETA) -> tuple
             (r + 1) % len(losses)
         ]  # the measured placement comes from the OTHER rollout
         for k in (k for k in KNOT_COUNTS if k <= t):
-            chosen = calibrate_knots(cal_velocity, cal.x, cal.sigma, cal, trainer.params, count=k).chosen
+            chosen = calibrate_knots(
+                cal_velocity,
+                cal.x,
+                cal.sigma,
+                cal,
+                trainer.params,
+                count=k,
+                graph_mode=cfg.backward.graph_mode,
+            ).chosen
             compared[f"knots_auto/K{k}"] = ("knots_auto", k, chosen)
         interps = {name: routing.interpolation(loss.sigma) for name, (_, _, routing) in compared.items()}
         cosines = plan_gradient_cosines(velocity, loss.x, loss.sigma, loss, trainer.params, interps)
@@ -128,7 +136,7 @@ def measure(backbone: str, structure: str, args, progress: ProgressETA) -> tuple
                     size=size,
                     placement=getattr(routing, "placement", ""),
                     knots=",".join(map(str, interps[name].knots)),
-                    backward_passes=BackwardSetting(routing=routing, reuse_outputs=False)
+                    backward_passes=BackwardSetting(routing=routing, stored_outputs=False)
                     .cost(t)
                     .backward_passes,
                     cosine=cosines[name][0],

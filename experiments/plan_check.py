@@ -8,7 +8,7 @@ base, FSDP2 ``fully_shard`` per block with the bf16 / fp32-reduce policy) under 
 8-rank process group (``FakeStore``, backend ``fake``: collectives are no-ops). One micro-batch of the configured
 update (with ``train.grad_accum > 1`` a later one of the step, every gradient already allocated) then runs as the
 trainer runs it: ``BackwardSetting.backward`` with the configured strategy, group size,
-jagg_frac and endpoint mode (stored rollout outputs when ``backward.reuse_rollout``), bf16 autocast, the GRPO
+jagg_frac and graph mode (stored rollout outputs when ``backward.stored_outputs``), bf16 autocast, the GRPO
 step loss, grad-norm clipping and a foreach AdamW step. ``FSDPMemTracker`` records the per-rank peak by
 category (sharded / unsharded parameters, gradients, optimizer state, activations, temporaries, collectives).
 
@@ -297,7 +297,7 @@ def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss
         old_log_prob=torch.zeros(n_steps, b, device=device),
     )
     loss = a.step_loss(steps, torch.randn(b, device=device), scale=1.0 / (t.grad_accum * n_steps))
-    outputs = torch.randn(shape, device=device) if cfg.backward.reuse_rollout else None
+    outputs = torch.randn(shape, device=device) if cfg.backward.stored_outputs else None
     return cond, loss, outputs
 
 
@@ -550,7 +550,7 @@ def plan_terms(cfg: Config) -> dict[str, float]:
     from jagg.capacity.pass_plan import trained_steps_per_sample
 
     setting = backward.planned_setting()
-    cost = setting.cost(trained_steps_per_sample(cfg), batch=cfg.train.train_batch_size, stored=True)
+    cost = setting.cost(trained_steps_per_sample(cfg), batch=cfg.train.train_batch_size, stored_outputs=True)
     mp = memory_plan(
         cfg,
         WORLD_SIZE,

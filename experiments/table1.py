@@ -75,18 +75,10 @@ PAPER = {
 }
 
 
-def _setting(
-    strategy: str,
-    w: int,
-    frac: float,
-    endpoints: str = "batched",
-    stored: bool = True,
-    signals: str = "graph",
-):
-    routing = Routing(strategy=strategy, group_size=w, jagg_frac=frac)
-    return BackwardSetting(
-        routing=routing, endpoints=endpoints, reuse_outputs=stored, endpoint_signals=signals
-    )
+def _setting(strategy: str, w: int, frac: float, **how) -> BackwardSetting:
+    """Groups of ``w`` on ``strategy`` (the leading ``frac``), run ``how`` (``BackwardSetting``'s graph_mode,
+    stored_outputs, endpoint_signals; its defaults where not given)."""
+    return BackwardSetting(routing=Routing(strategy=strategy, group_size=w, jagg_frac=frac), **how)
 
 
 def strategies_for(cfg, algo: str) -> list[BackwardSetting]:
@@ -96,16 +88,16 @@ def strategies_for(cfg, algo: str) -> list[BackwardSetting]:
     w, f = cfg.backward.group_size, cfg.backward.jagg_frac
     rows = [
         _setting("exact", w, f),
-        _setting("jagg", w, f, "joint", stored=False),
-        _setting("jagg", w, f, "batched", stored=True),
-        _setting("jagg", w, f, "batched", stored=False),
-        _setting("jagg", w, f, "sequential", stored=True),
-        _setting("endpoints", w, f, "batched", stored=True),
+        _setting("jagg", w, f, graph_mode="joint", stored_outputs=False),
+        _setting("jagg", w, f, graph_mode="batched", stored_outputs=True),
+        _setting("jagg", w, f, graph_mode="batched", stored_outputs=False),
+        _setting("jagg", w, f, graph_mode="sequential", stored_outputs=True),
+        _setting("endpoints", w, f, graph_mode="batched", stored_outputs=True),
     ]
     if algo == "dancegrpo":
         rows += [
-            _setting("jagg", 4, f, "joint", stored=False),
-            _setting("jagg", 4, f, "batched", stored=True),
+            _setting("jagg", 4, f, graph_mode="joint", stored_outputs=False),
+            _setting("jagg", 4, f, graph_mode="batched", stored_outputs=True),
         ]
     return rows
 
@@ -218,16 +210,15 @@ def authors_settings(cfg) -> list[tuple[str, BackwardSetting]]:
     W + 2 forwards per block), our sequential backward without the 2 extra forwards, and this repository's
     default (batched + stored outputs) with both weight rules."""
     w = cfg.backward.group_size
+    authors = dict(graph_mode="sequential", stored_outputs=False)
+    ours = dict(graph_mode="batched", stored_outputs=True)
     return [
         ("exact baseline", _setting("exact", w, 1.0)),
-        ("authors' method", _setting("jagg_index", w, 1.0, "sequential", False, "nograd")),
-        ("authors' method, t-weights", _setting("jagg", w, 1.0, "sequential", False, "nograd")),
-        (
-            "authors' backward, endpoint signals from the graphs",
-            _setting("jagg_index", w, 1.0, "sequential", False),
-        ),
-        ("this repository's default, index weights", _setting("jagg_index", w, 1.0, "batched", True)),
-        ("this repository's default, t-weights", _setting("jagg", w, 1.0, "batched", True)),
+        ("authors' method", _setting("jagg_index", w, 1.0, **authors, endpoint_signals="nograd")),
+        ("authors' method, t-weights", _setting("jagg", w, 1.0, **authors, endpoint_signals="nograd")),
+        ("authors' backward, endpoint signals from the graphs", _setting("jagg_index", w, 1.0, **authors)),
+        ("this repository's default, index weights", _setting("jagg_index", w, 1.0, **ours)),
+        ("this repository's default, t-weights", _setting("jagg", w, 1.0, **ours)),
     ]
 
 
@@ -422,7 +413,7 @@ def _authors_section(args, argv, eta) -> None:
             continue
         # the rollout keeps its outputs so that the default rows can read them; each row's setting says
         # whether it does (the authors' rows do not)
-        keep = ["backward.reuse_rollout=true", *args.overrides]
+        keep = ["backward.stored_outputs=true", *args.overrides]
         cfg = timing_config(setup, scale=args.scale, quick=args.quick, overrides=keep, authors=True)
         trainer = Trainer(cfg, build_components(cfg), run_dir=Path("runs/table1"))
         settings = authors_settings(cfg)
@@ -779,7 +770,7 @@ PAPER_PCT = {  # the paper's reductions (PAPER), as numbers: (low, high)
 def plot(rows: list[dict], png: Path, meta: dict | None = None, results: Path = Path("results")) -> None:
     """One panel per setup: the reduction vs exact that the paper reports for it (DanceGRPO: per-iteration
     wall clock; Flow-GRPO-Fast: update phase), measured and predicted by pass counting, per strategy and
-    endpoint mode, with the paper's number as a line."""
+    graph mode, with the paper's number as a line."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -19,8 +19,9 @@ from torch import nn
 
 from jagg.common import command_line, run_metadata, set_threads, write_table
 from jagg.engine.grpo import GRPOStepLoss
+from jagg.engine.routing import BackwardSetting, Routing
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.engine.strategies import group_backward, t_weights
+from jagg.engine.strategies import t_weights
 from plotting import figure_footer, save_figure
 
 SHAPE = (4, 4, 4)  # (C, H, W) latent
@@ -62,7 +63,7 @@ def group_error(gamma: float, kappa: float, w: int, seed: int, batch: int = 4) -
     grads = {}
     for strategy in ("exact", "jagg", "endpoints", "uniform"):
         model.zero_grad(set_to_none=True)
-        group_backward(model, latents, sig[:w], step_loss, strategy)
+        BackwardSetting(routing=Routing(strategy=strategy, group_size=w)).backward(model, step_loss)
         grads[strategy] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     ref = grads["exact"]
     row = dict(gamma=gamma, kappa=kappa, W=w, seed=seed)

@@ -1,14 +1,17 @@
-"""Test helpers: small velocity fields, a GRPO step loss, and pass counters."""
+"""Test helpers: small velocity fields, a GRPO step loss, one group's backward setting, and pass counters."""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from jagg.engine.grpo import GRPOStepLoss, clipped_ppo_loss, gaussian_mean_kl
+from jagg.engine.routing import BackwardSetting, Routing
 from jagg.engine.sde import sde_step_with_logprob
 from jagg.models import TextCond, build_tiny_backbone
 
@@ -104,6 +107,25 @@ def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grp
         noise_level=noise,
         clip_range=0.2,
     )
+
+
+@dataclass(frozen=True)
+class Steps:
+    """A plain ``step_loss(j, v)`` of the T steps at ``x`` (T, B, ...) and times ``sigma`` (T,) or (T, B), as the
+    loss ``BackwardSetting.backward`` reads (a ``GRPOStepLoss`` is one already)."""
+
+    x: torch.Tensor
+    sigma: torch.Tensor
+    step_loss: Callable[[int, torch.Tensor], torch.Tensor]
+
+    def __call__(self, j: int, v: torch.Tensor) -> torch.Tensor:
+        return self.step_loss(j, v)
+
+
+def one_group(strategy: str, w: int, **how) -> BackwardSetting:
+    """The backward of all ``w`` steps of a micro-batch as one group on ``strategy`` (one step: exact), run
+    ``how`` (``BackwardSetting``'s graph_mode, endpoint_signals, ...; its defaults where not given)."""
+    return BackwardSetting(routing=Routing(strategy=strategy, group_size=max(w, 2)), **how)
 
 
 def previous_step_loss(x, x_next, s, s_next, old_lp, adv, a: dict, ref_velocity, scale, log):

@@ -3,7 +3,7 @@
 
 Invariants: jagg_index == jagg where a group's times are evenly spaced and at W = 2; jagg_index is NOT exact for
 a linear velocity on the chord under a shifted schedule while jagg is (Theorem 1 needs the t-weights); our
-``trajectory_backward`` with jagg_index plans and ``endpoints="sequential"`` without stored outputs equals an
+backward with jagg_index groups and ``graph_mode="sequential"`` without stored outputs equals an
 independent re-implementation of the authors' ``grpo_group_backward`` loop (written here from reading
 ``fastvideo/train_grpo_qwenimage_jagg.py``); contiguous_groups trains whole blocks of W consecutive steps,
 drawn from the iteration's generator, and every planned group is one block.
@@ -17,13 +17,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import grads_of, make_grpo_step_loss, make_model, rel_err, straight_path_latents
+from helpers import (
+    Steps,
+    grads_of,
+    make_grpo_step_loss,
+    make_model,
+    one_group,
+    rel_err,
+    straight_path_latents,
+)
 from jagg.config import AlgorithmConfig, BackwardConfig, load_config
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.routing import plan_groups, trajectory_backward
+from jagg.engine.routing import BackwardSetting, Routing, plan_groups
 from jagg.engine.sde import shifted_linear_sigmas
-from jagg.engine.strategies import ENDPOINT_MODES, group_backward, jagg_index_weights, jagg_weights
+from jagg.engine.strategies import GRAPH_MODES, jagg_index_weights, jagg_weights
 from jagg.errors import ConfigError
 
 AUTHORS = "configs/paper/qwenimage_dancegrpo_authors.yaml"
@@ -39,10 +47,16 @@ def setup(name, sigmas, *, seed=0, batch=2):
     return module, velocity, latents, sigmas[:w], step_loss
 
 
-def grad(strategy, module, velocity, latents, sigmas, step_loss, **kw):
+def grad(strategy, module, velocity, latents, sigmas, step_loss, **how):
     module.zero_grad(set_to_none=True)
-    group_backward(velocity, latents, sigmas, step_loss, strategy, **kw)
+    one_group(strategy, latents.shape[0], **how).backward(velocity, Steps(latents, sigmas, step_loss))
     return grads_of(module)
+
+
+def authors_setting(strategy: str, **how) -> BackwardSetting:
+    """Every group of 4 on ``strategy``, the graphs one at a time, no stored outputs (the authors' backward)."""
+    routing = Routing(strategy=strategy, group_size=4, jagg_frac=1.0)
+    return BackwardSetting(routing=routing, graph_mode="sequential", stored_outputs=False, **how)
 
 
 # --------------------------------------------------------------------------- the weight rule
@@ -77,41 +91,41 @@ def test_index_weights_are_the_step_index_and_equal_t_weights_on_even_spacing():
 
 
 @pytest.mark.parametrize("name", ["mlp", "flux"])
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
-def test_jagg_index_equals_jagg_where_the_times_are_evenly_spaced(name, endpoints):
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
+def test_jagg_index_equals_jagg_where_the_times_are_evenly_spaced(name, graph_mode):
     sigmas = torch.linspace(
         0.95, 0.35, 5, dtype=torch.float64
     )  # W = 4 steps, evenly spaced, and the next time
     module, velocity, latents, sig, step_loss = setup(name, sigmas)
-    g_jagg = grad("jagg", module, velocity, latents, sig, step_loss, endpoints=endpoints)
-    g_index = grad("jagg_index", module, velocity, latents, sig, step_loss, endpoints=endpoints)
+    g_jagg = grad("jagg", module, velocity, latents, sig, step_loss, graph_mode=graph_mode)
+    g_index = grad("jagg_index", module, velocity, latents, sig, step_loss, graph_mode=graph_mode)
     g_exact = grad("exact", module, velocity, latents, sig, step_loss)
     assert g_jagg.norm() > 0 and rel_err(g_jagg, g_exact) > 1e-6  # a real approximation, not exact
     assert rel_err(g_index, g_jagg) < 1e-12
 
 
 @pytest.mark.parametrize("w", [3, 4, 6])
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
-def test_theorem1_holds_for_t_weights_and_fails_for_index_weights_under_a_shifted_schedule(w, endpoints):
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
+def test_theorem1_holds_for_t_weights_and_fails_for_index_weights_under_a_shifted_schedule(w, graph_mode):
     """Linear velocity, latents on the chord: jagg is exact; with shift 3 the times of a group are uneven, so
     alpha_j = j / (W - 1) puts the intermediate signals at the wrong point of the chord."""
     sigmas = shifted_linear_sigmas(20, 3.0)[2 : w + 3]  # W steps of the authors' schedule and the next time
     module, velocity, latents, sig, step_loss = setup("linear", sigmas)
     g_exact = grad("exact", module, velocity, latents, sig, step_loss)
-    g_jagg = grad("jagg", module, velocity, latents, sig, step_loss, endpoints=endpoints)
-    g_index = grad("jagg_index", module, velocity, latents, sig, step_loss, endpoints=endpoints)
+    g_jagg = grad("jagg", module, velocity, latents, sig, step_loss, graph_mode=graph_mode)
+    g_index = grad("jagg_index", module, velocity, latents, sig, step_loss, graph_mode=graph_mode)
     assert rel_err(g_jagg, g_exact) < 1e-10
     assert rel_err(g_index, g_exact) > 1e-4
 
 
 @pytest.mark.parametrize("name", ["mlp", "linear", "qwenimage"])
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
-def test_jagg_index_is_exact_at_w2_for_any_model(name, endpoints):
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
+def test_jagg_index_is_exact_at_w2_for_any_model(name, graph_mode):
     sigmas = shifted_linear_sigmas(20, 3.0)[5:8]
     module, velocity, latents, sig, step_loss = setup(name, sigmas)
     g_exact = grad("exact", module, velocity, latents, sig, step_loss)
     assert (
-        rel_err(grad("jagg_index", module, velocity, latents, sig, step_loss, endpoints=endpoints), g_exact)
+        rel_err(grad("jagg_index", module, velocity, latents, sig, step_loss, graph_mode=graph_mode), g_exact)
         < 1e-10
     )
 
@@ -126,14 +140,10 @@ def test_jagg_index_with_per_sample_times_matches_separate_calls():
     g_batch = grad("jagg_index", module, velocity, latents, sig, lambda j, v: ((v - target[j]) ** 2).mean())
     module.zero_grad(set_to_none=True)
     for i in range(2):
-        group_backward(
-            velocity,
-            latents[:, i : i + 1],
-            sig[:, i],
-            lambda j, v, i=i: ((v - target[j, i : i + 1]) ** 2).mean() / 2,
-            "jagg_index",
-            endpoints="sequential",
+        loss_i = Steps(
+            latents[:, i : i + 1], sig[:, i], lambda j, v, i=i: ((v - target[j, i : i + 1]) ** 2).mean() / 2
         )
+        one_group("jagg_index", 4, graph_mode="sequential").backward(velocity, loss_i)
     assert g_batch.norm() > 0 and rel_err(grads_of(module), g_batch) < 1e-12
 
 
@@ -198,7 +208,7 @@ def authors_rollout(velocity, sigmas, shape, seed):
 def test_our_sequential_jagg_index_equals_the_authors_group_backward(name):
     """One sample of the authors' recipe: 21 steps (shift 3, eta 0.3), 3 random blocks of 4 of the first 20,
     weights moved off the rollout's (as after an optimizer step, so the PPO ratios are not 1), loss scale
-    1 / (grad_accum * 12). Ours: DanceGRPO(contiguous_groups) picks the steps, ``trajectory_backward``
+    1 / (grad_accum * 12). Ours: DanceGRPO(contiguous_groups) picks the steps, ``BackwardSetting.backward``
     (jagg_index, sequential, no stored outputs) runs them through ``GRPOStepLoss``. Equal to ~1e-12."""
     module, velocity, shape = make_model(name, batch=1, seed=1)
     sigmas = shifted_linear_sigmas(21, 3.0)
@@ -216,14 +226,7 @@ def test_our_sequential_jagg_index_equals_the_authors_group_backward(name):
     grad_accum = 8
     loss = _dance_step_loss(latents, sigmas, old_lp, steps, adv, scale=1 / (grad_accum * 12))
     module.zero_grad(set_to_none=True)
-    stats = trajectory_backward(
-        velocity,
-        loss.x,
-        loss.sigma,
-        loss,
-        plan_groups(12, 4, 1.0, "jagg_index"),
-        endpoints="sequential",
-    )
+    stats = authors_setting("jagg_index").backward(velocity, loss)
     ours = grads_of(module)
     assert stats.backward_calls == 6 and stats.strategy == "jagg_index"
     module.zero_grad(set_to_none=True)
@@ -241,14 +244,7 @@ def test_our_sequential_jagg_index_equals_the_authors_group_backward(name):
     assert (ratio / torch.exp(old_lp[i]) - 1).abs().max() > 1e-6  # off-policy: the ratio is not trivially 1
     # the comparison tells the weight rules apart: the t-weights give another gradient on this schedule
     module.zero_grad(set_to_none=True)
-    trajectory_backward(
-        velocity,
-        loss.x,
-        loss.sigma,
-        loss,
-        plan_groups(12, 4, 1.0, "jagg"),
-        endpoints="sequential",
-    )
+    authors_setting("jagg").backward(velocity, loss)
     assert rel_err(grads_of(module), theirs) > 1e-4
     assert theirs.norm() > 0 and rel_err(ours, theirs) < 1e-12
 
@@ -373,7 +369,7 @@ def test_authors_config_follows_run_jagg_sh():
         5.0,
         True,
     )
-    assert (b.strategy, b.group_size, b.jagg_frac, b.endpoints, b.reuse_rollout) == (
+    assert (b.strategy, b.group_size, b.jagg_frac, b.graph_mode, b.stored_outputs) == (
         "jagg_index",
         4,
         1.0,
@@ -395,12 +391,12 @@ def test_authors_config_follows_run_jagg_sh():
     for world in ("flux", "qwenimage"):
         w = load_config(f"configs/world/{world}_dancegrpo_authors.yaml")
         assert (w.sampling.num_steps, w.backward.group_size, w.algorithm.noise_level) == (21, 4, 0.3)
-        assert (w.backward.strategy, w.backward.endpoints, w.algorithm.step_selection) == (
+        assert (w.backward.strategy, w.backward.graph_mode, w.algorithm.step_selection) == (
             "jagg_index",
             "sequential",
             "contiguous_groups",
         )
-        assert w.model.backbone == world and w.model.gradient_checkpointing and not w.backward.reuse_rollout
+        assert w.model.backbone == world and w.model.gradient_checkpointing and not w.backward.stored_outputs
 
 
 def test_algorithm_without_backward_config_refuses_contiguous_groups():
@@ -431,15 +427,7 @@ def test_nograd_endpoint_signals_run_the_authors_forward_count():
     for signals in ("graph", "nograd"):
         calls.clear()
         module.zero_grad(set_to_none=True)
-        stats = trajectory_backward(
-            counted,
-            loss.x,
-            loss.sigma,
-            loss,
-            plan_groups(4, 4, 1.0, "jagg_index"),
-            endpoints="sequential",
-            endpoint_signals=signals,
-        )
+        stats = authors_setting("jagg_index", endpoint_signals=signals).backward(counted, loss)
         counts[signals] = (len(calls), sum(calls), stats.forward_passes)
         assert rel_err(grads_of(module), theirs) < 1e-12
     assert (len(their_calls), sum(their_calls)) == (6, 2)

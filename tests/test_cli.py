@@ -304,6 +304,48 @@ def test_resume_auto_starts_fresh_only_where_nothing_is_lost(tmp_path, capsys):
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
 
 
+# --------------------------------------------------------------------------- renamed keys keep loading
+def test_renamed_keys_load_as_their_new_names(tmp_path, capsys):
+    """backward.endpoints and backward.reuse_rollout, the old names of backward.graph_mode and
+    backward.stored_outputs, mean the same in a file, in an inheriting file and on the command line; one file
+    giving both names is an error naming them."""
+    new = load_config(WORLD, ["backward.graph_mode=joint", "backward.stored_outputs=false"])
+    old_file = tmp_path / "old.yaml"
+    old_file.write_text(
+        f"inherit: {Path(WORLD).resolve()}\nbackward: {{endpoints: joint, reuse_rollout: false}}\n"
+    )
+    assert load_config(old_file) == new
+    assert load_config(WORLD, ["backward.endpoints=joint", "backward.reuse_rollout=false"]) == new
+    assert load_config(old_file).backward.graph_mode == "joint" and not new.backward.stored_outputs
+    child = tmp_path / "child.yaml"  # a new key in a file over an old one in its parent: the child wins
+    child.write_text("inherit: old.yaml\nbackward: {graph_mode: sequential}\n")
+    assert load_config(child).backward.graph_mode == "sequential"
+    assert load_config(old_file, ["backward.graph_mode=sequential"]) == load_config(child)
+    both = tmp_path / "both.yaml"
+    both.write_text("backward: {endpoints: joint, graph_mode: joint}\n")
+    err = _fails(capsys, ["--config", str(both), f"log.run_dir={tmp_path / 'run'}"])
+    assert "backward.endpoints is the old name of backward.graph_mode" in err
+
+
+def test_resume_reads_a_run_json_written_under_the_old_key_names(tmp_path, capsys):
+    """A run started before the rename stored backward.endpoints / backward.reuse_rollout in run.json: resuming
+    it with the same config is no config change, and a real change is still refused under the new name."""
+    run_dir = tmp_path / "run"
+    cli = ["--config", WORLD, *TINY, f"log.run_dir={run_dir}"]
+    assert main(cli) == 0
+    meta = _meta(run_dir)
+    backward = meta["config"]["backward"]
+    backward["endpoints"], backward["reuse_rollout"] = (
+        backward.pop("graph_mode"),
+        backward.pop("stored_outputs"),
+    )
+    (run_dir / "run.json").write_text(json.dumps(meta))
+    assert main([*cli, "--resume", "train.iterations=2"]) == 0
+    assert _meta(run_dir)["resumes"][0]["config_changes"] == {"train.iterations": [1, 2]}
+    err = _fails(capsys, [*cli, "--resume", "train.iterations=3", "backward.graph_mode=joint"])
+    assert "backward.graph_mode: 'batched' -> 'joint'" in err and "endpoints" not in err
+
+
 # --------------------------------------------------------------------------- issue 29: inputs checked before anything runs
 def test_inherit_cycle_is_one_line(tmp_path, capsys):
     (tmp_path / "a.yaml").write_text("inherit: b.yaml\ntrain: {iterations: 2}\n")

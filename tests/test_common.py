@@ -1,5 +1,5 @@
 """``jagg.common`` plumbing: atomic writes keep the umask's permissions and are fsynced; run metadata records
-the versions of every library that can change a number."""
+the versions of every library that can change a number; a renamed keyword is still taken under its old name."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from jagg import common
-from jagg.common import ProgressETA, atomic_write_text, format_seconds, run_metadata, write_table
+from jagg.common import (
+    ProgressETA,
+    atomic_write_text,
+    format_seconds,
+    run_metadata,
+    write_table,
+)
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])

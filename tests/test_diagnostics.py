@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_grpo_step_loss, make_model, straight_path_latents
+from helpers import Steps, make_grpo_step_loss, make_model, one_group, straight_path_latents
 from jagg.engine.diagnostics import GroupCosine, flat_grad, group_gradient_cosines, route_by_cosine
 from jagg.engine.routing import plan_groups
-from jagg.engine.strategies import group_backward
 
 SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08], dtype=torch.float64)
 
@@ -42,7 +41,7 @@ def test_groups_follow_plan_groups_and_theorem_1():
 
 
 def test_equals_a_hand_cut_measurement_bit_for_bit_and_leaves_grads_alone():
-    """The numbers are those of cutting the groups by hand and running ``group_backward`` from zero gradients
+    """The numbers are those of cutting the groups by hand and running each as one group from zero gradients
     (what experiments/cosine.py did inline); the caller's ``.grad`` comes back untouched."""
     module, velocity, latents, sig, step_loss = _problem("mlp")
     params = list(module.parameters())
@@ -59,9 +58,8 @@ def test_equals_a_hand_cut_measurement_bit_for_bit_and_leaves_grads_alone():
         grads = {}
         for strategy in ("exact", "jagg", "uniform"):
             module.zero_grad(set_to_none=True)
-            group_backward(
-                velocity, latents[idx], sig[idx], lambda j, v, idx=idx: step_loss(idx[j], v), strategy
-            )
+            group_loss = Steps(latents[idx], sig[idx], lambda j, v, idx=idx: step_loss(idx[j], v))
+            one_group(strategy, len(idx)).backward(velocity, group_loss)
             grads[strategy] = flat_grad(params).double()
         for strategy in ("jagg", "uniform"):
             cos = torch.nn.functional.cosine_similarity(grads[strategy], grads["exact"], dim=0).item()

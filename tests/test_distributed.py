@@ -56,7 +56,7 @@ def _problem():
     return model, group
 
 
-# (strategy, endpoint mode, stored outputs): exact, the paper-literal JAGG, and the two new modes (stored outputs:
+# (strategy, graph mode, stored outputs): exact, the paper-literal JAGG, and the two new modes (stored outputs:
 # the rollout's intermediate outputs, so only the endpoint forwards run).
 VARIANTS = [
     ("exact", "batched", False),
@@ -66,8 +66,8 @@ VARIANTS = [
 ]
 
 
-def key_of(strategy: str, endpoints: str, stored: bool, rab: bool) -> str:
-    return f"{strategy}/{endpoints}/stored={stored}/reshard_after_backward={rab}"
+def key_of(strategy: str, graph_mode: str, stored: bool, rab: bool) -> str:
+    return f"{strategy}/{graph_mode}/stored={stored}/reshard_after_backward={rab}"
 
 
 @contextmanager
@@ -97,17 +97,18 @@ def _outputs(velocity, lat, sig):
 
 def fsdp_worker(rank: int, out_dir: str) -> None:
     """One rank (run by ``dist_harness.run_ranks``, which owns the process group)."""
-    from jagg.engine.strategies import group_backward
+    from helpers import Steps, one_group
     from jagg.scale.distributed import CollectiveCounter, fsdp_units, full_grads, shard_backbone
 
     rows = list(range(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD))
     result = {}
-    for strategy, endpoints, stored in VARIANTS:
+    for strategy, graph_mode, stored in VARIANTS:
+        setting = one_group(strategy, W, graph_mode=graph_mode)
         # single-process reference on the global batch
         ref, group = _problem()
         lat, sig, cond, loss = group(list(range(B_GLOBAL)))
         outputs = _outputs(ref.bind(cond), lat, sig) if stored else None
-        group_backward(ref.bind(cond), lat, sig, loss, strategy, endpoints=endpoints, outputs=outputs)
+        setting.backward(ref.bind(cond), Steps(lat, sig, loss), outputs)
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         for reshard_after_backward in (True, False):
             sharded, group = _problem()
@@ -119,18 +120,18 @@ def fsdp_worker(rank: int, out_dir: str) -> None:
             velocity = sharded.bind(cond)
             outputs = _outputs(velocity, lat, sig) if stored else None  # the rollout's, not counted
             with CollectiveCounter() as counts, count_post_backward() as post:
-                group_backward(velocity, lat, sig, loss, strategy, endpoints=endpoints, outputs=outputs)
+                setting.backward(velocity, Steps(lat, sig, loss), outputs)
             grads = full_grads(sharded)
             diff = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
             scale = max(g.abs().max().item() for g in ref_grads.values())
-            result[key_of(strategy, endpoints, stored, reshard_after_backward)] = dict(
+            result[key_of(strategy, graph_mode, stored, reshard_after_backward)] = dict(
                 counts=dict(counts),
                 units=len(units),
                 post_backward=sorted(post.values()),
                 max_abs_diff=diff,
                 max_abs_grad=scale,
             )
-        torch.save(ref_grads, os.path.join(out_dir, f"ref_{strategy}_{endpoints}_{rank}.pt"))
+        torch.save(ref_grads, os.path.join(out_dir, f"ref_{strategy}_{graph_mode}_{rank}.pt"))
     save_rank_result(out_dir, rank, result)
 
 
@@ -216,22 +217,23 @@ def control_worker(rank: int, out_dir: str) -> None:
     """The positive control (train.control_cosine) on sharded gradients: the same exact gradient as one
     process, degraded with the direction drawn at full size and cut to each rank's shard; the dot products are
     local sums all-reduced (jagg.engine.control). The gathered result must equal one process's."""
+    from helpers import Steps, one_group
     from jagg.common import SeedStream, generator
     from jagg.engine.control import degrade_gradients, random_direction
-    from jagg.engine.strategies import group_backward
     from jagg.scale.distributed import full_grads, shard_backbone
 
     rows = list(range(rank * B_GLOBAL // WORLD, (rank + 1) * B_GLOBAL // WORLD))
+    exact_backward = one_group("exact", W)
     ref, group = _problem()
     lat, sig, cond, loss = group(list(range(B_GLOBAL)))
-    group_backward(ref.bind(cond), lat, sig, loss, "exact")
+    exact_backward.backward(ref.bind(cond), Steps(lat, sig, loss))
     exact = {n: p.grad.clone() for n, p in ref.named_parameters()}
     trained = [p for p in ref.parameters() if p.requires_grad]
     coef_ref = degrade_gradients(trained, random_direction(trained, generator(3, SeedStream.CONTROL)), 0.5)
     sharded, group = _problem()
     shard_backbone(sharded)
     lat, sig, cond, loss = group(rows)
-    group_backward(sharded.bind(cond), lat, sig, loss, "exact")
+    exact_backward.backward(sharded.bind(cond), Steps(lat, sig, loss))
     params = [p for p in sharded.parameters() if p.requires_grad]
     coef = degrade_gradients(params, random_direction(params, generator(3, SeedStream.CONTROL)), 0.5)
     grads = full_grads(sharded)
@@ -257,7 +259,7 @@ def fidelity_worker(rank: int, out_dir: str) -> None:
     """log.fidelity_every's comparison (jagg.plugins.fidelity.compare_to_exact) on sharded gradients: a JAGG group
     against exact's shadow through all-reduced sums (no rank gathers a full gradient); one process's
     comparison of the full batch is the reference."""
-    from jagg.engine.strategies import group_backward
+    from helpers import Steps, one_group
     from jagg.plugins.fidelity import compare_to_exact
     from jagg.scale.distributed import shard_backbone
 
@@ -268,9 +270,10 @@ def fidelity_worker(rank: int, out_dir: str) -> None:
         if shard:
             shard_backbone(model)
         lat, sig, cond, loss = group(model_rows)
-        group_backward(model.bind(cond), lat, sig, loss, "jagg")
+        steps = Steps(lat, sig, loss)
+        one_group("jagg", W).backward(model.bind(cond), steps)
         params = [p for p in model.parameters() if p.requires_grad]
-        exact = lambda: group_backward(model.bind(cond), lat, sig, loss, "exact")  # noqa: E731
+        exact = lambda: one_group("exact", W).backward(model.bind(cond), steps)  # noqa: E731
         out[name] = compare_to_exact(params, exact)
         out[name + "_sharded"] = sum(hasattr(p, "device_mesh") for p in params)
     save_rank_result(out_dir, rank, out, name="fidelity")
@@ -305,7 +308,7 @@ def knots_worker(rank: int, out_dir: str) -> None:
     knots = Knots(count=3, placement="index")
     ref, group = _problem()
     lat, sig, cond, loss = group(list(range(B_GLOBAL)))
-    run = dict(endpoints="batched", endpoint_signals="graph")
+    run = dict(graph_mode="batched", endpoint_signals="graph")
     interpolated_backward(ref.bind(cond), lat, sig, loss, knots.interpolation(sig), **run)
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     sharded, group = _problem()

@@ -189,7 +189,6 @@ def test_memory_plan_replicated_frozen_base(config):
     adapters' blocks in flight, and no all-gather of a base weight (rollout and update, per iteration)."""
     from jagg.capacity.memory_model import all_gather_bytes, meta_transformer
     from jagg.capacity.pass_plan import trained_steps_per_sample
-    from jagg.engine.routing import trajectory_cost
 
     sharded = _plan(config, "model.shard_frozen_base=true")
     replicated = _plan(config, "model.shard_frozen_base=false")
@@ -210,7 +209,7 @@ def test_memory_plan_replicated_frozen_base(config):
         grown * 1.02, rel=1e-9
     )  # + its fragmentation
     setting = cfg.backward.fixed_setting()
-    cost = trajectory_cost(setting.routing.plans(trained_steps_per_sample(cfg)), endpoints=setting.endpoints)
+    cost = setting.cost(trained_steps_per_sample(cfg))
     gathered = {
         x: all_gather_bytes(load_config(config, [f"model.shard_frozen_base={x}"]), model, cost.all_gathers, 8)
         for x in ("true", "false")
@@ -260,7 +259,7 @@ def test_dry_run_of_the_authors_recipe(capsys):
     authors' W + 2 per block): 18 forwards (6 with autograd), 6 backward calls, 8 all-gathers per block."""
     assert main(["--config", AUTHORS, "--dry-run", "--world-size", "8"]) == 0
     out = capsys.readouterr().out
-    assert "W=4, jagg_frac=1.0, endpoints=sequential, reuse_rollout=False, endpoint_signals=nograd" in out
+    assert "W=4, jagg_frac=1.0, graph_mode=sequential, stored_outputs=False, endpoint_signals=nograd" in out
     assert "trained steps per sample           12 of 21" in out
     for g in range(3):
         assert (

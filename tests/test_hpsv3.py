@@ -190,7 +190,6 @@ def test_dry_run_plan_counts_hpsv3_and_imagereward():
     from jagg.capacity.memory_model import memory_plan
     from jagg.capacity.pass_plan import trained_steps_per_sample
     from jagg.config import load_config
-    from jagg.engine.routing import trajectory_cost
     from jagg.scale.architectures import AUX_MODELS, aux_params
 
     cfg = load_config(
@@ -202,7 +201,7 @@ def test_dry_run_plan_counts_hpsv3_and_imagereward():
         ],
     )
     setting = cfg.backward.fixed_setting()
-    cost = trajectory_cost(setting.routing.plans(trained_steps_per_sample(cfg)), endpoints=setting.endpoints)
+    cost = setting.cost(trained_steps_per_sample(cfg))
     gpu = memory_plan(cfg, 8, cost.graphs_alive, False).gpu
     assert gpu[AUX_MODELS["hpsv3"][0]] == 2 * aux_params("hpsv3")
     assert gpu[AUX_MODELS["imagereward"][0]] == 4 * aux_params("imagereward")

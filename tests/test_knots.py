@@ -13,6 +13,7 @@ import torch
 
 from helpers import (
     MODEL_NAMES,
+    Steps,
     count_passes,
     grads_of,
     make_grpo_step_loss,
@@ -21,8 +22,8 @@ from helpers import (
     straight_path_latents,
 )
 from jagg.engine.knots import PLACEMENTS, Knots, hat_weights
-from jagg.engine.routing import BackwardSetting, Routing, plan_cost, trajectory_backward
-from jagg.engine.strategies import ENDPOINT_MODES, ENDPOINT_SIGNALS, Interpolation, interpolated_backward
+from jagg.engine.routing import BackwardSetting, Routing, plan_cost
+from jagg.engine.strategies import ENDPOINT_SIGNALS, GRAPH_MODES, Interpolation, interpolated_backward
 
 # 9 steps of a shifted schedule (non-uniform in t, so t- and index-spacing differ)
 SIGMAS = torch.tensor([0.97, 0.9, 0.81, 0.71, 0.6, 0.47, 0.33, 0.19, 0.08, 0.02], dtype=torch.float64)
@@ -38,7 +39,7 @@ def setup(name, *, seed=0, sigmas=SIGMAS):
 
 def run(module, velocity, latents, sigmas, loss, plan, **kw):
     module.zero_grad(set_to_none=True)
-    kw = {"endpoints": "batched", "endpoint_signals": "graph", **kw}
+    kw = {"graph_mode": "batched", "endpoint_signals": "graph", **kw}
     stats = interpolated_backward(velocity, latents, sigmas, loss, plan, **kw)
     return grads_of(module), stats
 
@@ -88,9 +89,9 @@ def test_knots_gradient_equals_the_oracle(name, placement, count):
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
 @pytest.mark.parametrize("stored", [False, True])
-def test_every_step_a_knot_is_exact(name, endpoints, stored):
+def test_every_step_a_knot_is_exact(name, graph_mode, stored):
     module, velocity, latents, sigmas, loss = setup(name)
     plan = Knots(count=T, placement="low_noise").interpolation(sigmas)
     assert plan.knots == tuple(range(T)) and torch.equal(plan.weights, torch.eye(T, dtype=torch.float64))
@@ -98,7 +99,7 @@ def test_every_step_a_knot_is_exact(name, endpoints, stored):
     if stored:
         with torch.no_grad():
             outputs = torch.stack([velocity(latents[j], sigmas[j]) for j in range(T)])
-    g, stats = run(module, velocity, latents, sigmas, loss, plan, endpoints=endpoints, outputs=outputs)
+    g, stats = run(module, velocity, latents, sigmas, loss, plan, graph_mode=graph_mode, outputs=outputs)
     assert rel_err(g, exact_grad(module, velocity, latents, sigmas, loss)) < 1e-12
     assert stats.backward_passes == T
 
@@ -128,7 +129,8 @@ def test_knots_at_jagg_group_ends_equal_jagg(name):
     plan = Interpolation((0, 3, 4, 7), hat_weights(sigmas, (0, 3, 4, 7)), ((0, 1, 2, 3),), "knots")
     g_knots, _ = run(module, velocity, latents, sigmas, loss, plan)
     module.zero_grad(set_to_none=True)
-    trajectory_backward(velocity, latents, sigmas, loss, Routing(strategy="jagg", group_size=4).plans(8))
+    groups = BackwardSetting(routing=Routing(strategy="jagg", group_size=4))
+    groups.backward(velocity, Steps(latents, sigmas, loss))  # the first 8 of the loss's 9 steps
     g_jagg = grads_of(module)
     assert rel_err(g_knots, g_jagg) < 1e-12
     # with a step between two groups (knots 0, 3, 5, 7 on 8 steps) the two differ
@@ -164,7 +166,7 @@ def test_per_sample_times_match_separate_calls():
             sig[:, i],
             loss_i,
             one,
-            endpoints="joint",
+            graph_mode="joint",
             endpoint_signals="graph",
         )
     assert rel_err(grads_of(module), g_batch) < 1e-12
@@ -189,11 +191,11 @@ def test_placement_rules():
         Knots(count=3, placement="bogus")
 
 
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
 @pytest.mark.parametrize("signals", ENDPOINT_SIGNALS)
 @pytest.mark.parametrize("stored", [False, True])
 @pytest.mark.parametrize("max_rows", [None, 2, 5])
-def test_pass_counts_equal_the_cost_model(endpoints, signals, stored, max_rows):
+def test_pass_counts_equal_the_cost_model(graph_mode, signals, stored, max_rows):
     """Hooks count forwards (with / without grad), graphs and backward calls; ``plan_cost`` predicts them."""
     module, velocity, latents, sigmas, loss = setup("mlp")  # counting needs no transformer (tested above)
     b = latents.shape[1]
@@ -210,13 +212,18 @@ def test_pass_counts_equal_the_cost_model(endpoints, signals, stored, max_rows):
             sigmas,
             loss,
             plan,
-            endpoints=endpoints,
+            graph_mode=graph_mode,
             endpoint_signals=signals,
             outputs=outputs,
             max_rows=max_rows,
         )
     cost = plan_cost(
-        plan, endpoints=endpoints, reuse_outputs=stored, endpoint_signals=signals, max_rows=max_rows, batch=b
+        plan,
+        graph_mode=graph_mode,
+        stored_outputs=stored,
+        endpoint_signals=signals,
+        max_rows=max_rows,
+        batch=b,
     )
     assert stats.backward_passes == cost.backward_passes == 4
     assert stats.forward_calls == counts["forward"] == cost.forward_calls
@@ -224,11 +231,11 @@ def test_pass_counts_equal_the_cost_model(endpoints, signals, stored, max_rows):
     assert stats.backward_calls == counts["backward_calls"] == cost.backward_calls
     for key in ("forward_passes", "forward_passes_with_grad", "forwards_skipped"):
         assert getattr(stats, key) == getattr(cost, key), key
-    if endpoints == "batched" and max_rows is None:  # ONE forward with a graph and ONE backward
+    if graph_mode == "batched" and max_rows is None:  # ONE forward with a graph and ONE backward
         assert counts["forward_grad"] == 1 and counts["backward_calls"] == 1
         detached = 0 if stored else (T if signals == "nograd" else T - 4)
         assert counts["forward"] == detached + 1
-    if endpoints == "batched" and max_rows == 5:  # 5 rows of B = 2: chunks of 2 knots
+    if graph_mode == "batched" and max_rows == 5:  # 5 rows of B = 2: chunks of 2 knots
         assert counts["backward_calls"] == 2 and cost.graphs_alive == 2
 
 
@@ -236,7 +243,7 @@ def test_setting_backward_and_cost_for_knots_and_groups():
     """``BackwardSetting.backward`` runs the routing's plan; its ``cost`` predicts the run."""
     module, velocity, latents, sigmas, loss = setup("mlp")
     for routing in (Knots(count=4, placement="time"), Routing(strategy="jagg", group_size=3, jagg_frac=0.6)):
-        setting = BackwardSetting(routing=routing, reuse_outputs=False)
+        setting = BackwardSetting(routing=routing, stored_outputs=False)
         module.zero_grad(set_to_none=True)
         stats = setting.backward(velocity, loss)
         g = grads_of(module)

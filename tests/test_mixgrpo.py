@@ -23,7 +23,7 @@ from helpers import build_trainer, grads_of, make_model, rel_err, tiny_config
 from jagg.config import AlgorithmConfig, load_config
 from jagg.engine.algorithms import ALGORITHMS, MixGRPO
 from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.routing import plan_groups, trajectory_backward
+from jagg.engine.routing import BackwardSetting, Routing, plan_groups
 from jagg.engine.sampling import sample_trajectory
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.errors import ConfigError
@@ -308,7 +308,7 @@ def their_window_backward(velocity, latents, sigmas, window, old_log_probs, adva
 def test_window_gradient_equals_their_loss_exactly_and_jagg_is_one_group_of_two_passes(name, it):
     """One sample (their train_batch_size 1) of a rollout on MixGRPO's window, the weights moved off the rollout's
     (so the ratios are not 1 and the clip binds somewhere), advantage 7.3 (clamped to 5). Our exact
-    ``trajectory_backward`` over ``GRPOStepLoss`` (as ``Trainer.grpo_loss`` builds it) equals their per-step
+    ``BackwardSetting.backward`` over ``GRPOStepLoss`` (as ``Trainer.grpo_loss`` builds it) equals their per-step
     loop; JAGG runs the window as one group with 2 backward passes."""
     module, velocity, shape = make_model(name, batch=1, seed=2)
     sigmas = shifted_linear_sigmas(25, 3.0)
@@ -342,9 +342,7 @@ def test_window_gradient_equals_their_loss_exactly_and_jagg_is_one_group_of_two_
         scale=1.0 / (grad_accum * steps.shape[1]),
     )
     module.zero_grad(set_to_none=True)
-    exact = trajectory_backward(
-        velocity, loss.x, loss.sigma, loss, plan_groups(steps.shape[1], 4, 1.0, "exact")
-    )
+    exact = BackwardSetting(routing=Routing(strategy="exact", group_size=4)).backward(velocity, loss)
     ours = grads_of(module)
     assert theirs.norm() > 0 and rel_err(ours, theirs) < 1e-12
     assert exact.backward_passes == len(window)
@@ -355,9 +353,7 @@ def test_window_gradient_equals_their_loss_exactly_and_jagg_is_one_group_of_two_
     assert max(ratios) > 0  # the off-policy ratios leave the clip range somewhere: the clip is exercised
 
     module.zero_grad(set_to_none=True)
-    jagg = trajectory_backward(
-        velocity, loss.x, loss.sigma, loss, plan_groups(steps.shape[1], 4, 1.0, "jagg")
-    )
+    jagg = BackwardSetting(routing=Routing(strategy="jagg", group_size=4)).backward(velocity, loss)
     assert len(plan_groups(steps.shape[1], 4, 1.0, "jagg")) == 1  # the window is one group
     assert jagg.backward_passes == min(2, len(window))
     if len(window) <= 2:  # JAGG is exact at W <= 2 (their truncated windows near the end)

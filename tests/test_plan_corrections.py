@@ -18,7 +18,6 @@ from jagg.capacity.memory_model import (
 )
 from jagg.capacity.pass_plan import trained_steps_per_sample
 from jagg.config import load_config
-from jagg.engine.routing import trajectory_cost
 from jagg.scale.architectures import aux_params
 
 QWEN_DANCE = "configs/paper/qwenimage_dancegrpo.yaml"
@@ -29,8 +28,8 @@ def _plan(path: str, *overrides: str):
     cfg = load_config(path, list(overrides))
     backward = cfg.backward
     setting = backward.planned_setting()
-    cost = trajectory_cost(setting.routing.plans(trained_steps_per_sample(cfg)), endpoints=setting.endpoints)
-    held = backward.strategy != "exact" and backward.endpoints == "joint"
+    cost = setting.cost(trained_steps_per_sample(cfg))
+    held = backward.strategy != "exact" and backward.graph_mode == "joint"
     return cfg, memory_plan(cfg, 8, cost.graphs_alive, held)
 
 
@@ -49,7 +48,7 @@ def test_prompt_cache_is_host_memory_not_gpu():
 def test_recompute_term_has_2b_rows_in_the_batched_mode():
     """The one recomputed block of the batched endpoint forward holds 2B rows; sequential holds B."""
     _, batched = _plan(FLUX_DANCE)
-    cfg, seq = _plan(FLUX_DANCE, "backward.endpoints=sequential")
+    cfg, seq = _plan(FLUX_DANCE, "backward.graph_mode=sequential")
     s, m = cfg.sampling, cfg.model
     per_layer = cfg.train.train_batch_size * ((s.latent_size // 2) ** 2 + m.max_sequence_length) * 3072
     blocks = 19 + 38
@@ -126,7 +125,7 @@ def test_true_cfg_holds_one_unsharded_gradient_per_block():
     assert held == _trained(cfg) * 2 and 0.7 < held / GIB < 0.9
     full_cfg, full = _plan(QWEN_DANCE, "model.true_cfg_scale=4.0")
     assert 37 < full.gpu["unsharded gradients held (true CFG)"] / GIB < 39
-    _, joint = _plan(QWEN_FAST, "backward.endpoints=joint")  # the same buffers: counted once
+    _, joint = _plan(QWEN_FAST, "backward.graph_mode=joint")  # the same buffers: counted once
     assert joint.gpu["unsharded gradients held (joint / true CFG)"] == held
     _, flux = _plan(FLUX_DANCE)
     assert not any(k.startswith("unsharded gradients held") for k in flux.gpu)

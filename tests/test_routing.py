@@ -16,8 +16,7 @@ from jagg.engine.routing import (
     Routing,
     calibrate_routing,
     plan_groups,
-    trajectory_backward,
-    trajectory_cost,
+    plans_interpolation,
 )
 
 SIGMAS = torch.tensor([0.95, 0.83, 0.66, 0.52, 0.41, 0.27, 0.15, 0.08, 0.03], dtype=torch.float64)
@@ -35,24 +34,26 @@ def setup_group(name, w, *, seed=0):
 def test_trajectory_routing_with_w2_and_frac1_is_exact_for_jagg(strategy):
     module, velocity, latents, sigmas, step_loss = setup_group("flux", 7)
     module.zero_grad(set_to_none=True)
-    exact = Routing(strategy="exact", group_size=2).plans(7)
-    trajectory_backward(velocity, latents, sigmas, step_loss, exact)
+    BackwardSetting(routing=Routing(strategy="exact", group_size=2)).backward(velocity, step_loss)
     g_exact = grads_of(module)
     module.zero_grad(set_to_none=True)
-    plans = Routing(strategy=strategy, group_size=2, jagg_frac=1.0).plans(7)
-    stats = trajectory_backward(velocity, latents, sigmas, step_loss, plans)
+    setting = BackwardSetting(routing=Routing(strategy=strategy, group_size=2, jagg_frac=1.0))
+    stats = setting.backward(velocity, step_loss)
     # 7 steps in groups of 2: three two-step groups (2 passes each) + one single-step group (exact)
     assert stats.backward_passes == 7 and stats.backward_calls == 4
-    cost = trajectory_cost(plans)
+    cost = setting.cost(7)
     assert (cost.forward_passes, cost.backward_passes, cost.backward_calls) == (7, 7, 4)
     if strategy != "uniform":
         assert rel_err(grads_of(module), g_exact) < 1e-10
 
 
-def test_trajectory_backward_rejects_plans_that_miss_a_step():
+def test_a_backward_of_groups_rejects_plans_that_miss_a_step():
     module, velocity, latents, sigmas, step_loss = setup_group("mlp", 3)
+    setting = BackwardSetting(routing=Routing(strategy="jagg", group_size=2))
     with pytest.raises(ValueError, match="cover the 3 trained steps once each"):
-        trajectory_backward(velocity, latents, sigmas, step_loss, [GroupPlan(steps=(0, 1), strategy="jagg")])
+        setting.run(
+            plans_interpolation([GroupPlan(steps=(0, 1), strategy="jagg")], sigmas), velocity, step_loss
+        )
 
 
 def test_plan_groups_routing():
@@ -87,15 +88,15 @@ def test_routing_fixed_and_measured_and_the_setting_label():
     measured = Routing(strategy="jagg", group_size=3, measured=(False, True))
     assert [p.strategy for p in measured.plans(9)] == ["exact", "jagg", "exact"]
     assert measured.frac_label == "auto"
-    setting = BackwardSetting(routing=fixed, endpoints="joint", reuse_outputs=False)
+    setting = BackwardSetting(routing=fixed, graph_mode="joint", stored_outputs=False)
     assert setting.key == "jagg/W3/f0.6/joint" and setting.mode == "joint"
     stored = BackwardSetting(routing=measured)
     assert stored.key == "jagg/W3/fauto/batched+stored"
     assert BackwardSetting(routing=Routing(strategy="exact", group_size=2)).mode == "-"
-    with pytest.raises(ValueError, match="backward.endpoints"):
-        BackwardSetting(routing=fixed, endpoints="diagonal")
+    with pytest.raises(ValueError, match="backward.graph_mode"):
+        BackwardSetting(routing=fixed, graph_mode="diagonal")
     authors = BackwardSetting(
-        routing=fixed, endpoints="sequential", reuse_outputs=False, endpoint_signals="nograd"
+        routing=fixed, graph_mode="sequential", stored_outputs=False, endpoint_signals="nograd"
     )
     assert authors.key == "jagg/W3/f0.6/sequential+nograd_ends"
     with pytest.raises(ValueError, match=r"backward.endpoint_signals must be one of \('graph', 'nograd'\)"):
@@ -107,12 +108,12 @@ def test_routing_fixed_and_measured_and_the_setting_label():
 def test_setting_update_cost_reads_stored_outputs_before_the_first_optimizer_step_only():
     """4 micro-batches, a step every 2: the first 2 read stored outputs, the last 2 forward again."""
     routing = Routing(strategy="jagg", group_size=3)
-    stored, fresh = (trajectory_cost(routing.plans(3), reuse_outputs=r) for r in (True, False))
-    reusing = BackwardSetting(routing=routing, endpoints="batched", reuse_outputs=True)
+    reusing = BackwardSetting(routing=routing, graph_mode="batched", stored_outputs=True)
+    stored, fresh = (reusing.cost(3, stored_outputs=r) for r in (True, False))
     cost = reusing.update_cost(3, micro_batches=4, grad_accum=2)
     assert cost == stored + stored + fresh + fresh
     assert cost.forwards_skipped == 2 and cost.forward_passes == 2 * 2 + 2 * 3
-    never = replace(reusing, reuse_outputs=False).update_cost(3, micro_batches=4, grad_accum=2)
+    never = replace(reusing, stored_outputs=False).update_cost(3, micro_batches=4, grad_accum=2)
     assert never == fresh + fresh + fresh + fresh
     assert reusing.update_cost(3, micro_batches=3, grad_accum=8) == stored + stored + stored
 
@@ -132,7 +133,7 @@ def test_calibrate_routing_measures_routes_and_keeps_the_cheapest_w(min_cosine):
     for p in params:
         p.grad = torch.full_like(p, 3.0)
     before = [p.grad for p in params]
-    setting = BackwardSetting(routing=Routing(strategy="jagg", group_size=4), endpoints="batched")
+    setting = BackwardSetting(routing=Routing(strategy="jagg", group_size=4), graph_mode="batched")
     kw = dict(micro_batches=2, grad_accum=1)
     cal = calibrate_routing(
         velocity,
@@ -155,7 +156,8 @@ def test_calibrate_routing_measures_routes_and_keeps_the_cheapest_w(min_cosine):
             strategy="jagg", group_size=w, measured=tuple(p.strategy == "jagg" for p in plans)
         )
         # an optimizer step per micro-batch: only the first of the two reads stored outputs
-        stored, fresh = (trajectory_cost(plans, reuse_outputs=r) for r in (True, False))
+        routed = replace(setting, routing=cand.routing)
+        stored, fresh = (routed.cost(7, stored_outputs=r) for r in (True, False))
         assert cand.predicted_cost == (stored + fresh).time()
     costs = {w: c.predicted_cost for w, c in cal.candidates.items()}
     assert cal.routing.group_size == min(costs, key=lambda w: (costs[w], w))
@@ -170,24 +172,23 @@ def test_calibrate_routing_measures_routes_and_keeps_the_cheapest_w(min_cosine):
     assert "calibration_by_group_size" not in cal.as_metrics(per_group_size=False)
 
 
-@pytest.mark.parametrize("endpoints", ["batched", "sequential"])
-def test_trajectory_cost_with_nograd_endpoint_signals_matches_the_backward(endpoints):
+@pytest.mark.parametrize("graph_mode", ["batched", "sequential"])
+def test_setting_cost_with_nograd_endpoint_signals_matches_the_backward(graph_mode):
     """The authors' forward count on a trajectory of 12 steps in groups of 4 (all aggregated): W + 2 = 6
-    forwards per group, 2 of them with autograd; ``trajectory_cost`` predicts what ``trajectory_backward``
+    forwards per group, 2 of them with autograd; ``BackwardSetting.cost`` predicts what its ``backward``
     reports, and the gradient is the default's (signals from the graphs) to float64 rounding."""
     module, velocity, shape = make_model("mlp", seed=2)
     sig = torch.linspace(0.97, 0.05, 13, dtype=torch.float64)
     latents = straight_path_latents(shape, sig[:12], seed=9)
     step_loss = make_grpo_step_loss(velocity, latents, sig[:12], sig[1:], seed=4)
-    plans = plan_groups(12, 4, 1.0, "jagg_index")
+    routing = Routing(strategy="jagg_index", group_size=4, jagg_frac=1.0)
     grads, stats = {}, {}
     for signals in ("graph", "nograd"):
         module.zero_grad(set_to_none=True)
-        stats[signals] = trajectory_backward(
-            velocity, latents, sig[:12], step_loss, plans, endpoints=endpoints, endpoint_signals=signals
-        )
+        setting = BackwardSetting(routing=routing, graph_mode=graph_mode, endpoint_signals=signals)
+        stats[signals] = setting.backward(velocity, step_loss)
         grads[signals] = grads_of(module)
-        cost = trajectory_cost(plans, endpoints=endpoints, endpoint_signals=signals)
+        cost = setting.cost(12)
         for key in ("forward_passes", "forward_passes_with_grad", "forward_calls", "backward_passes"):
             assert getattr(cost, key) == getattr(stats[signals], key), (signals, key)
     assert (stats["graph"].forward_passes, stats["nograd"].forward_passes) == (12, 18)

@@ -1,7 +1,7 @@
 """SD3 / SD3.5 through the backbone seam, on a tiny random-init pipeline of the real classes (diffusers
 ``SD3Transformer2DModel``, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler``; transformers CLIP-L / CLIP-G
 ``CLIPTextModelWithProjection`` and T5), offline: our sampler equals diffusers' ``StableDiffusion3Pipeline``; the
-backward strategies and endpoint modes; two training iterations of the paper config's recipe with LoRA; the LoRA
+backward strategies and graph modes; two training iterations of the paper config's recipe with LoRA; the LoRA
 export loads into diffusers; the config and offline errors."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from helpers import make_grpo_step_loss, paper_tiny_argv
+from helpers import make_grpo_step_loss, one_group, paper_tiny_argv
 from jagg.config import load_config, tiny_pipeline_overrides
 from jagg.engine.sampling import sample_trajectory
-from jagg.engine.strategies import ENDPOINT_MODES, group_backward
+from jagg.engine.strategies import GRAPH_MODES
 from jagg.errors import ConfigError, WeightsUnavailableError
 from jagg.models import TextCond, build_tiny_backbone
 from jagg.models.sd3 import SD3Backbone
@@ -157,21 +157,21 @@ def test_cfg_gradient_flows_through_the_conditional_branch_only():
         torch.testing.assert_close(bb.velocity(z, 0.6, cond), u + 4.5 * (c - u))
 
 
-def test_strategies_and_endpoint_modes():
-    """On the tiny SD3 with CFG: at W = 2 JAGG equals the exact backward in every endpoint mode (exact there);
-    at W = 3 every endpoint mode gives the same JAGG gradient, which differs from the exact one."""
+def test_strategies_and_graph_modes():
+    """On the tiny SD3 with CFG: at W = 2 JAGG equals the exact backward in every graph mode (exact there);
+    at W = 3 every graph mode gives the same JAGG gradient, which differs from the exact one."""
     bb = build_tiny_backbone("sd3", seed=0).double()
     bb.guidance_scale = 4.5
     velocity = bb.bind(_cond(2))
     params = [p for p in bb.parameters() if p.requires_grad]
 
-    def grad(strategy, w, endpoints="batched"):
+    def grad(strategy, w, **how):
         sig = torch.tensor([0.9, 0.75, 0.6, 0.45], dtype=torch.float64)[: w + 1]
         g = torch.Generator().manual_seed(1)
         x = torch.randn(w, 2, 16, 8, 8, generator=g, dtype=torch.float64)
         loss = make_grpo_step_loss(velocity, x, sig[:w], sig[1:])
         bb.zero_grad()
-        stats = group_backward(velocity, loss.x, loss.sigma, loss, strategy, endpoints=endpoints)
+        stats = one_group(strategy, w, **how).backward(velocity, loss)
         return torch.cat([p.grad.flatten() for p in params]), stats
 
     exact2, _ = grad("exact", 2)
@@ -179,9 +179,9 @@ def test_strategies_and_endpoint_modes():
     assert stats.backward_calls == 3
     jagg3, _ = grad("jagg", 3)
     assert not torch.allclose(jagg3, exact3, atol=1e-6)
-    for endpoints in ENDPOINT_MODES:
-        torch.testing.assert_close(grad("jagg", 2, endpoints)[0], exact2, rtol=1e-9, atol=1e-12)
-        got, stats = grad("jagg", 3, endpoints)
+    for graph_mode in GRAPH_MODES:
+        torch.testing.assert_close(grad("jagg", 2, graph_mode=graph_mode)[0], exact2, rtol=1e-9, atol=1e-12)
+        got, stats = grad("jagg", 3, graph_mode=graph_mode)
         torch.testing.assert_close(got, jagg3, rtol=1e-9, atol=1e-12)
         assert stats.backward_passes == 2
 

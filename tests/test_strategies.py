@@ -12,21 +12,21 @@ import torch
 
 from helpers import (
     MODEL_NAMES,
+    Steps,
     count_passes,
     grads_of,
     make_grpo_step_loss,
     make_model,
+    one_group,
     rel_err,
     straight_path_latents,
 )
-from jagg.engine.routing import group_cost
 from jagg.engine.strategies import (
     AGGREGATION_WEIGHTS,
-    ENDPOINT_MODES,
     ENDPOINT_SIGNALS,
+    GRAPH_MODES,
     STRATEGIES,
     exact_at_two,
-    group_backward,
     jagg_weights,
 )
 
@@ -41,9 +41,15 @@ def setup_group(name, w, *, sigmas=None, seed=0):
     return module, velocity, latents, sig[:w], step_loss
 
 
+def backward(strategy, velocity, latents, sigmas, step_loss, outputs=None, **how):
+    """One group of the W steps on ``strategy`` (``one_group``), run ``how``; ADDS to ``.grad``."""
+    setting = one_group(strategy, latents.shape[0], **how)
+    return setting.backward(velocity, Steps(latents, sigmas, step_loss), outputs)
+
+
 def run(strategy, module, velocity, latents, sigmas, step_loss, **kw):
     module.zero_grad(set_to_none=True)
-    stats = group_backward(velocity, latents, sigmas, step_loss, strategy, **kw)
+    stats = backward(strategy, velocity, latents, sigmas, step_loss, **kw)
     return grads_of(module), stats
 
 
@@ -54,13 +60,13 @@ def stored_outputs(velocity, latents, sigmas):
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
-def test_exact_equals_plain_autograd(name, endpoints):
-    """The exact strategy ignores the endpoint mode and stored outputs: it differentiates its own forwards."""
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
+def test_exact_equals_plain_autograd(name, graph_mode):
+    """The exact strategy ignores the graph mode and stored outputs: it differentiates its own forwards."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, 4)
     outputs = stored_outputs(velocity, latents, sigmas) + 1.0  # deliberately wrong: must not be read
     g_exact, stats = run(
-        "exact", module, velocity, latents, sigmas, step_loss, endpoints=endpoints, outputs=outputs
+        "exact", module, velocity, latents, sigmas, step_loss, graph_mode=graph_mode, outputs=outputs
     )
     module.zero_grad(set_to_none=True)
     total = sum(step_loss(j, velocity(latents[j], sigmas[j])) for j in range(4))
@@ -76,18 +82,18 @@ def test_exact_equals_plain_autograd(name, endpoints):
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("strategy", ["jagg", "endpoints"])
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
-def test_two_step_group_is_exact_for_any_model(name, strategy, endpoints):
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
+def test_two_step_group_is_exact_for_any_model(name, strategy, graph_mode):
     """W = 2: alpha = (0, 1), so both endpoints get exactly their own signal."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, 2)
     g_exact, _ = run("exact", module, velocity, latents, sigmas, step_loss)
-    g_jagg, _ = run(strategy, module, velocity, latents, sigmas, step_loss, endpoints=endpoints)
+    g_jagg, _ = run(strategy, module, velocity, latents, sigmas, step_loss, graph_mode=graph_mode)
     assert rel_err(g_jagg, g_exact) < 1e-10
 
 
 @pytest.mark.parametrize("w", [3, 4, 6, 9])
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
-def test_theorem1_linear_velocity_on_straight_path(w, endpoints):
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
+def test_theorem1_linear_velocity_on_straight_path(w, graph_mode):
     """Velocity linear in (z, t), latents on the chord at t-proportional positions: JAGG is exact."""
     # non-uniform times, so the t-weights alpha_j are not just j / (W - 1)
     sigmas = torch.tensor([0.97, 0.9, 0.71, 0.66, 0.43, 0.4, 0.22, 0.1, 0.05, 0.01], dtype=torch.float64)
@@ -95,11 +101,11 @@ def test_theorem1_linear_velocity_on_straight_path(w, endpoints):
     g_exact, _ = run("exact", module, velocity, latents, sig, step_loss)
     outputs = stored_outputs(velocity, latents, sig)
     for out in (None, outputs):
-        g_jagg, _ = run("jagg", module, velocity, latents, sig, step_loss, endpoints=endpoints, outputs=out)
+        g_jagg, _ = run("jagg", module, velocity, latents, sig, step_loss, graph_mode=graph_mode, outputs=out)
         assert rel_err(g_jagg, g_exact) < 1e-10
     # the t-weights are what makes it exact: the ablations are not
     for ablation in ("endpoints", "uniform"):
-        g_abl, _ = run(ablation, module, velocity, latents, sig, step_loss, endpoints=endpoints)
+        g_abl, _ = run(ablation, module, velocity, latents, sig, step_loss, graph_mode=graph_mode)
         assert rel_err(g_abl, g_exact) > 1e-3
 
 
@@ -127,16 +133,16 @@ def test_jagg_is_approximate_for_nonlinear_models(name, w):
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("strategy", ["jagg", "endpoints", "uniform", "jagg_index"])
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
 @pytest.mark.parametrize("reuse", [False, True], ids=["forward", "stored"])
 @pytest.mark.parametrize("signals", ENDPOINT_SIGNALS)
-def test_endpoint_modes_and_stored_outputs_give_the_same_gradient(name, strategy, endpoints, reuse, signals):
-    """Every endpoint mode, with or without the rollout's stored outputs, with the endpoints' signals from
+def test_graph_modes_and_stored_outputs_give_the_same_gradient(name, strategy, graph_mode, reuse, signals):
+    """Every graph mode, with or without the rollout's stored outputs, with the endpoints' signals from
     their graphs or (the authors' code) from extra forwards without autograd, computes the paper-literal
     ("joint", all forwards, signals from the graphs) gradient of the same strategy (float64, relative error
     <= 1e-12)."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, 4)
-    g_ref, ref = run(strategy, module, velocity, latents, sigmas, step_loss, endpoints="joint")
+    g_ref, ref = run(strategy, module, velocity, latents, sigmas, step_loss, graph_mode="joint")
     outputs = stored_outputs(velocity, latents, sigmas) if reuse else None
     g, stats = run(
         strategy,
@@ -145,7 +151,7 @@ def test_endpoint_modes_and_stored_outputs_give_the_same_gradient(name, strategy
         latents,
         sigmas,
         step_loss,
-        endpoints=endpoints,
+        graph_mode=graph_mode,
         outputs=outputs,
         endpoint_signals=signals,
     )
@@ -156,31 +162,23 @@ def test_endpoint_modes_and_stored_outputs_give_the_same_gradient(name, strategy
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("endpoints", ENDPOINT_MODES)
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
 @pytest.mark.parametrize("reuse", [False, True], ids=["forward", "stored"])
 @pytest.mark.parametrize("w", [2, 4])
 @pytest.mark.parametrize("signals", ENDPOINT_SIGNALS)
-def test_pass_and_call_counts(name, strategy, endpoints, reuse, w, signals):
+def test_pass_and_call_counts(name, strategy, graph_mode, reuse, w, signals):
     """Hooks on the model count forward calls (with / without grad) and back-propagated graphs; a wrapped
     ``torch.autograd.backward`` counts backward calls. GroupStats reports them, and the cost model
-    ``group_cost`` predicts them (the one cost model the plan, bench and Table 1 use). With the endpoints'
+    ``BackwardSetting.cost`` predicts them (the one cost model the plan, bench and Table 1 use). With the endpoints'
     signals from forwards without autograd (the authors' code), a group of W runs W + 2 forwards."""
     module, velocity, latents, sigmas, step_loss = setup_group(name, w)
     outputs = stored_outputs(velocity, latents, sigmas) if reuse else None
     module.zero_grad(set_to_none=True)
+    setting = one_group(strategy, w, graph_mode=graph_mode, endpoint_signals=signals)
     with count_passes(module) as counts:
-        stats = group_backward(
-            velocity,
-            latents,
-            sigmas,
-            step_loss,
-            strategy,
-            endpoints=endpoints,
-            outputs=outputs,
-            endpoint_signals=signals,
-        )
-    cost = group_cost(w, strategy, endpoints, reuse_outputs=reuse, endpoint_signals=signals)
-    batched = strategy != "exact" and endpoints == "batched"
+        stats = setting.backward(velocity, Steps(latents, sigmas, step_loss), outputs)
+    cost = setting.cost(w, stored_outputs=reuse)
+    batched = strategy != "exact" and graph_mode == "batched"
     if strategy == "exact":
         assert counts == dict(forward=w, forward_grad=w, backward_graphs=w, backward_calls=w)
     else:
@@ -188,14 +186,14 @@ def test_pass_and_call_counts(name, strategy, endpoints, reuse, w, signals):
             detached = 0 if reuse else (2 if strategy == "endpoints" else w)
         else:
             mid = 0 if reuse or strategy == "endpoints" else w - 2
-            extra = int(endpoints == "sequential" and strategy == "uniform" and not reuse)  # s_{W-1} first
+            extra = int(graph_mode == "sequential" and strategy == "uniform" and not reuse)  # s_{W-1} first
             detached = mid + extra
         assert counts["forward"] == detached + (1 if batched else 2)
         if signals == "nograd" and not reuse and strategy != "endpoints":
             assert stats.forward_passes == w + 2
         assert counts["forward_grad"] == (1 if batched else 2)
         assert counts["backward_graphs"] == (1 if batched else 2)
-        assert counts["backward_calls"] == (2 if endpoints == "sequential" else 1)
+        assert counts["backward_calls"] == (2 if graph_mode == "sequential" else 1)
         assert stats.backward_passes == 2 and stats.forward_passes_with_grad == 2
     assert stats.forward_calls == counts["forward"] == cost.forward_calls
     assert stats.backward_graphs == counts["backward_graphs"] == cost.backward_graphs
@@ -207,7 +205,7 @@ def test_pass_and_call_counts(name, strategy, endpoints, reuse, w, signals):
 def test_gradients_accumulate_into_grad():
     module, velocity, latents, sigmas, step_loss = setup_group("mlp", 4)
     g1, _ = run("jagg", module, velocity, latents, sigmas, step_loss)
-    group_backward(velocity, latents, sigmas, step_loss, "jagg")
+    backward("jagg", velocity, latents, sigmas, step_loss)
     assert rel_err(grads_of(module), 2 * g1) < 1e-12
 
 
@@ -231,7 +229,7 @@ def test_per_sample_sigmas_match_separate_calls():
         def quad_i(j, v, i=i):
             return ((v - target[j, i : i + 1]) ** 2).mean() / b
 
-        group_backward(velocity, latents[:, i : i + 1], sig[:, i], quad_i, "jagg")
+        backward("jagg", velocity, latents[:, i : i + 1], sig[:, i], quad_i)
     assert rel_err(grads_of(module), g_batch) < 1e-10
 
 
@@ -255,7 +253,7 @@ def test_exact_at_two_is_read_from_the_weight_rule(strategy):
         exact_at_two("bogus")
 
 
-def test_group_backward_rejects_non_decreasing_sigmas():
+def test_a_group_backward_rejects_non_decreasing_sigmas():
     module, velocity, latents, sigmas, step_loss = setup_group("mlp", 3)
     with pytest.raises(ValueError, match="strictly decreasing"):
-        group_backward(velocity, latents, sigmas.flip(0), step_loss, "jagg")
+        backward("jagg", velocity, latents, sigmas.flip(0), step_loss)

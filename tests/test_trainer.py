@@ -10,8 +10,8 @@ import torch
 from helpers import build_trainer, previous_step_loss
 from jagg.common import SeedStream, generator
 from jagg.engine.grpo import GRPOStepLoss
-from jagg.engine.routing import Routing, trajectory_cost
-from jagg.engine.strategies import ENDPOINT_MODES, STRATEGIES
+from jagg.engine.routing import BackwardSetting, Routing
+from jagg.engine.strategies import GRAPH_MODES, STRATEGIES
 from jagg.loop.trainer import TrainingAborted
 from jagg.ops.checkpoint import find_checkpoint, read_checkpoint, trainable_names
 from jagg.rewards import REWARDS
@@ -48,21 +48,21 @@ def test_smoke_two_iterations_on_policy(tmp_path, config, backbone, strategy, ti
 
 
 @pytest.mark.parametrize(
-    ("strategy", "endpoints", "reuse"),
+    ("strategy", "graph_mode", "reuse"),
     [
         ("exact", "batched", True),
         ("endpoints", "batched", True),
-        *[("jagg", e, r) for e in ENDPOINT_MODES for r in (True, False)],
+        *[("jagg", e, r) for e in GRAPH_MODES for r in (True, False)],
     ],
 )
-def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpoints, reuse, tiny_cfg):
+def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, graph_mode, reuse, tiny_cfg):
     """Flow-GRPO-Fast window of 3 = one group; 2 micro-batches with an optimizer step after each. Only the
     first micro-batch (before the first optimizer step) may use the rollout's stored outputs; the counts equal
-    the cost model's (``trajectory_cost``), which the dry-run plan, the bench and Table 1 use."""
+    the cost model's (``BackwardSetting.cost``), which the dry-run plan, the bench and Table 1 use."""
     cfg = tiny_cfg(
         f"backward.strategy={strategy}",
-        f"backward.endpoints={endpoints}",
-        f"backward.reuse_rollout={reuse}",
+        f"backward.graph_mode={graph_mode}",
+        f"backward.stored_outputs={reuse}",
         "backward.jagg_frac=1.0",
         "train.iterations=1",
         config="configs/world/flux_flowgrpo_fast.yaml",
@@ -70,15 +70,17 @@ def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, endpo
     trainer = build_trainer(cfg)
     (m,) = trainer.fit()
     assert m["optimizer_steps"] == 2
-    plans = Routing(strategy=strategy, group_size=cfg.backward.group_size).plans(3)
-    first, second = (trajectory_cost(plans, endpoints=endpoints, reuse_outputs=r) for r in (reuse, False))
+    setting = BackwardSetting(
+        routing=Routing(strategy=strategy, group_size=cfg.backward.group_size), graph_mode=graph_mode
+    )
+    first, second = (setting.cost(3, stored_outputs=r) for r in (reuse, False))
     expected = first + second
     assert expected == trainer.backward.update_cost(3, micro_batches=2, grad_accum=1)
     for key in ("forward_passes", "forward_calls", "forwards_skipped", "backward_passes", "backward_calls"):
         assert m[key] == getattr(expected, key), key
     if strategy == "jagg":
         assert m["forwards_skipped"] == (1 if reuse else 0)  # the window's one intermediate step, once
-    assert m["onpolicy_ratio_max_dev"] <= (0.0 if reuse or endpoints != "batched" else 1e-6)
+    assert m["onpolicy_ratio_max_dev"] <= (0.0 if reuse or graph_mode != "batched" else 1e-6)
 
 
 @pytest.mark.parametrize("asynchronous", ["false", "true"])
@@ -203,15 +205,15 @@ def test_dancegrpo_outputs_the_last_steps_x0_prediction(tiny_trainer):
 
 
 def test_stored_outputs_are_read_before_the_first_optimizer_step_only(tmp_path, tiny_cfg):
-    """Both halves of ``backward.reuse_rollout``: poisoning the stored outputs of the SECOND micro-batch (after
+    """Both halves of ``backward.stored_outputs``: poisoning the stored outputs of the SECOND micro-batch (after
     the first optimizer step) changes nothing, bit for bit, against a run that never reuses; poisoning those
     of the FIRST micro-batch does change the update (they are read)."""
 
     def run(reuse: bool, poison: slice | None, sub: str):
         cfg = tiny_cfg(
             "backward.strategy=jagg",
-            "backward.endpoints=joint",  # endpoint forwards at the rollout's batch size: bit-identical outputs
-            f"backward.reuse_rollout={reuse}",
+            "backward.graph_mode=joint",  # endpoint forwards at the rollout's batch size: bit-identical outputs
+            f"backward.stored_outputs={reuse}",
             "backward.jagg_frac=1.0",
             "train.iterations=1",
             config="configs/world/flux_flowgrpo_fast.yaml",
@@ -257,8 +259,8 @@ def test_a_second_update_on_one_rollout_does_not_reuse_its_outputs(tiny_cfg):
     assert second["optimizer_steps"] == 1 and trainer.weights_version == 2
     assert second["forwards_skipped"] == 0
     assert second["onpolicy_ratio_max_dev"] > 1e-4  # off-policy now: the stale outputs would have given 0
-    plans = trainer.backward.routing.plans(ro.trained.shape[1])
-    fresh = trajectory_cost(plans, endpoints="batched", reuse_outputs=False)
+    assert trainer.backward.graph_mode == "batched"
+    fresh = trainer.backward.cost(ro.trained.shape[1], stored_outputs=False)
     assert second["forward_passes"] == 2 * fresh.forward_passes
 
 
@@ -343,7 +345,7 @@ def test_auto_routing_calibrates_logs_and_routes(tmp_path, min_cosine, routed, t
     cal = rows[0]
     assert cal["routing"] == [routed] and len(cal["calibration_cosines"]) == 1
     assert 0.0 < cal["calibration_cosines"][0] < 1.0 and cal["time_calibrate_s"] > 0
-    expected = trajectory_cost(Routing(strategy=routed, group_size=3).plans(3))
+    expected = BackwardSetting(routing=Routing(strategy=routed, group_size=3)).cost(3)
     per_sample = expected.backward_passes
     assert all(r["backward_passes_per_sample"] == per_sample for r in rows)
     resumed = build_trainer(cfg)
@@ -385,8 +387,8 @@ def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w
     assert set(by_w) == {"2", "3"} and by_w["2"]["routing"][0] is True  # a 2-step group always qualifies
     assert by_w[str(w)]["predicted_cost"] <= min(c["predicted_cost"] for c in by_w.values())
     # the cost of the whole update: 2 micro-batches, a step after each, stored outputs for the first only
-    plans = trainer.backward.routing.plans(3)
-    stored, fresh = (trajectory_cost(plans, endpoints="batched", reuse_outputs=r) for r in (True, False))
+    assert trainer.backward.graph_mode == "batched"
+    stored, fresh = (trainer.backward.cost(3, stored_outputs=r) for r in (True, False))
     assert by_w[str(w)]["predicted_cost"] == (stored + fresh).time()
     assert all(r["backward_passes_per_sample"] == passes for r in rows)
     resumed = build_trainer(cfg)

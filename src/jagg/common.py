@@ -1,5 +1,5 @@
 """Plumbing shared by the drivers: threads, named seed streams, run metadata (git SHA, versions, hardware),
-atomic writes, a progress line with an ETA for long drivers."""
+atomic writes, a progress line with an ETA for long drivers, and the old names of renamed keywords."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Typed training configuration: dataclasses, YAML loading with inheritance, ``a.b=value`` overrides, checks.
 
 A YAML file may name a parent with ``inherit: other.yaml`` (relative to itself); keys are merged recursively,
-so configs that differ only in, e.g., the backward strategy share one base file. Every error is a
+so configs that differ only in, e.g., the backward strategy share one base file. A key that was renamed
+(``RENAMED_KEYS``) is still read under its old name, in a file, an override and a run's stored config
+(``current_keys``), and means the same. Every error is a
 ``ConfigError`` (``jagg.errors``) whose message names the key and what is allowed; the CLI turns it into one
 line on stderr and exit status 2 before anything is written.
 
@@ -30,7 +32,7 @@ from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedStep
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
-from jagg.engine.strategies import DEFAULT_MODE, DEFAULT_SIGNALS
+from jagg.engine.strategies import GraphRun
 from jagg.errors import ConfigError
 from jagg.rewards import EVAL_ONLY
 
@@ -189,10 +191,23 @@ class AlgorithmConfig:
         )
 
 
+# Keys that were renamed, old -> new (dotted). Files, overrides and the configs stored in run.json and checkpoints
+# (``current_keys``) still name them the old way; both names at once is an error.
+RENAMED_KEYS = {
+    "backward.endpoints": "backward.graph_mode",
+    "backward.reuse_rollout": "backward.stored_outputs",
+}
+
+
 # A field whose YAML value may be ``auto``: None in the dataclass (decided at run time); the metadata says what
 # else the key allows (the error message names it).
 def _auto(default, allowed: str):
     return field(default=default, metadata={"auto": allowed})
+
+
+def _engine_default(name: str):
+    """The default of a ``BackwardSetting`` field: the engine writes it once (``GraphRun``), the config reads it."""
+    return {f.name: f.default for f in dataclasses.fields(BackwardSetting)}[name]
 
 
 @dataclass(kw_only=True)
@@ -206,12 +221,14 @@ class BackwardConfig:
     min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
     calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
     group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
-    endpoints: str = DEFAULT_MODE  # batched | joint (paper-literal) | sequential (one graph alive)
+    # how the knot graphs are built (GRAPH_MODES): batched | joint (paper-literal) | sequential (one graph alive);
+    # the old key backward.endpoints still reads as this one
+    graph_mode: str = _engine_default("graph_mode")
     # graph (endpoint signals from the graph-building forwards) | nograd (the authors' code: W + 2 forwards)
-    endpoint_signals: str = DEFAULT_SIGNALS
-    reuse_rollout: bool = (
-        True  # intermediate signals from the rollout's outputs while the weights are the rollout's
-    )
+    endpoint_signals: str = _engine_default("endpoint_signals")
+    # intermediate signals from the rollout's stored outputs while the weights are the rollout's; the old key
+    # backward.reuse_rollout still reads as this one
+    stored_outputs: bool = _engine_default("stored_outputs")
     # strategy knots: K shared knots over each micro-batch's trained steps (jagg.engine.knots), placed by a rule
     # (index | time | low_noise) or measured (YAML `auto`: the rule whose gradient is closest to exact, measured
     # at iteration 0 and every calibrate_every iterations)
@@ -261,11 +278,11 @@ class BackwardConfig:
         return self.setting(routing)
 
     def setting(self, routing: Routing | Knots) -> BackwardSetting:
-        """``routing`` with this config's endpoint mode, stored-output rule, endpoint-signal source and row bound."""
+        """``routing`` with this config's graph mode, stored-output rule, endpoint-signal source and row bound."""
         return BackwardSetting(
             routing=routing,
-            endpoints=self.endpoints,
-            reuse_outputs=self.reuse_rollout,
+            graph_mode=self.graph_mode,
+            stored_outputs=self.stored_outputs,
             endpoint_signals=self.endpoint_signals,
             max_rows=self.max_rows,
         )
@@ -407,6 +424,7 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     data = _safe_load(path.read_text(), f"config: {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must be a mapping")
+    data = current_keys(data, f"config: {path}")
     parent = data.pop("inherit", None)
     if parent is not None and not isinstance(parent, str):
         raise ConfigError(f"config: {path}: inherit must be a file name, got {parent!r}")
@@ -414,11 +432,30 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``backward.strategy=exact`` -> (["backward", "strategy"], "exact") with YAML typing of the value."""
+    """``backward.strategy=exact`` -> (["backward", "strategy"], "exact") with YAML typing of the value; a
+    renamed key under its current name (``backward.endpoints=joint`` -> ``backward.graph_mode``)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, value = text.split("=", 1)
-    return key.strip().split("."), _safe_load(value, f"override {text!r}")
+    key = key.strip()
+    return RENAMED_KEYS.get(key, key).split("."), _safe_load(value, f"override {text!r}")
+
+
+def current_keys(data: dict, where: str = "config") -> dict:
+    """A copy of the config mapping ``data`` (a YAML file, run.json's or a checkpoint's ``config``) with every
+    renamed key (``RENAMED_KEYS``) under its current name, so that old files and runs read as they did;
+    ``ConfigError`` where one mapping gives both names."""
+    out = copy.deepcopy(data)
+    for old, new in RENAMED_KEYS.items():  # each renamed within its section
+        section, old_name = old.split(".")
+        new_name = new.split(".")[1]
+        node = out.get(section)
+        if not isinstance(node, dict) or old_name not in node:
+            continue
+        if new_name in node:
+            raise ConfigError(f"{where}: {old} is the old name of {new}; give one of them, not both")
+        node[new_name] = node.pop(old_name)
+    return out
 
 
 def _safe_load(text: str, where: str) -> Any:
@@ -717,7 +754,8 @@ def _validate_backward(backward: BackwardConfig) -> None:
     frac = 1.0 if backward.jagg_frac is None else backward.jagg_frac
     try:  # the one routing validator (the engine's)
         for w in backward.candidate_group_sizes:
-            validate_routing(w, frac, backward.strategy, backward.endpoints, backward.endpoint_signals)
+            validate_routing(w, frac, backward.strategy)
+        GraphRun(graph_mode=backward.graph_mode, endpoint_signals=backward.endpoint_signals)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _require(

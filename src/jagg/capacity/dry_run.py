@@ -2,7 +2,7 @@
 
 The report has four parts: the run (backbone, algorithm, batch, precision, rewards); the pass plan
 (``jagg.capacity.pass_plan``: the trained steps per sample, their groups and strategies, forward / backward passes
-and collectives per endpoint mode); the memory plan per rank (``jagg.capacity.memory_model``: every term, and per GPU
+and collectives per graph mode); the memory plan per rank (``jagg.capacity.memory_model``: every term, and per GPU
 size, 80 GB and 141 GB, whether the run fits); and the disk. The node itself (torch's CUDA build, the driver,
 NCCL, the GPUs) is reported before it by ``jagg.ops.node``.
 """
@@ -115,7 +115,7 @@ def add_memory_section(
     p.add(
         "activations (update)",
         f"{gib(mp.activations[True])} with gradient checkpointing, {gib(mp.activations[False])} without "
-        f"(up to {graphs} graph(s) alive: {cfg.backward.strategy}/{cfg.backward.endpoints}; configured: "
+        f"(up to {graphs} graph(s) alive: {cfg.backward.strategy}/{cfg.backward.graph_mode}; configured: "
         f"{'with' if ckpt else 'without'})",
     )
     p.add("no-grad forwards (rollout / eval)", f"{gib(mp.no_grad)} transient (not during the update)")

@@ -12,15 +12,15 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   rank with ``model.shard_frozen_base: false``, when only the adapters are gathered), gradients,
                   AdamW moments, EMA, floating buffers (replicated, fp32: SD3's positional table), two unsharded
                   blocks in flight, one block's unsharded gradient (+ its fp32 reduce-scatter copy), the
-                  gradients the ``joint`` endpoint mode and two-call true CFG (Qwen-Image) hold, the KL
+                  gradients the ``joint`` graph mode and two-call true CFG (Qwen-Image) hold, the KL
                   reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
                   ViT-H-14, CLIPScore ViT-L/14, ImageReward, HPSv3's Qwen2-VL-7B; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
                   the meta device (``AUX_MODELS``; the published counts if a library cannot)
-    activations   the update's: ``graphs alive`` (``trajectory_cost``) x batch x tokens x hidden x layers, block
+    activations   the update's: ``graphs alive`` (``BackwardSetting.cost``) x batch x tokens x hidden x layers, block
                   inputs only with gradient checkpointing (+ one block recomputed: 2B rows in the batched
-                  endpoint mode), ~34 bytes per token and
+                  graph mode), ~34 bytes per token and
                   hidden unit per layer without (Korthikanti et al. 2022, SDPA attention); true CFG doubles
                   them. The no-grad forwards of rollout / evaluation are transient and not simultaneous
     transients    not at the same time, so the largest counts: the update's activations, a no-grad forward,
@@ -163,8 +163,8 @@ class MemoryPlan:
 def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, model=None) -> MemoryPlan:
     """Bytes per rank of every resident model, gradients, optimizer state, activations, and host memory.
 
-    ``graphs``: autograd graphs alive at once in the update (``trajectory_cost(...).graphs_alive``);
-    ``held_grad``: the ``joint`` endpoint mode's unsharded gradients held during its backward (true CFG holds
+    ``graphs``: autograd graphs alive at once in the update (``BackwardSetting.cost(...).graphs_alive``);
+    ``held_grad``: the ``joint`` graph mode's unsharded gradients held during its backward (true CFG holds
     the same: counted once).
     """
     model = model if model is not None else meta_transformer(cfg)[0]
@@ -238,9 +238,9 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
     tokens = (sampling.latent_size // 2) ** 2 + text_tokens(model_cfg)
     per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
-    # the batched endpoint mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
+    # the batched graph mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
     backward = cfg.backward
-    recompute_rows = 2 if backward.strategy != "exact" and backward.endpoints == "batched" else 1
+    recompute_rows = 2 if backward.strategy != "exact" and backward.graph_mode == "batched" else 1
     activations = {
         # checkpointing: block inputs of every layer per graph + one block recomputed at a time
         True: graphs * per_layer * len(blocks) * compute
@@ -287,7 +287,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
 def all_gather_bytes(cfg: Config, model, all_gathers: int, world_size: int) -> dict[str, float]:
     """Unsharded bytes FSDP2 all-gathers per rank and iteration (each rank receives (r-1)/r of them).
 
-    ``all_gathers``: all-gathers per sharded unit of one micro-batch's update (``trajectory_cost``); the
+    ``all_gathers``: all-gathers per sharded unit of one micro-batch's update (``BackwardSetting.cost``); the
     rollout of a micro-batch gathers every unit once per transformer call. ``base``: the frozen LoRA base's
     share, which ``model.shard_frozen_base: false`` saves (the adapters alone are gathered then).
     """

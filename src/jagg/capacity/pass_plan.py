@@ -1,6 +1,6 @@
 """The dry run's pass plan: which steps of a trajectory are trained, their groups and strategies, and what the
-update costs per sample in each endpoint mode (forward / backward passes, FSDP2 collectives, graphs alive), counted
-by the engine's cost model (``jagg.engine.routing.trajectory_cost``) without running anything.
+update costs per sample in each graph mode (forward / backward passes, FSDP2 collectives, graphs alive), counted
+by the engine's cost model (``jagg.engine.routing.BackwardSetting.cost``) without running anything.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _routing_lines(p: Report, cfg: Config, T: int, routing) -> None:
 
     backward = cfg.backward
     modes = (
-        f"endpoints={backward.endpoints}, reuse_rollout={backward.reuse_rollout}, "
+        f"graph_mode={backward.graph_mode}, stored_outputs={backward.stored_outputs}, "
         f"endpoint_signals={backward.endpoint_signals})"
     )
     if isinstance(routing, Knots):
@@ -106,7 +106,7 @@ def add_pass_plan(p: Report, cfg: Config, world_size: int) -> GroupCost:
     configured mode's cost (its graphs alive and all-gathers size the memory plan)."""
     import dataclasses
 
-    from jagg.engine.strategies import ENDPOINT_MODES
+    from jagg.engine.strategies import GRAPH_MODES
 
     model, sampling, backward, train = cfg.model, cfg.sampling, cfg.backward, cfg.train
     T = trained_steps_per_sample(cfg)
@@ -114,7 +114,7 @@ def add_pass_plan(p: Report, cfg: Config, world_size: int) -> GroupCost:
     routing = setting.routing
     _routing_lines(p, cfg, T, routing)
     n_micro = max(1, train.prompts_per_iter * train.images_per_prompt // world_size // train.train_batch_size)
-    reused = min(n_micro, train.grad_accum) if backward.reuse_rollout else 0
+    reused = min(n_micro, train.grad_accum) if backward.stored_outputs else 0
     p.add(
         "stored rollout outputs used",
         f"{reused} of {n_micro} micro-batches per iteration (before the 1st step)",
@@ -133,21 +133,21 @@ def add_pass_plan(p: Report, cfg: Config, world_size: int) -> GroupCost:
     )
     # every mode's cost of the configured strategy, with and without stored outputs (exact has no modes)
     costs = {
-        (mode, reuse): dataclasses.replace(setting, endpoints=mode, reuse_outputs=reuse).cost(
-            T, batch=batch, stored=reuse
+        (mode, stored): dataclasses.replace(setting, graph_mode=mode, stored_outputs=stored).cost(
+            T, batch=batch, stored_outputs=stored
         )
-        for mode in ENDPOINT_MODES
-        for reuse in (False, True)
+        for mode in GRAPH_MODES
+        for stored in (False, True)
     }
     rows = [("exact", exact, backward.strategy == "exact")]
     if backward.strategy != "exact":
         rows += [
             (
-                f"{backward.strategy}/{mode}" + ("+stored" if reuse else ""),
+                f"{backward.strategy}/{mode}" + ("+stored" if stored else ""),
                 c,
-                (mode, reuse) == (backward.endpoints, reused > 0),
+                (mode, stored) == (backward.graph_mode, reused > 0),
             )
-            for (mode, reuse), c in costs.items()
+            for (mode, stored), c in costs.items()
         ]
     for name, c, mark in rows:
         p.lines.append(
@@ -155,12 +155,12 @@ def add_pass_plan(p: Report, cfg: Config, world_size: int) -> GroupCost:
             f"{c.backward_passes:>11}{c.backward_calls:>10}{c.all_gathers:>12}{c.reduce_scatters:>13}"
             f"{c.graphs_alive:>13}"
         )
-    ours = costs[(backward.endpoints, reused > 0)]
+    ours = costs[(backward.graph_mode, reused > 0)]
     p.add("backward passes saved", f"{1 - ours.backward_passes / exact.backward_passes:.0%}")
     p.add(
         "update time saved (pass counting, bwd = 2 fwd)",
-        f"{1 - costs[(backward.endpoints, True)].time() / exact.time():.0%} with stored outputs, "
-        f"{1 - costs[(backward.endpoints, False)].time() / exact.time():.0%} without",
+        f"{1 - costs[(backward.graph_mode, True)].time() / exact.time():.0%} with stored outputs, "
+        f"{1 - costs[(backward.graph_mode, False)].time() / exact.time():.0%} without",
     )
     p.add("rollout forwards per sample", sampling.num_steps * cfg_mult)
     add_advice(p, cfg, T, setting, n_micro)

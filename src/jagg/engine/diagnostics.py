@@ -17,14 +17,12 @@ import torch
 from torch import Tensor
 
 from jagg.engine.strategies import (
-    DEFAULT_MODE,
-    DEFAULT_SIGNALS,
+    GraphRun,
     Interpolation,
     StepLoss,
     Velocity,
     exact_at_two,
-    group_backward,
-    interpolated_backward,
+    group_interpolation,
 )
 
 
@@ -93,20 +91,23 @@ def group_gradient_cosines(
     *,
     group_size: int,
     strategies: Sequence[str] = ("jagg",),
-    endpoints: str = DEFAULT_MODE,
+    run: GraphRun | None = None,
 ) -> list[GroupCosine]:
     """Per group of ``group_size`` consecutive trained steps: each of ``strategies`` vs the exact gradient.
 
     Args:
-        velocity, latents (T, B, ...), sigmas (T,) or (T, B), step_loss: as for ``trajectory_backward``
-            (steps sorted by time, ``step_loss(i, v)`` indexed by the trained-step position i).
+        velocity, latents (T, B, ...), sigmas (T,) or (T, B), step_loss: the T trained steps sorted by time
+            (sigma decreasing), ``step_loss(i, v)`` indexed by the trained-step position i.
         params: the parameters the gradients are taken over (the trainable ones).
         group_size: W; the groups are consecutive (``plan_groups(T, W, ...)``'s), a single-step group is skipped.
-        strategies: the strategies compared with ``exact``; ``endpoints`` is passed to ``group_backward``.
+        strategies: the strategies compared with ``exact``.
+        run: how each group's plan (``group_interpolation``) runs; ``GraphRun()`` (its defaults) when None. The
+            gradient is the same whichever way; a calibration passes the run's graph mode for its memory.
 
     Returns one ``GroupCosine`` per (group, strategy), groups in trajectory order. ``.grad`` of ``params`` is
     left as it was (each gradient is taken from zero and the previous gradients are put back).
     """
+    run = run or GraphRun()
     params = list(params)
     sharded = any(hasattr(p, "to_local") for p in params)  # FSDP2 parameters are DTensors
     saved = [p.grad for p in params]
@@ -121,13 +122,13 @@ def group_gradient_cosines(
             for strategy in ("exact", *strategies):
                 for p in params:
                     p.grad = None
-                group_backward(
+                sig = torch.as_tensor(sigmas[idx])
+                run.run_plan(
+                    group_interpolation(strategy, sig),
                     velocity,
                     latents[idx],
-                    sigmas[idx],
+                    sig,
                     lambda j, v, idx=idx: step_loss(idx[j], v),
-                    strategy,
-                    endpoints=endpoints,
                 )
                 grads[strategy] = local_grads(params)
             ref = grads["exact"]
@@ -148,11 +149,12 @@ def plan_gradient_cosines(
     params: Sequence[torch.nn.Parameter],
     plans: dict[str, Interpolation],
     *,
-    endpoints: str = DEFAULT_MODE,
+    run: GraphRun | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Per named plan of the T steps: (cosine, relative error) of its whole gradient to the exact one (the
-    identity plan, every step a plain step), over ``params`` (sharded dot products under FSDP2). ``.grad`` of
-    ``params`` is left as it was."""
+    identity plan, every step a plain step), over ``params`` (sharded dot products under FSDP2); each plan runs
+    ``run`` (``GraphRun()`` when None). ``.grad`` of ``params`` is left as it was."""
+    run = run or GraphRun()
     params = list(params)
     sharded = any(hasattr(p, "to_local") for p in params)
     saved = [p.grad for p in params]
@@ -162,15 +164,7 @@ def plan_gradient_cosines(
         for name, plan in {"": identity, **plans}.items():
             for p in params:
                 p.grad = None
-            interpolated_backward(
-                velocity,
-                latents,
-                sigmas,
-                step_loss,
-                plan,
-                endpoints=endpoints,
-                endpoint_signals=DEFAULT_SIGNALS,
-            )
+            run.run_plan(plan, velocity, latents, sigmas, step_loss)
             grads[name] = local_grads(params)
     finally:
         for p, grad in zip(params, saved, strict=True):

@@ -187,8 +187,8 @@ class GRPOStepLoss:
     and ``loss(i, v)`` returns ``scale * L_i`` (the trainer's scale is 1 / (grad_accum * T)). The KL reference
     mean mu_ref_i comes from ``ref_velocity(x_i, sigma_i)`` without autograd. ``evaluate(i, v)`` returns the
     scaled loss and its statistics (``StepStats``: L_i unscaled and the ``PPOStats``); ``loss(i, v)`` is its
-    loss alone, so the object is itself a ``StepLoss`` for ``group_backward`` / ``trajectory_backward``
-    (``loss.x`` and ``loss.sigma`` are their latents and times). Evaluating it changes nothing.
+    loss alone, so the object is itself the ``loss`` of ``BackwardSetting.backward`` (``loss.x`` and
+    ``loss.sigma`` are the latents and times it reads). Evaluating it changes nothing.
 
     Follows DanceGRPO ``fastvideo/train_grpo_flux.py`` (``grpo_one_step``: recompute the log-prob of the stored
     next latent with ``flux_step``; the clipped loss in ``train_one_step``) and Flow-GRPO

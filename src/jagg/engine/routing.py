@@ -1,16 +1,18 @@
 """Routing: which backward each group of a trajectory's trained steps uses, what that costs, and measuring it.
 
 The T time-sorted trained steps of a micro-batch are cut into consecutive groups of W (``plan_groups``); each
-group runs ``group_backward`` with its plan's strategy (``trajectory_backward``). A ``Routing`` says how the
-groups are chosen: the leading ``jagg_frac`` of them on the strategy (the paper's rule), or a measured choice
-per group position. ``calibrate_routing`` measures that choice: per candidate W the cosine of each group's
-gradient to its exact one (``jagg.engine.diagnostics``), the groups at or above ``min_cosine`` routed, and
-the W whose routed update the cost model predicts cheapest kept. The cost model (``group_cost``,
-``trajectory_cost``, ``BackwardSetting.update_cost``) predicts the pass counts ``GroupStats`` measures (tested
-equal), and is what the dry-run plan, the bench and Table 1 use. ``BackwardSetting`` is a routing plus how each group's
-endpoint backward runs: everything an update needs to know about its backward. Where the trained steps are one
-window that moves (MixGRPO), ``calibrate_windows`` measures per window position and its ``WindowRouting`` is
-looked up by the window's first step (``BackwardSetting.at_window``).
+group runs its plan's strategy, all groups together as one block-diagonal plan (``Routing.interpolation``). A
+``Routing`` says how the groups are chosen: the leading ``jagg_frac`` of them on the strategy (the paper's rule),
+or a measured choice per group position. ``calibrate_routing`` measures that choice: per candidate W the cosine
+of each group's gradient to its exact one (``jagg.engine.diagnostics``), the groups at or above ``min_cosine``
+routed, and the W whose routed update the cost model predicts cheapest kept.
+
+``BackwardSetting`` is a routing plus how its plan runs (a ``GraphRun``: graph mode, signal source, row bound) and
+whether stored outputs are read: everything an update needs to know about its backward, and the one way to run
+one (``.backward``, ``.run``). The cost model (``plan_cost``, ``BackwardSetting.cost`` / ``.update_cost``)
+predicts the pass counts ``GroupStats`` measures (tested equal), and is what the dry-run plan, the bench and
+Table 1 use. Where the trained steps are one window that moves (MixGRPO), ``calibrate_windows`` measures per
+window position and its ``WindowRouting`` is looked up by the window's first step (``BackwardSetting.at_window``).
 """
 
 from __future__ import annotations
@@ -33,17 +35,14 @@ from jagg.engine.diagnostics import (
 )
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.strategies import (
-    DEFAULT_MODE,
-    DEFAULT_SIGNALS,
-    ENDPOINT_MODES,
-    ENDPOINT_SIGNALS,
+    GRAPH_MODES,
     STRATEGIES,
+    GraphRun,
     GroupStats,
     Interpolation,
     StepLoss,
     Velocity,
     group_interpolation,
-    interpolated_backward,
 )
 
 # ``backward.strategy``: the group strategies (one weight matrix per group of W) and shared knots.
@@ -64,26 +63,14 @@ class GroupPlan:
     strategy: str
 
 
-def validate_routing(
-    group_size: int,
-    jagg_frac: float,
-    strategy: str,
-    endpoints: str = DEFAULT_MODE,
-    endpoint_signals: str = DEFAULT_SIGNALS,
-) -> None:
-    """Raise ValueError naming the offending key and the allowed range."""
+def validate_routing(group_size: int, jagg_frac: float, strategy: str) -> None:
+    """Raise ValueError naming the offending key and the allowed range (how the plan runs: ``GraphRun``)."""
     if not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"backward.group_size must be an integer >= 2, got {group_size!r}")
     if not 0.0 <= float(jagg_frac) <= 1.0:
         raise ValueError(f"backward.jagg_frac must be in [0, 1], got {jagg_frac!r}")
     if strategy not in BACKWARD_STRATEGIES:
         raise ValueError(f"backward.strategy must be one of {BACKWARD_STRATEGIES}, got {strategy!r}")
-    if endpoints not in ENDPOINT_MODES:
-        raise ValueError(f"backward.endpoints must be one of {tuple(ENDPOINT_MODES)}, got {endpoints!r}")
-    if endpoint_signals not in ENDPOINT_SIGNALS:
-        raise ValueError(
-            f"backward.endpoint_signals must be one of {ENDPOINT_SIGNALS}, got {endpoint_signals!r}"
-        )
 
 
 def plan_groups(
@@ -193,27 +180,20 @@ def plans_interpolation(plans: Sequence[GroupPlan], sigma: Tensor) -> Interpolat
 
 
 @dataclass(frozen=True, kw_only=True)
-class BackwardSetting:
+class BackwardSetting(GraphRun):
     """Everything an update needs about its backward, bound once: the routing that places each micro-batch's
-    knots (``Routing`` of groups or shared ``Knots``), how each block's knot graphs run (``ENDPOINT_MODES``,
-    ``backward.endpoints``; ``backward.max_rows`` rows at most per stacked forward), whether stored rollout
-    outputs may replace forwards (``backward.reuse_rollout``; the loop decides when they are valid) and where
-    the knots' own signals come from (``ENDPOINT_SIGNALS``, ``backward.endpoint_signals``)."""
+    knots (``Routing`` of groups or shared ``Knots``), how the plan runs (``GraphRun``: ``backward.graph_mode``,
+    ``backward.endpoint_signals``, ``backward.max_rows``; the defaults are written there) and whether stored
+    rollout outputs may replace forwards (``backward.stored_outputs``; the loop decides when they are valid)."""
 
     routing: Routing | Knots | WindowRouting
-    endpoints: str = DEFAULT_MODE
-    reuse_outputs: bool = True
-    endpoint_signals: str = DEFAULT_SIGNALS
-    max_rows: int | None = None
+    stored_outputs: bool = True
 
     def __post_init__(self) -> None:
         r = self.routing
         size = r.group_size if isinstance(r, (Routing, WindowRouting)) else 2
-        validate_routing(
-            size, getattr(r, "jagg_frac", 1.0), r.strategy, self.endpoints, self.endpoint_signals
-        )
-        if self.max_rows is not None and self.max_rows < 1:
-            raise ValueError(f"backward.max_rows must be a positive integer or null, got {self.max_rows!r}")
+        validate_routing(size, getattr(r, "jagg_frac", 1.0), r.strategy)
+        super().__post_init__()
 
     def at_window(self, start: int) -> BackwardSetting:
         """The setting of a window whose first step is ``start``: its entry of a ``WindowRouting``. Any other
@@ -225,38 +205,30 @@ class BackwardSetting:
     def backward(self, velocity: Velocity, loss: StepLoss, outputs: Tensor | None = None) -> GroupStats:
         """ADD the micro-batch's gradient to ``.grad``: ``loss`` is the per-step loss of its T trained steps
         (``loss.x`` (T, B, ...), ``loss.sigma`` (T,) or (T, B), ``loss(i, v)``; e.g. ``GRPOStepLoss``);
-        ``outputs`` (T, B, ...) the stored outputs at the current weights, read when ``reuse_outputs``."""
+        ``outputs`` (T, B, ...) the stored outputs at the current weights, read when ``stored_outputs``."""
         return self.run(self.routing.interpolation(loss.sigma), velocity, loss, outputs)
 
     def run(
         self, plan: Interpolation, velocity: Velocity, loss: StepLoss, outputs: Tensor | None = None
     ) -> GroupStats:
         """``backward`` with another plan of the same T steps (a part of this setting's plan, the identity),
-        run the way this setting runs its own (endpoint mode, signals, stored outputs, row bound)."""
-        return interpolated_backward(
-            velocity,
-            loss.x,
-            loss.sigma,
-            loss,
-            plan,
-            endpoints=self.endpoints,
-            endpoint_signals=self.endpoint_signals,
-            outputs=outputs if self.reuse_outputs else None,
-            max_rows=self.max_rows,
-        )
+        run the way this setting runs its own (graph mode, signals, stored outputs, row bound)."""
+        outputs = outputs if self.stored_outputs else None
+        return self.run_plan(plan, velocity, loss.x, loss.sigma, loss, outputs)
 
     @property
     def exact(self) -> BackwardSetting:
         """Exact's backward in this setting's place: every step a plain step (the modes do not apply to it)."""
         return replace(self, routing=Routing(strategy="exact", group_size=2))
 
-    def cost(self, num_steps: int, *, batch: int = 1, stored: bool = False) -> GroupCost:
+    def cost(self, num_steps: int, *, batch: int = 1, stored_outputs: bool = False) -> GroupCost:
         """The predicted counts of ``backward`` on a micro-batch of ``batch`` samples with ``num_steps``
-        trained steps (``stored``: its outputs are read)."""
+        trained steps (``stored_outputs``: the micro-batch comes with valid stored outputs, read where this
+        setting reads them)."""
         return plan_cost(
             self.routing.interpolation(nominal_sigmas(num_steps)),
-            endpoints=self.endpoints,
-            reuse_outputs=stored and self.reuse_outputs,
+            graph_mode=self.graph_mode,
+            stored_outputs=stored_outputs and self.stored_outputs,
             endpoint_signals=self.endpoint_signals,
             max_rows=self.max_rows,
             batch=batch,
@@ -268,8 +240,8 @@ class BackwardSetting:
         """One update: ``micro_batches`` micro-batches and an optimizer step every ``grad_accum``. Stored
         outputs are valid only at the rollout's weights, so only the micro-batches before the first optimizer
         step (the first ``min(grad_accum, micro_batches)``) read them."""
-        stored = min(grad_accum, micro_batches) if self.reuse_outputs else 0
-        costs = [self.cost(num_steps, batch=batch, stored=k < stored) for k in range(micro_batches)]
+        valid = min(grad_accum, micro_batches) if self.stored_outputs else 0
+        costs = [self.cost(num_steps, batch=batch, stored_outputs=k < valid) for k in range(micro_batches)]
         return functools.reduce(operator.add, costs)
 
     @property
@@ -277,18 +249,17 @@ class BackwardSetting:
         """Whether one backward call runs over several knot graphs (``joint``, an aggregated strategy): under
         FSDP2 a later graph's gradient then waits unsharded for the earlier one (the memory plan's held
         gradient). Stacked modes build one graph per backward call."""
-        return self.routing.strategy != "exact" and not ENDPOINT_MODES[self.endpoints].stacked
+        return self.routing.strategy != "exact" and not GRAPH_MODES[self.graph_mode].stacked
 
     @property
     def mode(self) -> str:
-        """The endpoint mode ("-" for exact), with "+stored" when the rollout's outputs are reused,
-        "+nograd_ends" when the knots' signals come from forwards without autograd and "+rows<n>" under
-        ``max_rows``."""
+        """The graph mode ("-" for exact), with "+stored" when stored outputs are read, "+nograd_ends" when the
+        knots' signals come from forwards without autograd and "+rows<n>" under ``max_rows``."""
         if self.routing.strategy == "exact":
             return "-"
-        stored = "+stored" if self.reuse_outputs else ""
+        stored = "+stored" if self.stored_outputs else ""
         rows = f"+rows{self.max_rows}" if self.max_rows is not None else ""
-        return self.endpoints + stored + ("+nograd_ends" if self.endpoint_signals == "nograd" else "") + rows
+        return self.graph_mode + stored + ("+nograd_ends" if self.endpoint_signals == "nograd" else "") + rows
 
     @property
     def label(self) -> str:
@@ -299,36 +270,6 @@ class BackwardSetting:
     def key(self) -> str:
         """A short unique label, e.g. ``jagg/W3/f0.6/batched+stored`` or ``knots/K4/low_noise/batched+stored``."""
         return f"{self.routing.label}/{self.mode}"
-
-
-def trajectory_backward(
-    velocity: Velocity,
-    latents: Tensor,
-    sigmas: Tensor,
-    step_loss: StepLoss,
-    plans: Sequence[GroupPlan],
-    *,
-    endpoints: str = DEFAULT_MODE,
-    outputs: Tensor | None = None,
-    endpoint_signals: str = DEFAULT_SIGNALS,
-) -> GroupStats:
-    """Backward over all T trained steps cut into the groups ``plans`` (e.g. ``Routing.plans(T)``): their
-    block-diagonal plan (``plans_interpolation``) through ``interpolated_backward``.
-
-    ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) must be sorted by time (sigma decreasing);
-    ``step_loss(i, v)`` takes the index i into the T trained steps.
-    """
-    sigmas = torch.as_tensor(sigmas)
-    return interpolated_backward(
-        velocity,
-        latents,
-        sigmas,
-        step_loss,
-        plans_interpolation(plans, sigmas),
-        endpoints=endpoints,
-        endpoint_signals=endpoint_signals,
-        outputs=outputs,
-    )
 
 
 # --------------------------------------------------------------------------- cost model
@@ -378,7 +319,7 @@ _PLAIN_STEP = GroupCost(
 
 
 def _block_cost(
-    plan: Interpolation, block: tuple[int, ...], mode, nograd: bool, reuse: bool, chunk: int
+    plan: Interpolation, block: tuple[int, ...], mode, nograd: bool, stored: bool, chunk: int
 ) -> GroupCost:
     """What ``interpolated_backward`` does for one block, counted the same way without running it."""
     if plan.is_plain(block):
@@ -389,7 +330,7 @@ def _block_cost(
     for c, part in enumerate(chunks):  # a later chunk's knot needed first: its signal without the graph
         later = {plan.knots[k] for rest in chunks[c + 1 :] for k in rest}
         detached |= later.intersection(plan.feeding(part))
-    fwd = 0 if reuse else len(detached)
+    fwd = 0 if stored else len(detached)
     n = len(block)
     grad_calls = len(chunks) if mode.stacked else n
     graphs = len(chunks) if mode.stacked else n
@@ -397,7 +338,7 @@ def _block_cost(
         forward_passes=fwd + n,
         forward_passes_with_grad=n,
         forward_calls=fwd + grad_calls,
-        forwards_skipped=len(detached) if reuse else 0,
+        forwards_skipped=len(detached) if stored else 0,
         backward_passes=n,
         backward_graphs=graphs,
         backward_calls=len(chunks),
@@ -410,51 +351,21 @@ def _block_cost(
 def plan_cost(
     plan: Interpolation,
     *,
-    endpoints: str,
-    reuse_outputs: bool,
+    graph_mode: str,
+    stored_outputs: bool,
     endpoint_signals: str,
     max_rows: int | None = None,
     batch: int = 1,
 ) -> GroupCost:
     """The counts ``interpolated_backward`` reports for ``plan`` (tested equal), without running it: per block
-    the detached forwards (signals not taken from a knot graph; none with stored outputs), one forward with
-    autograd and one backward pass per knot, in calls and graphs as the mode chunks them."""
-    mode = ENDPOINT_MODES[endpoints]
+    the detached forwards (signals not taken from a knot graph; none when ``stored_outputs`` are read), one
+    forward with autograd and one backward pass per knot, in calls and graphs as the mode chunks them."""
+    mode = GRAPH_MODES[graph_mode]
     costs = []
     for block in plan.blocks:
         size = mode.chunk or (max(1, max_rows // batch) if mode.stacked and max_rows else len(block))
-        costs.append(_block_cost(plan, block, mode, endpoint_signals == "nograd", reuse_outputs, size))
+        costs.append(_block_cost(plan, block, mode, endpoint_signals == "nograd", stored_outputs, size))
     return functools.reduce(operator.add, costs)
-
-
-def group_cost(
-    size: int,
-    strategy: str,
-    endpoints: str = DEFAULT_MODE,
-    reuse_outputs: bool = False,
-    endpoint_signals: str = DEFAULT_SIGNALS,
-) -> GroupCost:
-    """The counts ``group_backward`` reports for a group of ``size`` steps (tested equal), without running it:
-    ``plan_cost`` of the group's plan (``reuse_outputs``: its outputs come from the rollout)."""
-    validate_routing(max(size, 2), 0.0, strategy, endpoints, endpoint_signals)
-    plan = group_interpolation(strategy, nominal_sigmas(size))
-    return plan_cost(
-        plan, endpoints=endpoints, reuse_outputs=reuse_outputs, endpoint_signals=endpoint_signals
-    )
-
-
-def trajectory_cost(
-    plans: Sequence[GroupPlan],
-    *,
-    endpoints: str = DEFAULT_MODE,
-    reuse_outputs: bool = False,
-    endpoint_signals: str = DEFAULT_SIGNALS,
-) -> GroupCost:
-    """``plan_cost`` of the groups ``plans`` (what ``trajectory_backward`` does with them)."""
-    plan = plans_interpolation(plans, nominal_sigmas(sum(len(p.steps) for p in plans)))
-    return plan_cost(
-        plan, endpoints=endpoints, reuse_outputs=reuse_outputs, endpoint_signals=endpoint_signals
-    )
 
 
 # --------------------------------------------------------------------------- calibration (measured routing)
@@ -512,10 +423,11 @@ def calibrate_routing(
     micro_batches: int = 1,
     grad_accum: int = 1,
 ) -> Calibration:
-    """Measured routing on one micro-batch (inputs as for ``trajectory_backward``; gradients over ``params``).
+    """Measured routing on one micro-batch: ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) sorted by time
+    (sigma decreasing), ``step_loss(i, v)`` indexed by the trained-step position i; gradients over ``params``.
 
     ``setting`` is the run's backward with any routing of its strategy: what is measured replaces the routing,
-    and its endpoint mode, stored outputs, signals and row bound are kept. Per W in ``group_sizes``:
+    and its graph mode, stored outputs, signals and row bound are kept (the measurement runs in its graph mode). Per W in ``group_sizes``:
     ``group_gradient_cosines`` of the strategy vs exact, ``route_by_cosine`` at ``min_cosine`` (a position uses
     the strategy where its cosine qualifies), and the predicted cost of an update with that routing
     (``BackwardSetting.update_cost`` with the update's ``micro_batches`` / ``grad_accum``). The cheapest W is
@@ -533,7 +445,7 @@ def calibrate_routing(
             params,
             group_size=w,
             strategies=(strategy,),
-            endpoints=setting.endpoints,
+            run=GraphRun(graph_mode=setting.graph_mode),
         )
         qualified = route_by_cosine(cosines, min_cosine, strategy)
         plans = plan_groups(num_steps, w, 1.0, strategy, qualified)
@@ -574,12 +486,13 @@ def calibrate_windows(
     strategy: str,
     group_size: int,
     min_cosine: float,
-    endpoints: str = DEFAULT_MODE,
+    graph_mode: str,
 ) -> WindowCalibration:
     """Measured routing per window position: ``losses[start]`` is the per-step loss of the window starting at step
     ``start`` (``.x`` / ``.sigma`` its steps, one group of at most ``group_size``); its ``strategy`` gradient is
-    compared with its exact one (``group_gradient_cosines``: len + the strategy's backward passes) and the window
-    runs ``strategy`` where ``route_by_cosine`` qualifies it at ``min_cosine``. ``.grad`` is left as it was."""
+    compared with its exact one (``group_gradient_cosines`` in the run's ``graph_mode``: len + the strategy's
+    backward passes) and the window runs ``strategy`` where ``route_by_cosine`` qualifies it at ``min_cosine``.
+    ``.grad`` is left as it was."""
     cosines, routed = {}, []
     for start, loss in sorted(losses.items()):
         if loss.x.shape[0] > group_size:
@@ -592,7 +505,7 @@ def calibrate_windows(
             params,
             group_size=group_size,
             strategies=(strategy,),
-            endpoints=endpoints,
+            run=GraphRun(graph_mode=graph_mode),
         )
         cosines[start] = measured[0].cosine if measured else None
         routed.append((start, route_by_cosine(measured, min_cosine, strategy) == [True]))
@@ -624,15 +537,18 @@ def calibrate_knots(
     params: Sequence[torch.nn.Parameter],
     *,
     count: int,
-    endpoints: str = DEFAULT_MODE,
+    graph_mode: str,
 ) -> KnotsCalibration:
     """The measured placement (``backward.placement: auto``) on one micro-batch: every rule of ``PLACEMENTS``
-    with ``count`` knots, its gradient's cosine to the exact one (``plan_gradient_cosines``: T + |rules| K
-    backward passes), and the best kept. ``.grad`` of ``params`` is left as it was."""
+    with ``count`` knots, its gradient's cosine to the exact one (``plan_gradient_cosines`` in the run's
+    ``graph_mode``: T + |rules| K backward passes), and the best kept. ``.grad`` of ``params`` is left as it
+    was."""
     sigmas = torch.as_tensor(sigmas)
     rules = {name: Knots(count=count, placement=name) for name in PLACEMENTS}
     plans = {name: k.interpolation(sigmas) for name, k in rules.items()}
-    measured = plan_gradient_cosines(velocity, latents, sigmas, step_loss, params, plans, endpoints=endpoints)
+    measured = plan_gradient_cosines(
+        velocity, latents, sigmas, step_loss, params, plans, run=GraphRun(graph_mode=graph_mode)
+    )
     cosines = {name: cos for name, (cos, _) in measured.items()}
     best = max(rules, key=lambda name: cosines[name])  # max keeps the first of equal cosines
     return KnotsCalibration(chosen=rules[best], cosines=cosines)

@@ -27,9 +27,9 @@ class Trajectory:
     log_probs: (S, B) log-prob of latents[i + 1] under step i (0 for ODE steps).
     sigmas:    (S + 1,) the schedule, from 1 down to 0.
     kinds:     the S step kinds.
-    outputs:   (S, B, ...) the model output of every step (``keep_outputs=True``), else None. Before the
+    outputs:   (S, B, ...) the model output of every step (``stored_outputs=True``), else None. Before the
                first optimizer step they equal what the update would recompute, so JAGG's intermediate
-               signals can come from them with no model forward (``group_backward(..., outputs=...)``).
+               signals can come from them with no model forward (``BackwardSetting.backward(..., outputs)``).
     """
 
     latents: Tensor
@@ -56,11 +56,11 @@ def sample_trajectory(
     *,
     noise_level: float = 0.0,
     generator: torch.Generator | None = None,
-    keep_outputs: bool = False,
+    stored_outputs: bool = False,
 ) -> Trajectory:
     """Integrate from ``noise`` (B, ...) at sigmas[0] = 1 down to sigmas[-1]; step i uses ``kinds[i]``.
 
-    ``keep_outputs``: also return every step's model output (``Trajectory.outputs``).
+    ``stored_outputs``: also return every step's model output (``Trajectory.outputs``).
     """
     n_steps = sigmas.shape[0] - 1
     if len(kinds) != n_steps:
@@ -71,7 +71,7 @@ def sample_trajectory(
     multistep = any(k in DPM_KINDS for k in kinds)
     for i in range(n_steps):
         v = velocity(x, sigmas[i])
-        if keep_outputs:
+        if stored_outputs:
             outputs.append(v)
         if kinds[i] in DPM_KINDS:  # deterministic, never trained: log-prob 0 as for ODE steps
             wide = torch.promote_types(x.dtype, torch.float32)
@@ -102,5 +102,5 @@ def sample_trajectory(
         torch.stack(log_probs),
         sigmas,
         tuple(kinds),
-        torch.stack(outputs) if keep_outputs else None,
+        torch.stack(outputs) if stored_outputs else None,
     )

@@ -16,7 +16,9 @@ Steps whose row is all zeros need no forward at all, so the endpoints ablation a
 
 Every backward is one plan (``Interpolation``) of a micro-batch's T steps: K knot steps and a (T, K[, B]) matrix.
 Exact is the identity, a group strategy one (W, 2) block, shared knots (``jagg.engine.knots``) the hat functions of t;
-``interpolated_backward`` runs any of them, ``group_backward`` is its one-group case.
+``interpolated_backward`` runs any of them. How it runs them (the same gradient at different costs) is a ``GraphRun``:
+the graph mode (``GRAPH_MODES``), where the knots' own signals come from (``ENDPOINT_SIGNALS``) and a row bound; its
+defaults are written there once, and ``jagg.engine.routing.BackwardSetting`` is a ``GraphRun`` bound to a routing.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ StepLoss = Callable[[int, Tensor], Tensor]
 
 @dataclass(kw_only=True)
 class GroupStats:
-    """What one ``group_backward`` did. Counts are per call; ``loss`` is sum_j L_j over computed steps.
+    """What one backward (``interpolated_backward``) did. Counts are per call; ``loss`` is sum_j L_j over computed
+    steps.
 
     Passes are counted in units of one model evaluation on the micro-batch (B samples): a batched endpoint
     forward over 2B samples is 2 forward passes in 1 call and its backward is 2 backward passes through 1 graph.
@@ -55,7 +58,7 @@ class GroupStats:
     forwards_skipped: int = 0  # forwards replaced by stored (rollout) outputs
     time_forward_s: float = 0.0
     time_backward_s: float = 0.0  # transformer backward (the part JAGG saves)
-    endpoints: str = ""  # endpoint mode of an aggregated strategy ("" for exact)
+    graph_mode: str = ""  # of an aggregated strategy ("" for exact)
 
     @classmethod
     def exact(cls, step_losses: list[float], *, time_forward_s: float, time_backward_s: float) -> GroupStats:
@@ -88,13 +91,13 @@ class GroupStats:
         summed = {
             f.name: getattr(self, f.name) + getattr(other, f.name)
             for f in fields(self)
-            if f.name not in ("strategy", "endpoints")
+            if f.name not in ("strategy", "graph_mode")
         }
         return GroupStats(
             strategy=self.strategy if self.strategy == other.strategy else "mixed",
-            endpoints=self.endpoints
-            if self.endpoints == other.endpoints
-            else "/".join(sorted({self.endpoints, other.endpoints} - {""})),
+            graph_mode=self.graph_mode
+            if self.graph_mode == other.graph_mode
+            else "/".join(sorted({self.graph_mode, other.graph_mode} - {""})),
             **summed,
         )
 
@@ -196,12 +199,12 @@ class GraphMode:
     chunk: int | None
 
 
-ENDPOINT_MODES: dict[str, GraphMode] = {
+GRAPH_MODES: dict[str, GraphMode] = {
     "batched": GraphMode(stacked=True, chunk=None),
     "joint": GraphMode(stacked=False, chunk=None),
     "sequential": GraphMode(stacked=True, chunk=1),
 }
-"""How a block's knot backward runs (``backward.endpoints``; for a JAGG group the knots are its two endpoints):
+"""How a block's knot backward runs (``backward.graph_mode``; for a JAGG group the knots are its two endpoints):
 
     batched     the block's knots in ONE forward over their stacked rows [z_k0; z_k1; ...] (per-sample t,
                 conditioning tiled), one graph, one backward (chunks of ``backward.max_rows`` rows where set).
@@ -214,8 +217,6 @@ ENDPOINT_MODES: dict[str, GraphMode] = {
 """
 
 ENDPOINT_SIGNALS: tuple[str, ...] = ("graph", "nograd")
-# The defaults, named once: every signature with an endpoint mode or signal source defaults to these.
-DEFAULT_MODE, DEFAULT_SIGNALS = "batched", "graph"
 """Where the knots' own signals come from (same gradient, different forward count):
 
     graph   from the knot forwards that build the graphs (for a JAGG group: W forwards without stored outputs).
@@ -223,6 +224,8 @@ DEFAULT_MODE, DEFAULT_SIGNALS = "batched", "graph"
             every step's signal from its own forward without autograd, knots included, then the knots
             forwarded again with autograd for the backward (W + 2 forwards per JAGG group).
 """
+# The defaults, named once; ``GraphRun``'s fields are the one place that uses them.
+DEFAULT_MODE, DEFAULT_SIGNALS = "batched", "graph"
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ class Interpolation:
 
     knots: (K,) positions of the knot steps among the T steps, ascending.
     weights: (T, K) or per-sample (T, K, B), float64. A step whose row is zero needs no signal (no forward).
-    blocks: knot indices back-propagated together (one pass of ``ENDPOINT_MODES``), in order, covering 0..K-1
+    blocks: knot indices back-propagated together (one pass of ``GRAPH_MODES``), in order, covering 0..K-1
         once. A block of one knot fed only by its own step with weight 1 is a plain step: forward, loss,
         backward, exactly as DanceGRPO / Flow-GRPO train (it never reads stored outputs).
     name: the strategy, for the stats.
@@ -427,7 +430,7 @@ class _Run:
             outs.append(((k,), v))
         return outs
 
-    def stats(self, endpoints: str) -> GroupStats:
+    def stats(self, graph_mode: str) -> GroupStats:
         plain = all(self.plan.is_plain(b) for b in self.plan.blocks)
         step_losses = [self.losses[j] for j in sorted(self.losses)]
         n = self.n
@@ -445,7 +448,7 @@ class _Run:
             forwards_skipped=n["skipped"],
             time_forward_s=self.t_fwd.total,
             time_backward_s=self.t_bwd.total,
-            endpoints="" if plain else endpoints,
+            graph_mode="" if plain else graph_mode,
         )
 
 
@@ -456,7 +459,7 @@ def interpolated_backward(
     step_loss: StepLoss,
     plan: Interpolation,
     *,
-    endpoints: str,
+    graph_mode: str,
     endpoint_signals: str,
     outputs: Tensor | None = None,
     max_rows: int | None = None,
@@ -470,7 +473,7 @@ def interpolated_backward(
         latents: (T, B, ...) the stored model inputs of the steps; sigmas: (T,) or (T, B), strictly decreasing.
         step_loss: ``step_loss(j, v_j)`` -> scalar loss of step j as a function of its model output.
         plan: the knots, the (T, K[, B]) weights and the blocks.
-        endpoints: a key of ``ENDPOINT_MODES``: how each block's knot graphs run.
+        graph_mode: a key of ``GRAPH_MODES``: how each block's knot graphs run.
         endpoint_signals: one of ``ENDPOINT_SIGNALS``.
         outputs: optional (T, B, ...) model outputs at these inputs under the CURRENT parameters (the rollout's,
             before the first optimizer step): every signal then comes from them and non-knot steps need no
@@ -478,8 +481,8 @@ def interpolated_backward(
         max_rows: at most this many rows per stacked forward (``backward.max_rows``; None: a whole block).
     Each step's ``step_loss`` is evaluated exactly once; blocks run in order.
     """
-    if endpoints not in ENDPOINT_MODES:
-        raise ValueError(f"endpoints must be one of {tuple(ENDPOINT_MODES)}, got {endpoints!r}")
+    if graph_mode not in GRAPH_MODES:
+        raise ValueError(f"graph_mode must be one of {tuple(GRAPH_MODES)}, got {graph_mode!r}")
     if endpoint_signals not in ENDPOINT_SIGNALS:
         raise ValueError(f"endpoint_signals must be one of {ENDPOINT_SIGNALS}, got {endpoint_signals!r}")
     sigmas = torch.as_tensor(sigmas)
@@ -492,8 +495,8 @@ def interpolated_backward(
         )
     run = _Run(velocity, latents, sigmas, step_loss, outputs, plan)
     for block in plan.blocks:
-        run.block(block, ENDPOINT_MODES[endpoints], endpoint_signals, max_rows)
-    return run.stats(endpoints)
+        run.block(block, GRAPH_MODES[graph_mode], endpoint_signals, max_rows)
+    return run.stats(graph_mode)
 
 
 def group_interpolation(strategy: str, sigmas: Tensor) -> Interpolation:
@@ -508,33 +511,50 @@ def group_interpolation(strategy: str, sigmas: Tensor) -> Interpolation:
     )
 
 
-def group_backward(
-    velocity: Velocity,
-    latents: Tensor,
-    sigmas: Tensor,
-    step_loss: StepLoss,
-    strategy: str,
-    *,
-    endpoints: str = DEFAULT_MODE,
-    outputs: Tensor | None = None,
-    endpoint_signals: str = DEFAULT_SIGNALS,
-) -> GroupStats:
-    """ADD the (approximate) gradient of sum_j L_j over one group of W steps to the parameters' ``.grad``.
+@dataclass(frozen=True, kw_only=True)
+class GraphRun:
+    """How ``interpolated_backward`` runs a plan: the same gradient at different costs. ``graph_mode`` (a key
+    of ``GRAPH_MODES``, ``backward.graph_mode``) builds the knot graphs, ``endpoint_signals`` (one of
+    ``ENDPOINT_SIGNALS``) says where the knots' own signals come from, ``max_rows`` bounds the rows of a stacked
+    forward (``backward.max_rows``; None: a whole block).
 
-    The one-group case of ``interpolated_backward`` (``group_interpolation``): exact runs W plain steps (it
-    never reads ``outputs``); an aggregated strategy back-propagates its two endpoints. Args as there, with
-    ``strategy`` one of ``STRATEGIES`` (a group of one step is always exact).
-    """
-    sigmas = torch.as_tensor(sigmas)
-    _check_steps(latents, sigmas)
-    plan = group_interpolation(strategy, sigmas)
-    return interpolated_backward(
-        velocity,
-        latents,
-        sigmas,
-        step_loss,
-        plan,
-        endpoints=endpoints,
-        endpoint_signals=endpoint_signals,
-        outputs=outputs,
-    )
+    The defaults are written here and nowhere else: ``BackwardSetting`` (a ``GraphRun`` bound to a routing), the
+    config's ``backward`` section and the gradient diagnostics all take them from this class."""
+
+    graph_mode: str = DEFAULT_MODE
+    endpoint_signals: str = DEFAULT_SIGNALS
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(
+                f"backward.graph_mode must be one of {tuple(GRAPH_MODES)}, got {self.graph_mode!r}"
+            )
+        if self.endpoint_signals not in ENDPOINT_SIGNALS:
+            raise ValueError(
+                f"backward.endpoint_signals must be one of {ENDPOINT_SIGNALS}, got {self.endpoint_signals!r}"
+            )
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"backward.max_rows must be a positive integer or null, got {self.max_rows!r}")
+
+    def run_plan(
+        self,
+        plan: Interpolation,
+        velocity: Velocity,
+        latents: Tensor,
+        sigmas: Tensor,
+        step_loss: StepLoss,
+        outputs: Tensor | None = None,
+    ) -> GroupStats:
+        """``interpolated_backward`` of ``plan`` run this way (args as there)."""
+        return interpolated_backward(
+            velocity,
+            latents,
+            sigmas,
+            step_loss,
+            plan,
+            graph_mode=self.graph_mode,
+            endpoint_signals=self.endpoint_signals,
+            outputs=outputs,
+            max_rows=self.max_rows,
+        )

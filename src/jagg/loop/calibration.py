@@ -131,7 +131,7 @@ class WindowsCalibrator(Calibrator):
             strategy=backward.strategy,
             group_size=backward.group_size,
             min_cosine=backward.min_cosine,
-            endpoints=backward.endpoints,
+            graph_mode=backward.graph_mode,
         )
         self.setting = backward.setting(calibration.routing)
         return calibration.as_metrics()
@@ -160,7 +160,7 @@ class KnotsCalibrator(Calibrator):
             loss,
             probe.params,
             count=backward.knots,
-            endpoints=backward.endpoints,
+            graph_mode=backward.graph_mode,
         )
         self.setting = backward.setting(measured.routing)
         return measured.as_metrics()

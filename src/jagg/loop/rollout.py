@@ -81,13 +81,13 @@ def sample_micro_batches(
     first_sample: int,
     sde_seed: int,
     noise_level: float,
-    keep_outputs: bool,
+    stored_outputs: bool,
 ) -> Trajectory:
     """``sample_trajectory`` over ``noise`` (n, ...) in micro-batches of ``batch_size``, concatenated.
 
     ``velocity(rows)`` is the model's velocity for the samples ``rows``; micro-batch k of the global batch
     (``first_sample`` is this rank's first sample) draws its SDE noise from a generator seeded
-    ``sde_seed + k`` on the noise's device. ``keep_outputs`` stores every step's model output too.
+    ``sde_seed + k`` on the noise's device. ``stored_outputs`` keeps every step's model output too.
     """
     chunks = []
     for start in range(0, noise.shape[0], batch_size):
@@ -102,7 +102,7 @@ def sample_micro_batches(
                 kinds,
                 noise_level=noise_level,
                 generator=sde_gen,
-                keep_outputs=keep_outputs,
+                stored_outputs=stored_outputs,
             )
         )
     return Trajectory(
@@ -110,7 +110,7 @@ def sample_micro_batches(
         torch.cat([c.log_probs for c in chunks], dim=1),
         chunks[0].sigmas,
         chunks[0].kinds,
-        torch.cat([c.outputs for c in chunks], dim=1) if keep_outputs else None,
+        torch.cat([c.outputs for c in chunks], dim=1) if stored_outputs else None,
     )
 
 
@@ -171,7 +171,7 @@ class Sampler:
             first_sample=mine.start,
             sde_seed=sde_seed,
             noise_level=algorithm.noise_level,
-            keep_outputs=self.cfg.backward.reuse_rollout,
+            stored_outputs=self.cfg.backward.stored_outputs,
         )
         trained = self.algorithm.trained_steps(list(kinds), len(all_prompts), gen)[mine]
         t_sampled = time.perf_counter()

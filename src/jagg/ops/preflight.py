@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jagg.config import Config
+from jagg.config import Config, current_keys
 from jagg.errors import ConfigError
 from jagg.ops.checkpoint import checkpoint_candidates, find_checkpoint, incomplete_message
 from jagg.ops.rundir import MARKER, check_overwrite, entries, is_run_dir
@@ -221,7 +221,8 @@ def _resumed_config_changes(
     """The keys whose value differs from run.json's config; ``ConfigError`` unless allowed or resumable.
 
     Without run.json there is nothing to compare: fine beside a checkpoint (run.json is then written anew) or
-    in an empty directory, refused in a non-empty one (not a run directory of this CLI).
+    in an empty directory, refused in a non-empty one (not a run directory of this CLI). Keys run.json names
+    the old way (``jagg.config.RENAMED_KEYS``) are compared under their current names.
     """
     meta_path = run_dir / "run.json"
     if not meta_path.is_file():
@@ -230,7 +231,8 @@ def _resumed_config_changes(
                 f"{what}: {meta_path} is missing, so {run_dir} is not a run directory of this CLI"
             )
         return {}
-    old = json.loads(meta_path.read_text()).get("config", {})
+    # a run written before a key was renamed stored it under its old name, which means the same
+    old = current_keys(json.loads(meta_path.read_text()).get("config", {}), str(meta_path))
     new = json.loads(json.dumps(cfg.to_dict(), default=str))
     changes = config_changes(old, new)
     refused = sorted(k for k in changes if k not in RESUMABLE_KEYS)
