@@ -49,7 +49,7 @@ def test_own_trainer_prints_passes_and_the_gradients(capsys):
         with count_passes(backbone) as counted:
             ns["one_plan_backward"](velocity, batch, setting)
         assert counted["backward_calls"] == int(calls), name
-        assert setting.cost(ns["T"], batch=1, stored=True).backward_passes == int(passes), name
+        assert setting.cost(ns["T"], batch=1, stored_outputs=True).backward_passes == int(passes), name
     backbone.zero_grad(set_to_none=True)
 
 
@@ -193,7 +193,7 @@ def test_theorem1_a_per_step_loop_on_fewer_backward_passes(routing, stored):
     assert rel_err(g_plan, g_loop) < 1e-12
     assert stats.backward_passes == 4 < t
     assert counted["backward_calls"] == stats.backward_calls < t
-    assert setting.cost(t, stored=stored).backward_passes == stats.backward_passes
+    assert setting.cost(t, stored_outputs=stored).backward_passes == stats.backward_passes
     assert stats.forwards_skipped == (t - 4 if stored else 0)  # stored outputs replace the non-knot forwards
 
     module, velocity, shape = make_model("mlp")
