@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv smoke test test-dist lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-v3 curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv smoke test test-dist lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-v3 curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -70,6 +70,10 @@ check-weights: $(STAMP) ## CONFIG=configs/paper/X.yaml [OVERRIDES='model.path=/l
 hpsv2-ref: $(STAMP) ## Optional: the hpsv2 reference (hpsv2x 1.2.0, no deps, into cache/hpsv2x; pins untouched), then test our HPSv2.1 scorer against it
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target cache/hpsv2x hpsv2x==1.2.0 2>&1 | { grep -v "^WARNING: Location" || true; }
 	$(PY) -m pytest -q tests/test_hpsv2_reference.py
+
+hpsv3-ref: $(STAMP) ## Optional: the hpsv3 1.0.0 sdist (no deps, into cache/hpsv3), then compare our HPSv3 prompt, chat turn, resize and head with it
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: hpsv3==1.0.0 -d cache/hpsv3
+	$(PY) -m pytest -q tests/test_hpsv3_reference.py
 
 pretrain: $(STAMP) ## Train + cache the offline world (text encoder, rewards, tiny Flux / Qwen-Image) -> cache/world, results/world.md
 	$(PY) experiments/pretrain.py

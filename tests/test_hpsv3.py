@@ -4,12 +4,16 @@ a checkpoint in either key layout through the real constructor, the offline fail
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+
 import pytest
 import torch
 
 from jagg.errors import WeightsUnavailableError
 from jagg.rewards import REWARDS, build_reward
 from jagg.scale.hpsv3 import (
+    DTYPE,
     INSTRUCTION,
     PROMPT_WITH_SPECIAL_TOKEN,
     REWARD_TOKEN,
@@ -21,6 +25,12 @@ from jagg.scale.hpsv3 import (
     resized_hw,
 )
 
+# SHA-256 of the UTF-8 bytes of hpsv3 1.0.0's hpsv3/dataset/data_collator_qwen.py INSTRUCTION (lines 11-32) and
+# prompt_with_special_token (lines 38-42), computed from the sdist on PyPI (pip download --no-deps --no-binary :all:
+# hpsv3==1.0.0; hpsv3-1.0.0.tar.gz sha256 42277f27...3f713c): the string literals read with ast.parse from the file,
+# then hashlib.sha256(value.encode()).hexdigest(). `make hpsv3-ref` compares with the file itself.
+INSTRUCTION_SHA256 = "0393599dad45a971903d1d62a3acf9bad3ccccdafa7f40f680523419e1f68b7a"
+PROMPT_WITH_SPECIAL_TOKEN_SHA256 = "2471faca094ae5bd6fe17b71dce20c3d7583625545e235889f7e74e7eeb69d0a"
 PROMPTS = ["a red circle on the left", "a photo of a cat", "an astronaut riding a horse"]
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 SPECIAL += ["<|video_pad|>"]
@@ -101,6 +111,38 @@ def test_registered():
     assert "hpsv3" in REWARDS
 
 
+def test_instruction_is_hpsv3_1_0_0():
+    """The instruction is hpsv3 1.0.0's, byte for byte (pinned hashes), with both of its sections: Visual Quality
+    (five sub-dimensions) and Text Alignment (five more), then the prompt's slot."""
+    assert hashlib.sha256(INSTRUCTION.encode()).hexdigest() == INSTRUCTION_SHA256
+    assert hashlib.sha256(PROMPT_WITH_SPECIAL_TOKEN.encode()).hexdigest() == PROMPT_WITH_SPECIAL_TOKEN_SHA256
+    assert len(INSTRUCTION) == 2523 and len(PROMPT_WITH_SPECIAL_TOKEN) == 67
+    sections = ["**Visual Quality:**  \n", "**Text Alignment:**  \n", "Textual prompt - {text_prompt}\n\n\n"]
+    at = [INSTRUCTION.index(s) for s in sections]
+    assert at == sorted(at) and INSTRUCTION.endswith(sections[-1])
+    visual, text = INSTRUCTION[at[0] : at[1]], INSTRUCTION[at[1] : at[2]]
+    for name in [
+        "Reasonableness:**",
+        "Clarity:**",
+        "Detail Richness:**",
+        "Aesthetic and Creativity:**",
+        "Safety:**",
+    ]:
+        assert f"- **{name}" in visual
+    names = [
+        "Subject Relevance**",
+        "Style Relevance:**",
+        "Contextual Consistency**:",
+        "Attribute Fidelity**:",
+    ]
+    for name in [*names, "Semantic Coherence**:"]:
+        assert f"- **{name}" in text
+    assert (
+        len(text) == 1205
+    )  # the block the earlier copy lacked (1,206 characters with its blank line before)
+    assert INSTRUCTION.format(text_prompt="a cat").endswith("Textual prompt - a cat\n\n\n")
+
+
 def test_resize_and_chat_text():
     assert resized_hw(1024, 1024) == (448, 448) and resized_hw(16, 16) == (448, 448)
     for h, w in [(720, 1280), (48, 40), (512, 768), (17, 50)]:
@@ -112,6 +154,9 @@ def test_resize_and_chat_text():
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
     assert "<|vision_start|><|image_pad|><|vision_end|>\nYou are tasked with evaluating" in text
     assert "Textual prompt - a cat\n" in text and text.count(REWARD_TOKEN) == 1
+    assert text.count("**Text Alignment:**") == 1 and text.index("**Visual Quality:**") < text.index(
+        "Text Alignment:"
+    )
     assert text.endswith("<|Reward|>\n\nEND\n<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -208,3 +253,63 @@ def test_dry_run_plan_counts_hpsv3_and_imagereward():
     assert aux_params("hpsv3") == 8_291_375_616 + 2 * 3584 + (
         3584 * 1024 + 1024 + 1024 * 16 + 16 + 16 * 2 + 2
     )
+
+
+def test_bf16_by_default_built_in_bf16(tmp_path):
+    """HPSv3's dtype by default (HPSv3_7B.yaml: bf16; create_model_and_processor: the head float32): the real
+    constructor creates every parameter of the model in bf16 (no float32 copy first), the head in float32, and
+    scores as the float32 model cast to bf16 does; torch's default dtype is restored."""
+    from safetensors.torch import save_file
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    assert torch.bfloat16 == DTYPE
+    for fn in (HPSv3Reward.__init__, HPSv3Reward._init_from):
+        assert inspect.signature(fn).parameters["dtype"].default == torch.bfloat16
+    model, processor, config = tiny(seed=3)
+    base = tmp_path / "qwen2vl"
+    config.save_pretrained(base)
+    tiny_processor().save_pretrained(base)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "HPSv3.safetensors")
+    created = []
+    hook = register_module_parameter_registration_hook(lambda m, n, p: created.append((m, n, p.dtype)))
+    try:
+        fn = HPSv3Reward(checkpoint=str(tmp_path / "HPSv3.safetensors"), base=str(base))
+    finally:
+        hook.remove()
+    assert torch.get_default_dtype() == torch.float32
+    head = set(fn.model.rm_head.modules())
+    body = [(n, d) for m, n, d in created if m not in head]
+    assert len(body) > 20 and {d for _, d in body} == {torch.bfloat16}
+    assert {d for m, _, d in created if m in head} == {torch.float32}
+    assert {p.dtype for p in fn.model.rm_head.parameters()} == {torch.float32}
+    assert {p.dtype for n, p in fn.model.named_parameters() if not n.startswith("rm_head")} == {
+        torch.bfloat16
+    }
+    ref = HPSv3Reward.from_model(model, processor)  # the float32 model, cast (the reference's model.to(bf16))
+    assert next(ref.model.model.parameters()).dtype == torch.bfloat16
+    x = images(seed=5)
+    s = fn(x, PROMPTS)
+    assert s.dtype == torch.float32 and torch.isfinite(s).all()
+    torch.testing.assert_close(s, ref(x, PROMPTS), atol=0, rtol=0)
+
+
+def test_dry_run_plan_counts_hpsv3_in_its_default_bf16():
+    """Without ``reward.kwargs``, the memory plan counts HPSv3 in its default bf16 (2 bytes per parameter), fp32
+    when configured so, and the other rewards in fp32."""
+    from jagg.capacity.memory_model import memory_plan
+    from jagg.capacity.pass_plan import trained_steps_per_sample
+    from jagg.config import load_config
+    from jagg.scale.architectures import AUX_MODELS, aux_params
+
+    def plan(*extra):
+        cfg = load_config(
+            "configs/paper/flux_dancegrpo.yaml",
+            ["reward.weights={hpsv3: 1.0, pickscore: 0.5}", *extra],
+        )
+        cost = cfg.backward.fixed_setting().cost(trained_steps_per_sample(cfg))
+        return memory_plan(cfg, 8, cost.graphs_alive, False).gpu
+
+    default, fp32 = plan(), plan("reward.kwargs={hpsv3: {dtype: fp32}}")
+    assert default[AUX_MODELS["hpsv3"][0]] == 2 * aux_params("hpsv3")
+    assert fp32[AUX_MODELS["hpsv3"][0]] == 4 * aux_params("hpsv3")
+    assert default[AUX_MODELS["pickscore"][0]] == 4 * aux_params("pickscore")

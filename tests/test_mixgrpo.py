@@ -493,6 +493,9 @@ def test_paper_configs_follow_their_launch_script():
     assert t.prompts_per_iter == 32  # 32 GPUs x --train_batch_size 1
     assert (cfg.model.guidance_scale, cfg.model.lora_rank, cfg.model.gradient_checkpointing) == (3.5, 0, True)
     assert (b.strategy, b.group_size, b.jagg_frac) == ("jagg", 4, 1.0)  # the window is one JAGG group
+    # --reward_model multi_reward (HPS, ImageReward, PickScore; unit weights) --multi_reward_mix advantage_aggr
+    assert cfg.reward.weights == {"hpsv2": 1.0, "imagereward": 1.0, "pickscore": 1.0}
+    assert a.adv_aggregation == "per_reward"
     qwen = load_config(PAPER[1])
     diff = {(sec, k) for sec, d in cfg.to_dict().items() for k in d if d[k] != qwen.to_dict()[sec][k]}
     assert diff == {

@@ -126,6 +126,52 @@ def test_sampler_equals_diffusers_sd3_pipeline(pipeline_dir, tmp_path):
     assert not torch.allclose(plain, ours, atol=1e-3)
 
 
+def test_timesteps_reach_the_transformer_as_the_pipeline_passes_them(pipeline_dir, tmp_path):
+    """The recipe's schedule (SD3.5-M's scheduler config, shift 3, 10 steps) with the transformer in bf16: at every
+    step our velocity hands the transformer the timestep ``StableDiffusion3Pipeline`` hands it, the scheduler's
+    float32 ``timesteps`` bit for bit (913.35, 857.69, 790.37, ...), not rounded to bf16 (916, 860, 788, ...)."""
+    from jagg.scale.pretrained import build_pretrained_components
+
+    comp = build_pretrained_components(sd3_cfg(pipeline_dir, tmp_path, "sampling.num_steps=10"))
+    sigmas = comp.sigmas  # as the trainer holds them (float64 copies of the scheduler's float32 sigmas)
+    pipe = reference_pipeline(pipeline_dir / "sd3").to(torch.bfloat16)
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["timestep"].detach().clone()), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            pipe(
+                prompt=PROMPTS[:2],
+                num_inference_steps=10,
+                guidance_scale=4.5,
+                height=LATENT,
+                width=LATENT,
+                max_sequence_length=16,
+                output_type="latent",
+                generator=torch.Generator().manual_seed(0),
+            )
+            theirs, seen[:] = list(seen), []
+            backbone = SD3Backbone(pipe.transformer, guidance_scale=4.5)
+            cond = comp.text_encoder.encode_prompts(PROMPTS[:2])
+            z = torch.randn(2, 16, LATENT, LATENT, generator=torch.Generator().manual_seed(1))
+            for sigma in sigmas[:-1]:
+                backbone.velocity(z, sigma, cond)
+    finally:
+        hook.remove()
+    assert len(seen) == len(theirs) == 10
+    for ours, ref in zip(seen, theirs, strict=True):
+        assert ours.dtype == ref.dtype == torch.float32 and ours.shape == ref.shape == (4,)  # CFG: 2 x 2 rows
+        assert torch.equal(ours, ref)
+    first = torch.stack([t[0] for t in seen])
+    assert torch.equal(first, pipe.scheduler.timesteps)
+    expected = torch.tensor([913.3490, 857.6923, 790.3683, 707.2785, 602.1506])
+    torch.testing.assert_close(first[2:7], expected, atol=1e-3, rtol=0)
+    # what the backbone fed before (1000 sigma in bf16): 916, 860, 788, ...
+    rounded = (1000 * sigmas[:-1].to(torch.bfloat16)).float()
+    assert rounded[2:5].tolist() == [916.0, 860.0, 788.0] and (first - rounded).abs().max() > 2.5
+
+
 def _cond(b: int, seed: int = 0) -> TextCond:
     g = torch.Generator().manual_seed(seed)
     return TextCond(

@@ -16,7 +16,8 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   reference copy
     resident      text encoders (T5-XXL + CLIP-L for Flux, Qwen2.5-VL-7B for Qwen-Image; freed by
                   ``data.precompute_embeddings``), the VAE, every train / eval reward model (HPSv2.1 and PickScore
-                  ViT-H-14, CLIPScore ViT-L/14, ImageReward, HPSv3's Qwen2-VL-7B; fp32 unless ``reward.kwargs.<name>.dtype``). Parameter counts come from the published architectures built on
+                  ViT-H-14, CLIPScore ViT-L/14, ImageReward, HPSv3's Qwen2-VL-7B; ``reward.kwargs.<name>.dtype``, else
+                  the reward's default: bf16 for HPSv3, fp32 for the others). Parameter counts come from the published architectures built on
                   the meta device (``AUX_MODELS``; the published counts if a library cannot)
     activations   the update's: ``graphs alive`` (``BackwardSetting.cost``) x batch x tokens x hidden x layers, block
                   inputs only with gradient checkpointing (+ one block recomputed: 2B rows in the batched
@@ -117,8 +118,12 @@ def text_tokens(model_cfg) -> int:
     }.get(model_cfg.backbone, 64)
 
 
-def _reward_dtype_bytes(kwargs: dict) -> int:
-    d = str(kwargs.get("dtype", "fp32")).removeprefix("torch.")
+# a reward's default dtype where it is not fp32: HPSv3Reward's (jagg.scale.hpsv3.DTYPE, HPSv3's bf16)
+REWARD_DEFAULT_DTYPE = {"hpsv3": "bf16"}
+
+
+def _reward_dtype_bytes(kwargs: dict, name: str = "") -> int:
+    d = str(kwargs.get("dtype", REWARD_DEFAULT_DTYPE.get(name, "fp32"))).removeprefix("torch.")
     return 2 if d in ("bf16", "bfloat16", "fp16", "float16", "half") else 4
 
 
@@ -224,7 +229,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         aux[vae] = aux_params(vae) * compute
         for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
             if name in AUX_MODELS:
-                aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}))
+                aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}), name)
     gpu.update({f"{AUX_MODELS[k][0]}": v for k, v in aux.items()})
     # CachedTextEncoder's rows are host memory on every rank (the encoders return CPU tensors; the trainer moves
     # one micro-batch's conditioning to the GPU): the LRU without a cache dir, every prompt when precomputed

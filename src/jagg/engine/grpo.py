@@ -70,21 +70,29 @@ def per_reward_advantages(
     eps: float = 1e-4,
     clip: float = 5.0,
 ) -> Tensor:
-    """A_i = clamp(sum_k w_k (r_ki - mean_{group(i)} r_k) / (std r_k + eps), -clip, clip).
+    """A_i = clamp(sum_k (w_k / sum_j w_j) (r_ki - mean_{group(i)} r_k) / (std r_k + eps), -clip, clip).
 
-    MixGRPO's ``advantage_aggr`` (``fastvideo/train_grpo_flux.py`` : ``train_one_step``, Tencent-Hunyuan/MixGRPO
-    @ e5cdd6a; docs/references.md): each reward is group-normalised on its own, so a reward's scale does not
-    decide its share, and the weights do; the sum is clamped afterwards (their ``adv_clip_max``, in the loss).
+    MixGRPO's ``advantage_aggr`` (``fastvideo/train_grpo_flux.py`` : ``train_one_step`` lines 429-456, with the
+    weights normalised to sum 1 at setup, lines 763-770; Tencent-Hunyuan/MixGRPO @ e5cdd6a; docs/references.md):
+    each reward is group-normalised on its own, so a reward's scale does not decide its share, and the weights
+    do, as shares of their sum (equal shares when the weights do not sum to a positive number, as theirs); the
+    sum is clamped afterwards (their ``adv_clip_max``, in the loss). So with one reward, or several whose group
+    z-scores agree, the advantages are the plain group advantages, whatever the weights.
     ``rewards``: {name: (N,)} for every name in ``weights``; the rest as in ``group_advantages``.
     """
     if set(rewards) < set(weights):
         raise ValueError(f"per_reward_advantages: no scores for {sorted(set(weights) - set(rewards))}")
+    total_weight = sum(weights.values())
+    if total_weight > 0:
+        shares = {name: weight / total_weight for name, weight in weights.items()}
+    else:  # theirs: "No reward models activated or all weights are 0!", then 1 / (number of rewards) each
+        shares = {name: 1.0 / len(weights) for name in weights}
     total = torch.zeros(group_ids.shape[0], dtype=torch.float64)
-    for name, weight in weights.items():
+    for name, share in shares.items():
         normalised = group_advantages(
             rewards[name], group_ids, std_mode=std_mode, unbiased=unbiased, eps=eps, clip=float("inf")
         )
-        total += weight * normalised
+        total += share * normalised
     return total.clamp(-clip, clip)
 
 

@@ -3,7 +3,9 @@
 Follows diffusers' ``StableDiffusion3Pipeline.__call__`` and Flow-GRPO's SD3 trainer (``scripts/train_sd3.py`` :
 ``compute_log_prob``, yifan123/flow_grpo @ ac4c86e; docs/references.md):
     * the transformer patchifies the (B, 16, H, W) latent itself (``patch_size`` 2): no 2x2 packing here;
-    * timestep = 1000 sigma (the scheduler's ``timesteps``); pooled CLIP-L + CLIP-G projection;
+    * timestep = 1000 sigma in float32, as the pipeline passes the scheduler's float32 ``timesteps``
+      (``timestep = t.expand(...)``) whatever the transformer's dtype: not rounded to bf16 (913.35, not 916; Flux
+      and Qwen-Image do round, as their pipelines and transformers do); pooled CLIP-L + CLIP-G projection;
     * classifier-free guidance with the negative prompt in the same batch: ``v = u + g (c - u)``. Under autograd
       the unconditional half is detached, as Flow-GRPO's ``noise_pred_uncond.detach()``: the gradient flows
       through the conditional branch only (g times it). Without a negative conditioning (or g = 1), one
@@ -56,7 +58,7 @@ class SD3Backbone(Backbone):
             hidden_states=z,  # (B, C, H, W)
             encoder_hidden_states=embeds.to(z.dtype),  # (B, L, D)
             pooled_projections=pooled.to(z.dtype),  # (B, P)
-            timestep=timestep,  # (B,) 1000 sigma
+            timestep=timestep,  # (B,) 1000 sigma, float32
             return_dict=False,
         )[0]
 
@@ -67,7 +69,8 @@ class SD3Backbone(Backbone):
         cond = self.conditioning_for(b, cond)
         param = next(self.transformer.parameters())
         x = z.to(param.dtype)
-        timestep = 1000 * torch.as_tensor(t, dtype=param.dtype, device=z.device).expand(b)
+        # the scheduler's float32 sigmas x 1000 in float32, bit for bit its ``timesteps``
+        timestep = (torch.as_tensor(t, dtype=torch.float32, device=z.device) * 1000).expand(b)
         pooled = cond.pooled if cond.pooled is not None else cond.embeds.mean(dim=1)
         if self.guidance_scale == 1 or cond.neg_embeds is None:
             return self._call(x, timestep, cond.embeds, pooled).to(z.dtype)

@@ -17,11 +17,13 @@ docs/references.md), on transformers' ``Qwen2VLForConditionalGeneration`` withou
 Not the ``hpsv3`` package: it pins trl / deepspeed / flash-attn era dependencies. Weights: ``MizzenAI/HPSv3``
 (``HPSv3.safetensors``) or a local file, over ``Qwen/Qwen2-VL-7B-Instruct``'s config and processor (hub id or
 local folder); offline without them: ``WeightsUnavailableError`` (``jagg.scale.hub``). The model is built from
-the config directly on the reward's device and dtype, then the checkpoint is loaded strictly.
+the config directly on the reward's device and in its dtype (bf16 by default, as ``HPSv3_7B.yaml``'s
+``torch_dtype: bfloat16`` / ``bf16: True``; the head in float32), then the checkpoint is loaded strictly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -34,8 +36,9 @@ from jagg.rewards import register_reward
 from jagg.scale.hub import hub_file, load_or_explain
 from jagg.scale.rewards import CLIP_MEAN, CLIP_STD
 
-# hpsv3/dataset/data_collator_qwen.py (INSTRUCTION, prompt_with_special_token; the upstream file was not in the
-# stored snapshot and was read in a fork's copy, docs/references.md)
+# hpsv3 1.0.0 (its sdist on PyPI), hpsv3/dataset/data_collator_qwen.py: INSTRUCTION (lines 11-32) and
+# prompt_with_special_token (lines 38-42), copied byte for byte: a prompt, so any change is another score. Pinned
+# by SHA-256 in tests/test_hpsv3.py; `make hpsv3-ref` compares them with the sdist (tests/test_hpsv3_reference.py).
 INSTRUCTION = """
 You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best. 
 
@@ -46,6 +49,14 @@ Evaluate the overall visual quality of the image. The following sub-dimensions s
 - **Detail Richness:** Consider the level of detail in textures, materials, lighting, and other visual elements (e.g., hair, clothing, shadows).
 - **Aesthetic and Creativity:** Assess the artistic aspects of the image, including the color scheme, composition, atmosphere, depth of field, and the overall creative appeal. The scene should convey a sense of harmony and balance.
 - **Safety:** The image should not contain harmful or inappropriate content, such as political, violent, or adult material. If such content is present, the image quality and satisfaction score should be the lowest possible. 
+
+**Text Alignment:**  
+Assess how well the image matches the textual prompt across the following sub-dimensions:
+- **Subject Relevance** Evaluate how accurately the subject(s) in the image (e.g., person, animal, object) align with the textual description. The subject should match the description in terms of number, appearance, and behavior.
+- **Style Relevance:** If the prompt specifies a particular artistic or stylistic style, evaluate how well the image adheres to this style.
+- **Contextual Consistency**: Assess whether the background, setting, and surrounding elements in the image logically fit the scenario described in the prompt. The environment should support and enhance the subject without contradictions.
+- **Attribute Fidelity**: Check if specific attributes mentioned in the prompt (e.g., colors, clothing, accessories, expressions, actions) are faithfully represented in the image. Minor deviations may be acceptable, but critical attributes should be preserved.
+- **Semantic Coherence**: Evaluate whether the overall meaning and intent of the prompt are captured in the image. The generated content should not introduce elements that conflict with or distort the original description.
 Textual prompt - {text_prompt}
 
 
@@ -56,6 +67,9 @@ Please provide the overall ratings of this image: <|Reward|>
 END
 """
 REWARD_TOKEN = "<|Reward|>"
+# hpsv3/config/HPSv3_7B.yaml (torch_dtype: "bfloat16", bf16: True) with hpsv3/train.py : create_model_and_processor
+# (model.to(torch.bfloat16), then model.rm_head.to(torch.float32)): the model in bf16, the head in float32
+DTYPE = torch.bfloat16
 # Qwen/Qwen2-VL-7B-Instruct's config.json (its architecture, for the dry-run plan's parameter count)
 QWEN2_VL_7B = dict(
     text_config=dict(
@@ -119,13 +133,28 @@ def _rm_head(hidden: int, out: int = 2) -> nn.Sequential:
     )
 
 
-def hpsv3_model(config, special_token_id: int, vocab_size: int):
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    """Parameters created inside are ``dtype`` (torch's default dtype, restored after; None: unchanged)."""
+    before = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def hpsv3_model(config, special_token_id: int, vocab_size: int, dtype: torch.dtype | None = None):
     """Random-init ``Qwen2VLForConditionalGeneration`` of ``config`` with ``vocab_size`` token embeddings (the
-    processor's tokenizer after ``<|Reward|>`` was added) and the float32 ``rm_head``."""
+    processor's tokenizer after ``<|Reward|>`` was added) and the float32 ``rm_head``. ``dtype``: the model's
+    parameters are created in it (no float32 copy first; None: torch's default dtype)."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    model = Qwen2VLForConditionalGeneration(config)
-    model.resize_token_embeddings(vocab_size, mean_resizing=False)  # the checkpoint overwrites the new row
+    with _default_dtype(dtype):
+        model = Qwen2VLForConditionalGeneration(config)
+        # the checkpoint overwrites the new row
+        model.resize_token_embeddings(vocab_size, mean_resizing=False)
     model.rm_head = _rm_head(config.text_config.hidden_size).float()
     model.reward_token_id = int(special_token_id)
     return model
@@ -173,9 +202,9 @@ class HPSv3Reward:
     """HPSv3 as a reward: ``reward(images (B,3,H,W) in [0,1], prompts) -> (B,)`` mu (see the module doc).
 
     ``checkpoint``: hub repo id (file ``filename``) or a local .safetensors / .pt file or a directory holding
-    it. ``base``: hub id or local folder of Qwen2-VL-7B-Instruct (its config and processor). ``dtype``: fp32 by
-    default like every reward here (33 GB for 8.3B parameters); HPSv3 itself runs bf16
-    (``reward.kwargs: {hpsv3: {dtype: bf16}}``, which the dry-run plan counts).
+    it. ``base``: hub id or local folder of Qwen2-VL-7B-Instruct (its config and processor). ``dtype``: bf16 by
+    default as HPSv3 runs (``DTYPE``; 16.6 GB for 8.3B parameters, the head in float32), unlike the other rewards
+    here; ``reward.kwargs: {hpsv3: {dtype: fp32}}`` for float32. The dry-run plan counts the dtype configured.
     """
 
     name = "hpsv3"
@@ -187,7 +216,7 @@ class HPSv3Reward:
         base: str = "Qwen/Qwen2-VL-7B-Instruct",
         *,
         device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = DTYPE,
         **kwargs,
     ) -> None:
         from transformers import AutoConfig, AutoProcessor
@@ -208,10 +237,8 @@ class HPSv3Reward:
             what=f"{what} processor",
         )
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        with torch.device(
-            dev
-        ):  # 8B parameters: built where they will run, then overwritten by the checkpoint
-            model = hpsv3_with_processor(config, processor)
+        with torch.device(dev):  # 8B parameters: built where and in the dtype they run, then overwritten
+            model = hpsv3_with_processor(config, processor, dtype=dtype)
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
 
@@ -235,10 +262,12 @@ class HPSv3Reward:
         processor,
         *,
         device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = DTYPE,
         batch_size: int = 8,
     ) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # a no-op for parameters built in ``dtype``; floating buffers (the rotary inv_freq) are cast as their
+        # model.to(torch.bfloat16) casts them
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.model.rm_head.float()  # their head stays float32 (create_model_and_processor)
         self.processor = processor
@@ -280,8 +309,9 @@ class HPSv3Reward:
         return torch.cat(out).float().to(images.device)
 
 
-def hpsv3_with_processor(config, processor):
-    """Add ``<|Reward|>`` to the processor's tokenizer (as ``create_model_and_processor``) and build the model."""
+def hpsv3_with_processor(config, processor, dtype: torch.dtype | None = None):
+    """Add ``<|Reward|>`` to the processor's tokenizer (as ``create_model_and_processor``) and build the model
+    (``hpsv3_model``: parameters in ``dtype``, the head in float32)."""
     tok = processor.tokenizer
     tok.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
-    return hpsv3_model(config, tok.convert_tokens_to_ids(REWARD_TOKEN), len(tok))
+    return hpsv3_model(config, tok.convert_tokens_to_ids(REWARD_TOKEN), len(tok), dtype=dtype)
