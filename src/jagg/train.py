@@ -14,7 +14,9 @@
     --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
                           plan (steps, groups, passes, memory); no weights, no writes
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
-                          folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
+                          folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export); OUT must
+                          be absent, empty or an earlier export (never '.', '..', a symlink, the run directory, a
+                          git root or the home directory): written beside OUT and renamed into place
 Invalid configs (unknown keys, bad values, YAML syntax, unknown reward or prompt-set names, train.device=cuda
 without CUDA, a driver older than torch's CUDA build needs, a resume that contradicts run.json) exit with status
 2 and one line naming the key, before the model code is imported and before anything is written. One run writes
@@ -303,6 +305,9 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
 
     if args.resume or args.overwrite:
         raise ConfigError("--export does not train: drop --resume / --overwrite (train first, then export)")
+    from jagg.ops.rundir import check_export_target
+
+    check_export_target(out_dir, cfg.log.run_dir)  # before anything is built; export_trained checks it again
     if ckpt is None:
         run_dir = Path(cfg.log.run_dir)
         raise ConfigError(f"--export: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")
