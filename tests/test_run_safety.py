@@ -5,6 +5,7 @@ evaluation, fp32 rotary tables under bf16 FSDP2 and verified checkpoints (issue 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -756,3 +757,140 @@ def test_lock_without_flock_checks_the_recorded_pid_and_host(tmp_path, monkeypat
     else:
         with pytest.raises(ConfigError, match=f"in use by another training run \\(pid {pid} on {host}"):
             lock.acquire()
+
+
+# --------------------------------------------------------------------------- issue 41: the retry loop cannot stick
+def _equals_uninterrupted(run: Path, tmp_path: Path, *args: str) -> None:
+    """``run``'s metrics rows (timings left out) and checkpoint tensors are bitwise those of an uninterrupted,
+    synchronous run of ``args``."""
+    from jagg.ops.checkpoint import read_checkpoint
+
+    fresh = tmp_path / "uninterrupted"
+    assert main(_cli(fresh, *args)) == 0
+    assert _rows(run) == _rows(fresh / "run")
+    got, want = read_checkpoint(run / "checkpoint"), read_checkpoint(fresh / "run" / "checkpoint")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_resume_auto_restarts_a_run_preempted_before_its_first_checkpoint(tmp_path, capsys):
+    """run.json and metrics rows but no checkpoint (a kill after the first row, before the first save): nothing
+    is lost by starting again, so --resume auto does, drops the rows and records it; a second time too."""
+    assert main(_cli(tmp_path, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    shutil.rmtree(run / "checkpoint")
+    (run / "checkpoint.tmp").mkdir()  # a save the kill cut short
+    (run / "checkpoint.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    capsys.readouterr()
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 0
+    out = capsys.readouterr().out
+    assert "no checkpoint yet (preempted before the first one): starting again from iteration 0" in out
+    assert "2 metrics rows dropped" in out
+    meta = json.loads((run / "run.json").read_text())
+    assert [(r["metrics_rows_dropped"], "--resume=auto" in r["argv"]) for r in meta["restarts"]] == [
+        (2, True)
+    ]
+    assert "resumes" not in meta and not (run / "checkpoint.tmp").exists()
+    _equals_uninterrupted(run, tmp_path, "train.iterations=2")
+    shutil.rmtree(run / "checkpoint")  # preempted again: the earlier restart stays on record
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 0
+    assert len(json.loads((run / "run.json").read_text())["restarts"]) == 2
+
+
+FIRST_SAVE_NEVER_ENDS = (  # jagg.train whose first checkpoint write hangs (a slow disk) until killed
+    "import sys, time\nfrom pathlib import Path\n"
+    "from torch.distributed.checkpoint.filesystem import FileSystemWriter\nfrom jagg.train import main\n"
+    "def write_data(self, plan, planner):\n"
+    "    Path(sys.argv[1]).write_text('in flight')\n"
+    "    time.sleep(600)\n"
+    "FileSystemWriter.write_data = write_data\nsys.exit(main(sys.argv[2:]))\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_before_the_first_checkpoint_then_resume_auto(tmp_path, mode):
+    """kill -9 while the first (and only, at the end) save is being written, after every metrics row: the retry
+    loop's --resume auto starts again and ends bitwise where an uninterrupted run ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jagg.ops.checkpoint import find_checkpoint
+
+    run, marker = tmp_path / "run", tmp_path / "in_flight"
+    every = [
+        "train.iterations=2",
+        "log.checkpoint_every=0",
+        f"log.async_checkpoint={str(mode == 'async').lower()}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", FIRST_SAVE_NEVER_ENDS, str(marker), *_cli(tmp_path, *every)],
+            stdout=log,
+            stderr=log,
+            env=env,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not (marker.exists() and _iterations_logged(run) == [1, 2]):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+                time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert find_checkpoint(run) is None and (run / "checkpoint.tmp").is_dir()
+    assert main(_cli(tmp_path, "--resume=auto", *every)) == 0
+    assert json.loads((run / "run.json").read_text())["restarts"][0]["metrics_rows_dropped"] == 2
+    _equals_uninterrupted(run, tmp_path, "train.iterations=2")
+
+
+def _unfinished(run: Path, damage: bool = False) -> None:
+    """Turn the newest checkpoint into the save a kill left unfinished in checkpoint.tmp/ (no manifest yet, not
+    swapped in) and the kept previous one back into checkpoint/; ``damage``: one shard cut short as well."""
+    (run / "checkpoint").rename(run / "checkpoint.tmp")
+    (run / "checkpoint.tmp" / "manifest.json").unlink()
+    if damage:
+        _damage(run / "checkpoint.tmp" / "__0_0.distcp", "truncate")
+    if (run / "checkpoint.prev").exists():
+        (run / "checkpoint.prev").rename(run / "checkpoint")
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_a_complete_save_in_checkpoint_tmp_is_promoted_not_deleted(tmp_path, capsys, which):
+    """An asynchronous save that finished writing but was not yet swapped in (it becomes visible only when the
+    next one starts) is the newest checkpoint: --resume auto promotes it and goes on from there."""
+    from jagg.ops.checkpoint import read_progress
+
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    done = 1 if which == "first" else 2
+    assert main(_cli(tmp_path, *keep, f"train.iterations={done}")) == 0
+    run = tmp_path / "run"
+    _unfinished(run)
+    capsys.readouterr()
+    assert main(_cli(tmp_path, "--resume=auto", *keep, "train.iterations=3")) == 0
+    out = capsys.readouterr().out
+    assert f"promoted {run / 'checkpoint.tmp'} (iteration {done})" in out and f"at iteration {done}" in out
+    (resume,) = json.loads((run / "run.json").read_text())["resumes"]
+    assert resume["promoted_checkpoint_tmp"] == done and resume["metrics_rows_dropped"] == 0
+    assert read_progress(run / "checkpoint.prev")["iteration"] == 2  # the promoted save, rotated as usual
+    _equals_uninterrupted(run, tmp_path, *keep, "train.iterations=3")
+
+
+def test_an_incomplete_save_is_not_promoted_and_rows_past_the_checkpoint_are_dropped(tmp_path, capsys):
+    """checkpoint.tmp/ with .metadata and progress.pt but a shard cut short is not a save: removed; the resume
+    goes on from iteration 1, and iteration 2's row (past that checkpoint) is dropped, recorded and redone."""
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    assert main(_cli(tmp_path, *keep, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    _unfinished(run, damage=True)
+    capsys.readouterr()
+    assert main(_cli(tmp_path, "--resume=auto", *keep, "train.iterations=3")) == 0
+    out = capsys.readouterr().out
+    assert "promoted" not in out and f"removed {run / 'checkpoint.tmp'}" in out
+    assert "metrics.jsonl: 1 rows past the checkpoint dropped" in out
+    (resume,) = json.loads((run / "run.json").read_text())["resumes"]
+    assert resume["promoted_checkpoint_tmp"] is None and resume["metrics_rows_dropped"] == 1
+    _equals_uninterrupted(run, tmp_path, *keep, "train.iterations=3")

@@ -5,9 +5,11 @@
     --resume              continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded);
                           the config must equal run.json's (train.iterations may grow) unless
                           --allow-config-change; run.json is kept and the resume recorded in it
-    --resume auto         the same when a checkpoint exists, else start fresh where nothing is lost (preemptible
-                          clusters: a retry loop passes it on every attempt); an incomplete checkpoint or metrics
-                          rows without a checkpoint are an error, never a silent restart
+    --resume auto         the same when a checkpoint exists, else start again from iteration 0 (preemptible
+                          clusters: a retry loop passes it on every attempt); metrics rows past the checkpoint
+                          (all of them when there is none yet) are dropped and redone, recorded in run.json
+                          (resumes / restarts); a complete save left in checkpoint.tmp/ is promoted, never
+                          deleted; an incomplete checkpoint is an error, never a silent restart
     --overwrite           replace a run directory of this project (one holding its .jagg_run marker, or empty;
                           never the working directory, a repository root or the home directory); not with
                           --resume
@@ -164,10 +166,39 @@ def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
     info = DistInfo.current()
     try:
         with rundir.hold(cfg.log.run_dir, info):
+            promoted = _promote_interrupted_save(cfg, info) if args.resume else None
             start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+            start.promoted = promoted
+            if info.is_main and start.restarts and not start.resume:
+                log.info(
+                    f"--resume auto: {cfg.log.run_dir} has no checkpoint yet (preempted before the first one): "
+                    f"starting again from iteration 0; {start.metrics_rows} metrics rows dropped and redone "
+                    "(recorded in run.json's restarts)"
+                )
             return _run(cfg, start, argv_used, info)
     except ConfigError as err:
         _fail_once(info, str(err))
+
+
+def _promote_interrupted_save(cfg, info) -> int | None:
+    """Rank 0, holding the lock, before the fresh / resume decision: a complete save a killed attempt left in
+    ``checkpoint.tmp/`` becomes the checkpoint (``jagg.ops.checkpoint.promote_interrupted_save``); the other
+    ranks wait for it. Returns its iteration (None: there was none)."""
+    from jagg.ops.checkpoint import promote_interrupted_save
+
+    promoted = None
+    if info.is_main:
+        try:
+            promoted = promote_interrupted_save(cfg.log.run_dir, keep=cfg.log.keep_checkpoints)
+        except OSError as err:  # left as it is: the next start removes it as an interrupted save
+            log.warning(f"could not promote {Path(cfg.log.run_dir) / 'checkpoint.tmp'}: {err}")
+        if promoted is not None:
+            log.info(
+                f"promoted {Path(cfg.log.run_dir) / 'checkpoint.tmp'} (iteration {promoted}), a complete save "
+                "the interrupted attempt had not made visible"
+            )
+    info.barrier()
+    return promoted
 
 
 def _fail_once(info, msg: str, code: int = 2) -> None:
@@ -201,9 +232,15 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
         trainer = Trainer(cfg, comp, run_dir)
         if start.resume:
             trainer.load_checkpoint()
+            start.dropped = max(0, start.metrics_rows - len(trainer.metrics))
             if info.is_main:
                 _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
                 log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
+                if start.dropped:
+                    log.info(
+                        f"metrics.jsonl: {start.dropped} rows past the checkpoint dropped; they are redone "
+                        "(recorded in run.json's resumes)"
+                    )
         trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
     except TrainingAborted as err:
         _fail(str(err), code=3)
@@ -259,10 +296,15 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
                 "world_size": world_size,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "config_changes": {k: list(v) for k, v in start.changes.items()},
+                "metrics_rows_dropped": start.dropped,
+                "promoted_checkpoint_tmp": start.promoted,
             }
         )
     else:
         meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=world_size)
+        if start.restarts:  # preempted before its first checkpoint: started again, the attempts recorded
+            stamp = {"argv": argv_used, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            meta["restarts"] = [*start.restarts[:-1], {**start.restarts[-1], **stamp}]
         if cfg.model.source == "world":  # which build: runs on different builds do not compare exactly
             from jagg.world.pretrained import world_build
 
