@@ -707,7 +707,7 @@ def test_a_moved_run_directory_resumes(tmp_path):
 def test_disk_full_in_any_write_is_one_line(tmp_path, monkeypatch, capsys):
     import errno
 
-    import jagg.loop.trainer as trainer_module
+    import jagg.ops.trackers as trackers_module
 
     assert main(_cli(tmp_path)) == 0
     run = tmp_path / "run"
@@ -715,7 +715,7 @@ def test_disk_full_in_any_write_is_one_line(tmp_path, monkeypatch, capsys):
     def full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(trainer_module, "atomic_write_text", full)  # the resume rewrites metrics.jsonl
+    monkeypatch.setattr(trackers_module, "atomic_write_text", full)  # the resume rewrites metrics.jsonl
     capsys.readouterr()
     assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
     err = capsys.readouterr().err.strip()
