@@ -894,3 +894,95 @@ def test_an_incomplete_save_is_not_promoted_and_rows_past_the_checkpoint_are_dro
     (resume,) = json.loads((run / "run.json").read_text())["resumes"]
     assert resume["promoted_checkpoint_tmp"] is None and resume["metrics_rows_dropped"] == 1
     _equals_uninterrupted(run, tmp_path, *keep, "train.iterations=3")
+
+
+# --------------------------------------------------------------------------- issue 41: signals
+SIGNAL_IN_ITERATION_2 = (  # jagg.train that receives the signal sys.argv[1] while iteration 2 is rolled out
+    "import os, signal, sys\nimport jagg.loop.rollout as rollout\nfrom jagg.train import main\n"
+    "real = rollout.Sampler.__call__\n"
+    "def call(self, it, *args, **kw):\n"
+    "    if it == 1:\n"
+    "        os.kill(os.getpid(), getattr(signal, sys.argv[1]))\n"
+    "    return real(self, it, *args, **kw)\n"
+    "rollout.Sampler.__call__ = call\nsys.exit(main(sys.argv[2:]))\n"
+)
+
+
+def _cli_process(tmp_path: Path, script: str, *args: str, timeout: float = 600):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-c", script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+@pytest.mark.parametrize(("name", "status"), [("SIGTERM", 143), ("SIGUSR1", 138)])
+def test_sigterm_finishes_the_iteration_saves_and_resumes_bitwise(tmp_path, name, status):
+    """SIGTERM / SIGUSR1 mid-iteration 2 of 3: iteration 2 completes, its checkpoint is written, the exit status
+    says which signal, one line on stderr; --resume auto then ends bitwise where an uninterrupted run ends."""
+    from jagg.distributed import DistInfo
+    from jagg.ops.checkpoint import find_checkpoint, read_progress, verify_checkpoint
+
+    run = tmp_path / "run"
+    done = _cli_process(tmp_path, SIGNAL_IN_ITERATION_2, name, *_cli(tmp_path, "train.iterations=3"))
+    assert done.returncode == status, done.stderr
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1 and f"stopped by {name} after iteration 2" in err, err
+    assert f"checkpoint {run / 'checkpoint'} written" in err and "--resume" in err
+    assert find_checkpoint(run) == run / "checkpoint" and read_progress(run / "checkpoint")["iteration"] == 2
+    verify_checkpoint(run / "checkpoint", DistInfo())
+    assert [r["iteration"] for r in _rows(run)] == [1, 2] and not (run / ".lock").exists()
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=3")) == 0
+    _equals_uninterrupted(run, tmp_path, "train.iterations=3")
+
+
+def test_sigint_stops_with_one_line_and_no_traceback(tmp_path):
+    run = tmp_path / "run"
+    done = _cli_process(tmp_path, SIGNAL_IN_ITERATION_2, "SIGINT", *_cli(tmp_path, "train.iterations=3"))
+    assert done.returncode == 130, done.stderr
+    err = done.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and "interrupted (SIGINT)" in err, err
+    assert [r["iteration"] for r in _rows(run)] == [1] and not (run / ".lock").exists()
+
+
+SLOW_ITERATIONS = (  # jagg.train whose iterations after the first take 2 s longer (time for a signal to land)
+    "import sys, time\nimport jagg.loop.rollout as rollout\nfrom jagg.train import main\n"
+    "real = rollout.Sampler.__call__\n"
+    "def call(self, it, *args, **kw):\n"
+    "    if it >= 1:\n"
+    "        time.sleep(2)\n"
+    "    return real(self, it, *args, **kw)\n"
+    "rollout.Sampler.__call__ = call\nsys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_sigterm_from_outside_after_the_first_row(tmp_path):
+    """The drill's case: SIGTERM sent by another process once the first metrics row is there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jagg.ops.checkpoint import read_progress
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-c", SLOW_ITERATIONS, *_cli(tmp_path, "train.iterations=4")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 600
+        while not _iterations_logged(run):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and len(err.strip().splitlines()) == 1 and "stopped by SIGTERM" in err, err
+    reached = _iterations_logged(run)
+    assert reached in ([1, 2], [1, 2, 3]) and read_progress(run / "checkpoint")["iteration"] == reached[-1]
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=4")) == 0
+    _equals_uninterrupted(run, tmp_path, "train.iterations=4")

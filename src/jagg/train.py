@@ -27,6 +27,10 @@ naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandab
 flight recorder unless they are set (``jagg.ops.node``); the checkpoints' weights are checked with
 ``python -m jagg.scale.weights_check``.
 
+Signals: SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job) finish the current iteration, write
+a checkpoint and exit with status 143 / 138 and one line (``jagg.ops.signals``); SIGINT (Ctrl-C) stops at once
+with one line and status 130, without a checkpoint.
+
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
 writes its own shards of a checkpoint. ``--export`` runs under torchrun too (any world size; rank 0 writes).
@@ -124,6 +128,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI (module docstring); SIGINT (Ctrl-C) stops it with one line and status 130, no traceback."""
+    from jagg.ops.signals import SIGINT_STATUS
+
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        log.error(
+            f"interrupted (SIGINT): stopped without a checkpoint (exit status {SIGINT_STATUS}); continue from "
+            "the last one with --resume (SIGTERM or SIGUSR1 save one before stopping)"
+        )
+        return SIGINT_STATUS
+
+
+def _main(argv: list[str] | None) -> int:
     configure_logging()
     argv_used = sys.argv if argv is None else argv
     options, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
@@ -215,8 +233,9 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
     from jagg.loop.components import build_components  # the registries: world, diffusers
     from jagg.loop.trainer import Trainer, TrainingAborted
+    from jagg.ops.signals import StopRequested, stop_requests
 
-    run_dir = Path(cfg.log.run_dir)
+    run_dir, stopped = Path(cfg.log.run_dir), None
     info.barrier()  # every rank has checked run_dir before rank 0 touches it
     try:
         validate_world_size(cfg, info.world_size)
@@ -241,18 +260,53 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
                         f"metrics.jsonl: {start.dropped} rows past the checkpoint dropped; they are redone "
                         "(recorded in run.json's resumes)"
                     )
-        trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
+        display = _progress(cfg.train.iterations, trainer.iteration) if info.is_main else None
+        with stop_requests() as flag:  # SIGTERM / SIGUSR1: finish the iteration, save, exit 143 / 138
+            try:
+                trainer.fit(progress=_stop_when_asked(display, flag, info, cfg.train.iterations))
+            except StopRequested as stop:
+                stopped = stop
+                _save_and_stop(trainer)
     except TrainingAborted as err:
         _fail(str(err), code=3)
     except CheckpointError as err:  # the same on every rank (a collective decided it)
         _fail_once(info, str(err))
     except OSError as err:  # a write failed: read-only, disk full, quota
         _fail(_write_error(err, run_dir))
-    if info.is_main:
+    if info.is_main and stopped is not None:
+        log.error(
+            f"stopped by {stopped.name} after iteration {stopped.iteration}: checkpoint {trainer.checkpoint_path} "
+            f"written (exit status {stopped.status}); continue with --resume (or --resume auto)"
+        )
+    elif info.is_main:
         log.info(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {trainer.checkpoint_path}/")
     del trainer, comp  # the sharded model and its gloo / NCCL work objects go before the process group
     _shutdown()
-    return 0
+    return 0 if stopped is None else stopped.status
+
+
+def _stop_when_asked(display, flag, info, total: int):
+    """``Trainer.fit``'s progress callback: the display (rank 0), then ``StopRequested`` when a stop signal
+    arrived on any rank (``jagg.ops.signals``) and iterations are left."""
+    from jagg.ops.signals import StopRequested
+
+    def after_iteration(row: dict) -> None:
+        if display is not None:
+            display(row)
+        signum = flag.agreed(info)
+        if signum is not None and row["iteration"] < total:
+            raise StopRequested(signum, row["iteration"])
+
+    return after_iteration
+
+
+def _save_and_stop(trainer) -> None:
+    """After ``StopRequested`` left ``fit``: the checkpoint of the iteration reached, complete on every rank."""
+    if trainer.checkpointed_at != trainer.iteration:
+        trainer.save_checkpoint()
+    trainer.checkpoints.finish()
+    trainer.watch.stop()
+    trainer.run_log.close()
 
 
 def _prepare_run_dir(run_dir: Path, start) -> None:
