@@ -163,7 +163,7 @@ def export_tmp(out: str | Path) -> Path:
 def place_export(tmp: Path, out: str | Path, run_dir: str | Path) -> Path:
     """Mark the finished export in ``tmp`` (``EXPORT_MARKER`` lists its files) and rename it to ``out``; an
     earlier export there is moved aside and removed only after the rename (between the two renames ``out`` is
-    absent for an instant, never partial). ``out`` is checked again first (``ConfigError``; ``tmp`` removed)."""
+    absent for an instant, never partial; an empty ``out`` is replaced by the one rename). ``out`` is checked again first (``ConfigError``; ``tmp`` removed)."""
     out = Path(out)
     try:
         check_export_target(out, run_dir)
@@ -178,9 +178,7 @@ def place_export(tmp: Path, out: str | Path, run_dir: str | Path) -> Path:
     if out.exists() and any(out.iterdir()):  # an earlier export (checked above)
         old = out.with_name(tmp.name.replace(".export.tmp", ".export.old"))
         out.rename(old)
-    elif out.exists():
-        out.rmdir()  # empty
-    tmp.rename(out)
+    tmp.rename(out)  # rename(2) replaces an empty directory in one step
     if old is not None:
         shutil.rmtree(old)
     return out
