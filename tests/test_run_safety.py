@@ -986,3 +986,27 @@ def test_sigterm_from_outside_after_the_first_row(tmp_path):
     assert reached in ([1, 2], [1, 2, 3]) and read_progress(run / "checkpoint")["iteration"] == reached[-1]
     assert main(_cli(tmp_path, "--resume=auto", "train.iterations=4")) == 0
     _equals_uninterrupted(run, tmp_path, "train.iterations=4")
+
+
+def two_rank_stop(rank: int, out_dir: str) -> None:
+    """A stop signal that reached rank 1 alone stops both ranks after the same iteration."""
+    import signal
+
+    from dist_harness import save_rank_result
+    from jagg.distributed import DistInfo
+    from jagg.ops.signals import StopFlag
+
+    info, flag = DistInfo.current(), StopFlag()
+    before = flag.agreed(info)
+    if rank == 1:
+        flag(signal.SIGTERM, None)  # what the handler does when the signal lands
+    save_rank_result(out_dir, rank, {"before": before, "after": flag.agreed(info)})
+
+
+def test_a_signal_on_one_rank_stops_every_rank(tmp_path):
+    import signal
+
+    from dist_harness import rank_results, run_ranks
+
+    run_ranks("test_run_safety:two_rank_stop", 2, tmp_path, timeout=300)
+    assert rank_results(tmp_path, 2) == [{"before": None, "after": int(signal.SIGTERM)}] * 2
