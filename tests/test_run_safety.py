@@ -1010,3 +1010,57 @@ def test_a_signal_on_one_rank_stops_every_rank(tmp_path):
 
     run_ranks("test_run_safety:two_rank_stop", 2, tmp_path, timeout=300)
     assert rank_results(tmp_path, 2) == [{"before": None, "after": int(signal.SIGTERM)}] * 2
+
+
+HANG_IN_ROLLOUT = (  # jagg.train that hangs in the rollout of iteration int(sys.argv[2]) + 1 until killed
+    "import sys, time\nfrom pathlib import Path\nimport jagg.loop.rollout as rollout\nfrom jagg.train import main\n"
+    "real = rollout.Sampler.__call__\n"
+    "def call(self, it, *args, **kw):\n"
+    "    if it == int(sys.argv[2]):\n"
+    "        Path(sys.argv[1]).write_text('hanging')\n"
+    "        time.sleep(600)\n"
+    "    return real(self, it, *args, **kw)\n"
+    "rollout.Sampler.__call__ = call\nsys.exit(main(sys.argv[3:]))\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_kill_9_in_each_of_the_first_3_iterations_then_resume_auto(tmp_path, mode, at):
+    """kill -9 in the rollout of iteration at + 1 of 3 (a checkpoint after every iteration): with synchronous
+    saves the checkpoint of iteration ``at`` is there; with asynchronous ones it is still in checkpoint.tmp/,
+    complete, and is promoted. Either way --resume auto ends bitwise where an uninterrupted run ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run, marker = tmp_path / "run", tmp_path / "hanging"
+    args = [
+        "train.iterations=3",
+        "log.checkpoint_every=1",
+        f"log.async_checkpoint={str(mode == 'async').lower()}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-c", HANG_IN_ROLLOUT, str(marker), str(at), *_cli(tmp_path, *args)]
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 600
+            pending = run / "checkpoint.tmp" / "progress.pt"
+            while not (marker.exists() and (mode == "sync" or at == 0 or pending.exists())):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+                time.sleep(0.1)
+            time.sleep(0.5)  # let a background write finish its last bytes
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert _iterations_logged(run) == list(range(1, at + 1))
+    assert main(_cli(tmp_path, "--resume=auto", *args)) == 0
+    meta = json.loads((run / "run.json").read_text())
+    if at == 0:  # nothing saved yet: started again
+        assert "resumes" not in meta and meta["restarts"][0]["metrics_rows_dropped"] == 0
+    else:
+        assert meta["resumes"][0]["promoted_checkpoint_tmp"] == (at if mode == "async" else None)
+    _equals_uninterrupted(run, tmp_path, "train.iterations=3", "log.checkpoint_every=1")
