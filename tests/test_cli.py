@@ -122,14 +122,13 @@ WORLD = "configs/world/flux_dancegrpo.yaml"
 
 def test_run_json_names_the_world_build_a_world_run_loads(tmp_path, monkeypatch):
     """The world's pretraining is bitwise reproducible per machine only: run.json says which build ran."""
-    from types import SimpleNamespace
-
+    from jagg.ops.preflight import RunStart
     from jagg.train import _write_run_json
 
     monkeypatch.setenv("JAGG_WORLD_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "flux.json").write_text(json.dumps({"sha256": "ab" * 32}))
-    fresh = SimpleNamespace(resume=False)
+    fresh = RunStart(resume=False, wipe=False)
     for source, build in (("world", {"flux": "ab" * 8}), ("tiny", None)):
         (tmp_path / source).mkdir()
         _write_run_json(load_config(WORLD, [f"model.source={source}"]), tmp_path / source, fresh, [], 1)
@@ -291,12 +290,17 @@ def test_resume_auto_starts_fresh_only_where_nothing_is_lost(tmp_path, capsys):
     assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
     assert main([*cli, "train.iterations=2"]) == 0  # a checkpoint now: resumed
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2] and len(_meta(run_dir)["resumes"]) == 1
-    shutil.rmtree(run_dir / "checkpoint")  # lost: metrics rows remain, and auto does not start over them
-    assert "holds 2 metrics rows but no checkpoint" in _fails(capsys, cli)
-    assert [r["iteration"] for r in _rows(run_dir)] == [1, 2]
+    shutil.rmtree(
+        run_dir / "checkpoint"
+    )  # no checkpoint: its rows are past it, dropped and redone (issue 41)
+    assert main(cli) == 0
+    assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
+    assert [r["metrics_rows_dropped"] for r in _meta(run_dir)["restarts"]] == [2]
+    shutil.rmtree(run_dir / "checkpoint")
     (run_dir / "metrics.jsonl").unlink()  # preempted before its first row: run.json only, nothing to lose
     assert main(cli) == 0
     assert len(_rows(run_dir)) == 1 and "resumes" not in _meta(run_dir)
+    assert [r["metrics_rows_dropped"] for r in _meta(run_dir)["restarts"]] == [2, 0]
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("someone else's directory")

@@ -4,6 +4,10 @@ checkpoint without training; with LoRA under bf16 the frozen base stays in bf16.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -15,6 +19,7 @@ from jagg.loop.components import build_components
 from jagg.loop.export import export_trained
 from jagg.models import BACKBONES
 from jagg.ops.checkpoint import read_checkpoint
+from jagg.ops.rundir import REPO_ROOT as ROOT
 from jagg.scale.placement import place_backbone
 from jagg.train import main
 
@@ -106,3 +111,123 @@ def test_bf16_keeps_frozen_weights_in_bf16_and_trains_fp32(tmp_path, lora, froze
     if lora:
         (m,) = build_trainer(cfg).fit()
         assert torch.isfinite(torch.tensor(m["loss"])) and m["onpolicy_ratio_max_dev"] == 0.0
+
+
+# --------------------------------------------------------------------------- issue 41: export never deletes what it did not write
+WORLD = str(ROOT / "configs" / "world" / "flux_dancegrpo.yaml")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One trained run (checkpoint in ``run/``) that the export cases read."""
+    run = tmp_path_factory.mktemp("exported") / "run"
+    assert main(["--config", WORLD, *RUN, f"log.run_dir={run}"]) == 0
+    return run
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every path under ``root`` (not following symlinks) with its bytes' hash: what a refusal must keep."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        key = str(p.relative_to(root))
+        if p.is_symlink():
+            out[key] = "-> " + str(p.readlink())
+        elif p.is_dir():
+            out[key] = "dir"
+        else:
+            out[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _three_files(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for i in range(3):
+        (path / f"precious_{i}.txt").write_text(f"file {i}\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "three files",
+        "git repository",
+        "home",
+        "working directory",
+        "run directory",
+        "holds the run",
+        "dotdot",
+        "dot",
+        "symlink",
+        "forged marker",
+    ],
+)
+def test_export_refuses_what_it_did_not_write(trained_run, tmp_path, monkeypatch, capsys, case):
+    scratch = _three_files(tmp_path / "scratch")
+    sub = _three_files(scratch / "sub")
+    repo = _three_files(scratch / "repo")
+    (repo / ".git").mkdir()
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    home = _three_files(scratch / "home")
+    monkeypatch.setenv("HOME", str(home))
+    (scratch / "link").symlink_to(sub, target_is_directory=True)
+    forged = _three_files(scratch / "forged")
+    (forged / ".jagg_export").write_text('{"files": ["diffusion_pytorch_model.safetensors"]}\n')
+    monkeypatch.chdir(sub)
+    out, why = {
+        "three files": (scratch / "precious", "not empty and not an earlier export"),
+        "git repository": (repo, "git repository's root"),
+        "home": (home, "home directory"),
+        "working directory": (sub, "working directory"),
+        "run directory": (trained_run, "run directory"),
+        "holds the run": (trained_run.parent, "run directory (log.run_dir) or holds it"),
+        "dotdot": (Path(".."), "'..'"),
+        "dot": (Path("."), "'.'"),
+        "symlink": (scratch / "link", "symbolic link"),
+        "forged marker": (forged, "'precious_0.txt', which the earlier export there did not write"),
+    }[case]
+    if case == "three files":
+        _three_files(out)
+    watched = [scratch, trained_run]
+    before = [_tree(w) for w in watched]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", WORLD, *RUN, f"log.run_dir={trained_run}", "--export", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--export refuses OUT={out}" in err and why in err, err
+    assert [_tree(w) for w in watched] == before  # every file as it was, byte for byte; nothing added
+
+
+def test_export_checks_out_again_where_it_writes(trained_run, tmp_path):
+    """Defence in depth: ``export_trained`` refuses by itself (a caller that skipped the CLI's check)."""
+    from jagg.errors import ConfigError
+
+    cfg = _cfg(tmp_path)
+    precious = _three_files(tmp_path / "precious")
+    before = _tree(precious)
+    backbone = build_components(cfg).backbone
+    with pytest.raises(ConfigError, match="not empty and not an earlier export"):
+        export_trained(cfg, backbone, precious, dist=DistInfo())
+    assert _tree(precious) == before and [p.name for p in tmp_path.iterdir() if "export" in p.name] == []
+
+
+@pytest.mark.parametrize("case", ["absent", "empty", "earlier export"])
+def test_export_writes_an_absent_or_empty_out_and_replaces_an_earlier_export(
+    trained_run, tmp_path, capsys, case
+):
+    out = tmp_path / "out"
+    cli = ["--config", WORLD, *RUN, f"log.run_dir={trained_run}", "--export", str(out)]
+    if case == "empty":
+        out.mkdir()
+    if case == "earlier export":
+        assert main(cli) == 0
+        (out / "diffusion_pytorch_model.safetensors").write_bytes(b"stale")  # replaced, not kept
+    assert main(cli) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".jagg_export", "config.json", "diffusion_pytorch_model.safetensors"]
+    marker = json.loads((out / ".jagg_export").read_text())
+    assert marker["files"] == ["config.json", "diffusion_pytorch_model.safetensors"]
+    saved = load_file(out / "diffusion_pytorch_model.safetensors")
+    ckpt = read_checkpoint(trained_run / "checkpoint")
+    assert all(torch.equal(saved[k], ckpt[f"ema.transformer.{k}"]) for k in saved)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left beside it

@@ -5,6 +5,7 @@ evaluation, fp32 rotary tables under bf16 FSDP2 and verified checkpoints (issue 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -706,7 +707,7 @@ def test_a_moved_run_directory_resumes(tmp_path):
 def test_disk_full_in_any_write_is_one_line(tmp_path, monkeypatch, capsys):
     import errno
 
-    import jagg.loop.trainer as trainer_module
+    import jagg.ops.trackers as trackers_module
 
     assert main(_cli(tmp_path)) == 0
     run = tmp_path / "run"
@@ -714,7 +715,7 @@ def test_disk_full_in_any_write_is_one_line(tmp_path, monkeypatch, capsys):
     def full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(trainer_module, "atomic_write_text", full)  # the resume rewrites metrics.jsonl
+    monkeypatch.setattr(trackers_module, "atomic_write_text", full)  # the resume rewrites metrics.jsonl
     capsys.readouterr()
     assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
     err = capsys.readouterr().err.strip()
@@ -756,3 +757,310 @@ def test_lock_without_flock_checks_the_recorded_pid_and_host(tmp_path, monkeypat
     else:
         with pytest.raises(ConfigError, match=f"in use by another training run \\(pid {pid} on {host}"):
             lock.acquire()
+
+
+# --------------------------------------------------------------------------- issue 41: the retry loop cannot stick
+def _equals_uninterrupted(run: Path, tmp_path: Path, *args: str) -> None:
+    """``run``'s metrics rows (timings left out) and checkpoint tensors are bitwise those of an uninterrupted,
+    synchronous run of ``args``."""
+    from jagg.ops.checkpoint import read_checkpoint
+
+    fresh = tmp_path / "uninterrupted"
+    assert main(_cli(fresh, *args)) == 0
+    assert _rows(run) == _rows(fresh / "run")
+    got, want = read_checkpoint(run / "checkpoint"), read_checkpoint(fresh / "run" / "checkpoint")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_resume_auto_restarts_a_run_preempted_before_its_first_checkpoint(tmp_path, capsys):
+    """run.json and metrics rows but no checkpoint (a kill after the first row, before the first save): nothing
+    is lost by starting again, so --resume auto does, drops the rows and records it; a second time too."""
+    assert main(_cli(tmp_path, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    shutil.rmtree(run / "checkpoint")
+    (run / "checkpoint.tmp").mkdir()  # a save the kill cut short
+    (run / "checkpoint.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    capsys.readouterr()
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 0
+    out = capsys.readouterr().out
+    assert "no checkpoint yet (preempted before the first one): starting again from iteration 0" in out
+    assert "2 metrics rows dropped" in out
+    meta = json.loads((run / "run.json").read_text())
+    assert [(r["metrics_rows_dropped"], "--resume=auto" in r["argv"]) for r in meta["restarts"]] == [
+        (2, True)
+    ]
+    assert "resumes" not in meta and not (run / "checkpoint.tmp").exists()
+    _equals_uninterrupted(run, tmp_path, "train.iterations=2")
+    shutil.rmtree(run / "checkpoint")  # preempted again: the earlier restart stays on record
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=2")) == 0
+    assert len(json.loads((run / "run.json").read_text())["restarts"]) == 2
+
+
+FIRST_SAVE_NEVER_ENDS = (  # jagg.train whose first checkpoint write hangs (a slow disk) until killed
+    "import sys, time\nfrom pathlib import Path\n"
+    "from torch.distributed.checkpoint.filesystem import FileSystemWriter\nfrom jagg.train import main\n"
+    "def write_data(self, plan, planner):\n"
+    "    Path(sys.argv[1]).write_text('in flight')\n"
+    "    time.sleep(600)\n"
+    "FileSystemWriter.write_data = write_data\nsys.exit(main(sys.argv[2:]))\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_before_the_first_checkpoint_then_resume_auto(tmp_path, mode):
+    """kill -9 while the first (and only, at the end) save is being written, after every metrics row: the retry
+    loop's --resume auto starts again and ends bitwise where an uninterrupted run ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jagg.ops.checkpoint import find_checkpoint
+
+    run, marker = tmp_path / "run", tmp_path / "in_flight"
+    every = [
+        "train.iterations=2",
+        "log.checkpoint_every=0",
+        f"log.async_checkpoint={str(mode == 'async').lower()}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", FIRST_SAVE_NEVER_ENDS, str(marker), *_cli(tmp_path, *every)],
+            stdout=log,
+            stderr=log,
+            env=env,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not (marker.exists() and _iterations_logged(run) == [1, 2]):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+                time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert find_checkpoint(run) is None and (run / "checkpoint.tmp").is_dir()
+    assert main(_cli(tmp_path, "--resume=auto", *every)) == 0
+    assert json.loads((run / "run.json").read_text())["restarts"][0]["metrics_rows_dropped"] == 2
+    _equals_uninterrupted(run, tmp_path, "train.iterations=2")
+
+
+def _unfinished(run: Path, damage: bool = False) -> None:
+    """Turn the newest checkpoint into the save a kill left unfinished in checkpoint.tmp/ (no manifest yet, not
+    swapped in) and the kept previous one back into checkpoint/; ``damage``: one shard cut short as well."""
+    (run / "checkpoint").rename(run / "checkpoint.tmp")
+    (run / "checkpoint.tmp" / "manifest.json").unlink()
+    if damage:
+        _damage(run / "checkpoint.tmp" / "__0_0.distcp", "truncate")
+    if (run / "checkpoint.prev").exists():
+        (run / "checkpoint.prev").rename(run / "checkpoint")
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_a_complete_save_in_checkpoint_tmp_is_promoted_not_deleted(tmp_path, capsys, which):
+    """An asynchronous save that finished writing but was not yet swapped in (it becomes visible only when the
+    next one starts) is the newest checkpoint: --resume auto promotes it and goes on from there."""
+    from jagg.ops.checkpoint import read_progress
+
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    done = 1 if which == "first" else 2
+    assert main(_cli(tmp_path, *keep, f"train.iterations={done}")) == 0
+    run = tmp_path / "run"
+    _unfinished(run)
+    capsys.readouterr()
+    assert main(_cli(tmp_path, "--resume=auto", *keep, "train.iterations=3")) == 0
+    out = capsys.readouterr().out
+    assert f"promoted {run / 'checkpoint.tmp'} (iteration {done})" in out and f"at iteration {done}" in out
+    (resume,) = json.loads((run / "run.json").read_text())["resumes"]
+    assert resume["promoted_checkpoint_tmp"] == done and resume["metrics_rows_dropped"] == 0
+    assert read_progress(run / "checkpoint.prev")["iteration"] == 2  # the promoted save, rotated as usual
+    _equals_uninterrupted(run, tmp_path, *keep, "train.iterations=3")
+
+
+def test_an_incomplete_save_is_not_promoted_and_rows_past_the_checkpoint_are_dropped(tmp_path, capsys):
+    """checkpoint.tmp/ with .metadata and progress.pt but a shard cut short is not a save: removed; the resume
+    goes on from iteration 1, and iteration 2's row (past that checkpoint) is dropped, recorded and redone."""
+    keep = ["log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    assert main(_cli(tmp_path, *keep, "train.iterations=2")) == 0
+    run = tmp_path / "run"
+    _unfinished(run, damage=True)
+    capsys.readouterr()
+    assert main(_cli(tmp_path, "--resume=auto", *keep, "train.iterations=3")) == 0
+    out = capsys.readouterr().out
+    assert "promoted" not in out and f"removed {run / 'checkpoint.tmp'}" in out
+    assert "metrics.jsonl: 1 rows past the checkpoint dropped" in out
+    (resume,) = json.loads((run / "run.json").read_text())["resumes"]
+    assert resume["promoted_checkpoint_tmp"] is None and resume["metrics_rows_dropped"] == 1
+    _equals_uninterrupted(run, tmp_path, *keep, "train.iterations=3")
+
+
+# --------------------------------------------------------------------------- issue 41: signals
+SIGNAL_IN_ITERATION_2 = (  # jagg.train that receives the signal sys.argv[1] while iteration 2 is rolled out
+    "import os, signal, sys\nimport jagg.loop.rollout as rollout\nfrom jagg.train import main\n"
+    "real = rollout.Sampler.__call__\n"
+    "def call(self, it, *args, **kw):\n"
+    "    if it == 1:\n"
+    "        os.kill(os.getpid(), getattr(signal, sys.argv[1]))\n"
+    "    return real(self, it, *args, **kw)\n"
+    "rollout.Sampler.__call__ = call\nsys.exit(main(sys.argv[2:]))\n"
+)
+
+
+def _cli_process(tmp_path: Path, script: str, *args: str, timeout: float = 600):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-c", script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+@pytest.mark.parametrize(("name", "status"), [("SIGTERM", 143), ("SIGUSR1", 138)])
+def test_sigterm_finishes_the_iteration_saves_and_resumes_bitwise(tmp_path, name, status):
+    """SIGTERM / SIGUSR1 mid-iteration 2 of 3: iteration 2 completes, its checkpoint is written, the exit status
+    says which signal, one line on stderr; --resume auto then ends bitwise where an uninterrupted run ends."""
+    from jagg.distributed import DistInfo
+    from jagg.ops.checkpoint import find_checkpoint, read_progress, verify_checkpoint
+
+    run = tmp_path / "run"
+    done = _cli_process(tmp_path, SIGNAL_IN_ITERATION_2, name, *_cli(tmp_path, "train.iterations=3"))
+    assert done.returncode == status, done.stderr
+    err = done.stderr.strip()
+    assert len(err.splitlines()) == 1 and f"stopped by {name} after iteration 2" in err, err
+    assert f"checkpoint {run / 'checkpoint'} written" in err and "--resume" in err
+    assert find_checkpoint(run) == run / "checkpoint" and read_progress(run / "checkpoint")["iteration"] == 2
+    verify_checkpoint(run / "checkpoint", DistInfo())
+    assert [r["iteration"] for r in _rows(run)] == [1, 2] and not (run / ".lock").exists()
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=3")) == 0
+    _equals_uninterrupted(run, tmp_path, "train.iterations=3")
+
+
+def test_sigint_stops_with_one_line_and_no_traceback(tmp_path):
+    run = tmp_path / "run"
+    done = _cli_process(tmp_path, SIGNAL_IN_ITERATION_2, "SIGINT", *_cli(tmp_path, "train.iterations=3"))
+    assert done.returncode == 130, done.stderr
+    err = done.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and "interrupted (SIGINT)" in err, err
+    assert [r["iteration"] for r in _rows(run)] == [1] and not (run / ".lock").exists()
+
+
+SLOW_ITERATIONS = (  # jagg.train whose iterations after the first take 2 s longer (time for a signal to land)
+    "import sys, time\nimport jagg.loop.rollout as rollout\nfrom jagg.train import main\n"
+    "real = rollout.Sampler.__call__\n"
+    "def call(self, it, *args, **kw):\n"
+    "    if it >= 1:\n"
+    "        time.sleep(2)\n"
+    "    return real(self, it, *args, **kw)\n"
+    "rollout.Sampler.__call__ = call\nsys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_sigterm_from_outside_after_the_first_row(tmp_path):
+    """The drill's case: SIGTERM sent by another process once the first metrics row is there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jagg.ops.checkpoint import read_progress
+
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-c", SLOW_ITERATIONS, *_cli(tmp_path, "train.iterations=4")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 600
+        while not _iterations_logged(run):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and len(err.strip().splitlines()) == 1 and "stopped by SIGTERM" in err, err
+    reached = _iterations_logged(run)
+    assert reached in ([1, 2], [1, 2, 3]) and read_progress(run / "checkpoint")["iteration"] == reached[-1]
+    assert main(_cli(tmp_path, "--resume=auto", "train.iterations=4")) == 0
+    _equals_uninterrupted(run, tmp_path, "train.iterations=4")
+
+
+def two_rank_stop(rank: int, out_dir: str) -> None:
+    """A stop signal that reached rank 1 alone stops both ranks after the same iteration."""
+    import signal
+
+    from dist_harness import save_rank_result
+    from jagg.distributed import DistInfo
+    from jagg.ops.signals import StopFlag
+
+    info, flag = DistInfo.current(), StopFlag()
+    before = flag.agreed(info)
+    if rank == 1:
+        flag(signal.SIGTERM, None)  # what the handler does when the signal lands
+    save_rank_result(out_dir, rank, {"before": before, "after": flag.agreed(info)})
+
+
+def test_a_signal_on_one_rank_stops_every_rank(tmp_path):
+    import signal
+
+    from dist_harness import rank_results, run_ranks
+
+    run_ranks("test_run_safety:two_rank_stop", 2, tmp_path, timeout=300)
+    assert rank_results(tmp_path, 2) == [{"before": None, "after": int(signal.SIGTERM)}] * 2
+
+
+HANG_IN_ROLLOUT = (  # jagg.train that hangs in the rollout of iteration int(sys.argv[2]) + 1 until killed
+    "import sys, time\nfrom pathlib import Path\nimport jagg.loop.rollout as rollout\nfrom jagg.train import main\n"
+    "real = rollout.Sampler.__call__\n"
+    "def call(self, it, *args, **kw):\n"
+    "    if it == int(sys.argv[2]):\n"
+    "        Path(sys.argv[1]).write_text('hanging')\n"
+    "        time.sleep(600)\n"
+    "    return real(self, it, *args, **kw)\n"
+    "rollout.Sampler.__call__ = call\nsys.exit(main(sys.argv[3:]))\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_kill_9_in_each_of_the_first_3_iterations_then_resume_auto(tmp_path, mode, at):
+    """kill -9 in the rollout of iteration at + 1 of 3 (a checkpoint after every iteration): with synchronous
+    saves the checkpoint of iteration ``at`` is there; with asynchronous ones it is still in checkpoint.tmp/,
+    complete, and is promoted. Either way --resume auto ends bitwise where an uninterrupted run ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run, marker = tmp_path / "run", tmp_path / "hanging"
+    args = [
+        "train.iterations=3",
+        "log.checkpoint_every=1",
+        f"log.async_checkpoint={str(mode == 'async').lower()}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-c", HANG_IN_ROLLOUT, str(marker), str(at), *_cli(tmp_path, *args)]
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 600
+            pending = run / "checkpoint.tmp" / "progress.pt"
+            while not (marker.exists() and (mode == "sync" or at == 0 or pending.exists())):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+                time.sleep(0.1)
+            time.sleep(0.5)  # let a background write finish its last bytes
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert _iterations_logged(run) == list(range(1, at + 1))
+    assert main(_cli(tmp_path, "--resume=auto", *args)) == 0
+    meta = json.loads((run / "run.json").read_text())
+    if at == 0:  # nothing saved yet: started again
+        assert "resumes" not in meta and meta["restarts"][0]["metrics_rows_dropped"] == 0
+    else:
+        assert meta["resumes"][0]["promoted_checkpoint_tmp"] == (at if mode == "async" else None)
+    _equals_uninterrupted(run, tmp_path, "train.iterations=3", "log.checkpoint_every=1")

@@ -5,16 +5,20 @@
     --resume              continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded);
                           the config must equal run.json's (train.iterations may grow) unless
                           --allow-config-change; run.json is kept and the resume recorded in it
-    --resume auto         the same when a checkpoint exists, else start fresh where nothing is lost (preemptible
-                          clusters: a retry loop passes it on every attempt); an incomplete checkpoint or metrics
-                          rows without a checkpoint are an error, never a silent restart
+    --resume auto         the same when a checkpoint exists, else start again from iteration 0 (preemptible
+                          clusters: a retry loop passes it on every attempt); metrics rows past the checkpoint
+                          (all of them when there is none yet) are dropped and redone, recorded in run.json
+                          (resumes / restarts); a complete save left in checkpoint.tmp/ is promoted, never
+                          deleted; an incomplete checkpoint is an error, never a silent restart
     --overwrite           replace a run directory of this project (one holding its .jagg_run marker, or empty;
                           never the working directory, a repository root or the home directory); not with
                           --resume
     --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
                           plan (steps, groups, passes, memory); no weights, no writes
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
-                          folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export)
+                          folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export); OUT must
+                          be absent, empty or an earlier export (never '.', '..', a symlink, the run directory, a
+                          git root or the home directory): written beside OUT and renamed into place
 Invalid configs (unknown keys, bad values, YAML syntax, unknown reward or prompt-set names, train.device=cuda
 without CUDA, a driver older than torch's CUDA build needs, a resume that contradicts run.json) exit with status
 2 and one line naming the key, before the model code is imported and before anything is written. One run writes
@@ -22,6 +26,10 @@ to a run directory at a time: rank 0 locks it (log.run_dir/.lock) before writing
 naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL
 flight recorder unless they are set (``jagg.ops.node``); the checkpoints' weights are checked with
 ``python -m jagg.scale.weights_check``.
+
+Signals: SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job) finish the current iteration, write
+a checkpoint and exit with status 143 / 138 and one line (``jagg.ops.signals``); SIGINT (Ctrl-C) stops at once
+with one line and status 130, without a checkpoint.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
@@ -120,6 +128,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI (module docstring); SIGINT (Ctrl-C) stops it with one line and status 130, no traceback."""
+    from jagg.ops.signals import SIGINT_STATUS
+
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        log.error(
+            f"interrupted (SIGINT): stopped without a checkpoint (exit status {SIGINT_STATUS}); continue from "
+            "the last one with --resume (SIGTERM or SIGUSR1 save one before stopping)"
+        )
+        return SIGINT_STATUS
+
+
+def _main(argv: list[str] | None) -> int:
     configure_logging()
     argv_used = sys.argv if argv is None else argv
     options, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
@@ -162,10 +184,39 @@ def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
     info = DistInfo.current()
     try:
         with rundir.hold(cfg.log.run_dir, info):
+            promoted = _promote_interrupted_save(cfg, info) if args.resume else None
             start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+            start.promoted = promoted
+            if info.is_main and start.restarts and not start.resume:
+                log.info(
+                    f"--resume auto: {cfg.log.run_dir} has no checkpoint yet (preempted before the first one): "
+                    f"starting again from iteration 0; {start.metrics_rows} metrics rows dropped and redone "
+                    "(recorded in run.json's restarts)"
+                )
             return _run(cfg, start, argv_used, info)
     except ConfigError as err:
         _fail_once(info, str(err))
+
+
+def _promote_interrupted_save(cfg, info) -> int | None:
+    """Rank 0, holding the lock, before the fresh / resume decision: a complete save a killed attempt left in
+    ``checkpoint.tmp/`` becomes the checkpoint (``jagg.ops.checkpoint.promote_interrupted_save``); the other
+    ranks wait for it. Returns its iteration (None: there was none)."""
+    from jagg.ops.checkpoint import promote_interrupted_save
+
+    promoted = None
+    if info.is_main:
+        try:
+            promoted = promote_interrupted_save(cfg.log.run_dir, keep=cfg.log.keep_checkpoints)
+        except OSError as err:  # left as it is: the next start removes it as an interrupted save
+            log.warning(f"could not promote {Path(cfg.log.run_dir) / 'checkpoint.tmp'}: {err}")
+        if promoted is not None:
+            log.info(
+                f"promoted {Path(cfg.log.run_dir) / 'checkpoint.tmp'} (iteration {promoted}), a complete save "
+                "the interrupted attempt had not made visible"
+            )
+    info.barrier()
+    return promoted
 
 
 def _fail_once(info, msg: str, code: int = 2) -> None:
@@ -182,8 +233,9 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
     from jagg.loop.components import build_components  # the registries: world, diffusers
     from jagg.loop.trainer import Trainer, TrainingAborted
+    from jagg.ops.signals import StopRequested, stop_requests
 
-    run_dir = Path(cfg.log.run_dir)
+    run_dir, stopped = Path(cfg.log.run_dir), None
     info.barrier()  # every rank has checked run_dir before rank 0 touches it
     try:
         validate_world_size(cfg, info.world_size)
@@ -199,21 +251,62 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
         trainer = Trainer(cfg, comp, run_dir)
         if start.resume:
             trainer.load_checkpoint()
+            start.dropped = max(0, start.metrics_rows - len(trainer.metrics))
             if info.is_main:
                 _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
                 log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
-        trainer.fit(progress=_progress(cfg.train.iterations, trainer.iteration) if info.is_main else None)
+                if start.dropped:
+                    log.info(
+                        f"metrics.jsonl: {start.dropped} rows past the checkpoint dropped; they are redone "
+                        "(recorded in run.json's resumes)"
+                    )
+        display = _progress(cfg.train.iterations, trainer.iteration) if info.is_main else None
+        with stop_requests() as flag:  # SIGTERM / SIGUSR1: finish the iteration, save, exit 143 / 138
+            try:
+                trainer.fit(progress=_stop_when_asked(display, flag, info, cfg.train.iterations))
+            except StopRequested as stop:
+                stopped = stop
+                _save_and_stop(trainer)
     except TrainingAborted as err:
         _fail(str(err), code=3)
     except CheckpointError as err:  # the same on every rank (a collective decided it)
         _fail_once(info, str(err))
     except OSError as err:  # a write failed: read-only, disk full, quota
         _fail(_write_error(err, run_dir))
-    if info.is_main:
+    if info.is_main and stopped is not None:
+        log.error(
+            f"stopped by {stopped.name} after iteration {stopped.iteration}: checkpoint {trainer.checkpoint_path} "
+            f"written (exit status {stopped.status}); continue with --resume (or --resume auto)"
+        )
+    elif info.is_main:
         log.info(f"done: {run_dir}/metrics.jsonl, {run_dir}/samples/, {trainer.checkpoint_path}/")
     del trainer, comp  # the sharded model and its gloo / NCCL work objects go before the process group
     _shutdown()
-    return 0
+    return 0 if stopped is None else stopped.status
+
+
+def _stop_when_asked(display, flag, info, total: int):
+    """``Trainer.fit``'s progress callback: the display (rank 0), then ``StopRequested`` when a stop signal
+    arrived on any rank (``jagg.ops.signals``) and iterations are left."""
+    from jagg.ops.signals import StopRequested
+
+    def after_iteration(row: dict) -> None:
+        if display is not None:
+            display(row)
+        signum = flag.agreed(info)
+        if signum is not None and row["iteration"] < total:
+            raise StopRequested(signum, row["iteration"])
+
+    return after_iteration
+
+
+def _save_and_stop(trainer) -> None:
+    """After ``StopRequested`` left ``fit``: the checkpoint of the iteration reached, complete on every rank."""
+    if trainer.checkpointed_at != trainer.iteration:
+        trainer.save_checkpoint()
+    trainer.checkpoints.finish()
+    trainer.watch.stop()
+    trainer.run_log.close()
 
 
 def _prepare_run_dir(run_dir: Path, start) -> None:
@@ -257,10 +350,15 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
                 "world_size": world_size,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "config_changes": {k: list(v) for k, v in start.changes.items()},
+                "metrics_rows_dropped": start.dropped,
+                "promoted_checkpoint_tmp": start.promoted,
             }
         )
     else:
         meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=world_size)
+        if start.restarts:  # preempted before its first checkpoint: started again, the attempts recorded
+            stamp = {"argv": argv_used, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            meta["restarts"] = [*start.restarts[:-1], {**start.restarts[-1], **stamp}]
         if cfg.model.source == "world":  # which build: runs on different builds do not compare exactly
             from jagg.world.pretrained import world_build
 
@@ -303,6 +401,9 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
 
     if args.resume or args.overwrite:
         raise ConfigError("--export does not train: drop --resume / --overwrite (train first, then export)")
+    from jagg.ops.rundir import check_export_target
+
+    check_export_target(out_dir, cfg.log.run_dir)  # before anything is built; export_trained checks it again
     if ckpt is None:
         run_dir = Path(cfg.log.run_dir)
         raise ConfigError(f"--export: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")

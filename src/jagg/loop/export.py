@@ -12,8 +12,13 @@ else the trained ones. dtype: a full model in the compute dtype of ``train.preci
 configs: the published checkpoints' dtype, what inference runs in; half the size of the fp32 master
 weights), else the master dtype; adapters as trained (fp32). Under FSDP2 the weights are gathered one tensor
 at a time (every rank joins each all-gather) and only rank 0 keeps a CPU copy, so rank 0's host peak is the
-exported weights once (FLUX.1-dev in bf16: ~22 GiB) and the other ranks hold nothing extra. Written into
-``OUT.tmp`` and renamed, so ``OUT`` is complete or absent.
+exported weights once (FLUX.1-dev in bf16: ~22 GiB) and the other ranks hold nothing extra.
+
+Where: ``OUT`` must be absent, empty or an earlier export (``jagg.ops.rundir.check_export_target``: never ``.``,
+``..``, a symbolic link, the run directory, the working directory, a git root or the home directory), checked
+before anything is gathered and again before the rename. The export is written into a temporary directory beside
+``OUT``, marked (``.jagg_export`` lists its files) and renamed into place, so ``OUT`` is complete or absent and
+nothing the export did not write is ever deleted.
 
 ``export_run``: the same from the checkpoint in ``log.run_dir``, without training
 (``python -m jagg.train --config ... --export OUT``): builds the components, places the backbone like the
@@ -22,7 +27,6 @@ trainer (``jagg.scale.placement``; any world size, DCP reshards), loads only the
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -30,8 +34,10 @@ from torch import nn
 
 from jagg.config import Config
 from jagg.distributed import DistInfo, full_tensor
+from jagg.errors import ConfigError
 from jagg.models import BACKBONES, Backbone
 from jagg.ops.checkpoint import find_checkpoint, load_weights, trainable_names
+from jagg.ops.rundir import check_export_target, export_tmp, place_export
 from jagg.scale.lora import export_lora
 from jagg.scale.placement import DTYPES, place_backbone
 
@@ -58,11 +64,11 @@ def export_trained(
     ema: list[torch.Tensor] | None = None,
 ) -> Path:
     """Write ``backbone``'s weights (``ema``, laid out like its trainable parameters, replaces them) to
-    ``out_dir`` in the format of the module docstring. A collective under FSDP2; rank 0 writes."""
+    ``out_dir`` in the format of the module docstring. A collective under FSDP2; rank 0 writes. ``ConfigError``
+    on every rank when ``out_dir`` may not be written (``check_export_target``), before and after the gather."""
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+    check_export_target(out, cfg.log.run_dir)  # every rank: the same answer, before any collective
+    tmp = export_tmp(out) if dist.is_main else out
     trained = dict(zip(trainable_names(backbone), ema, strict=True)) if ema is not None else {}
     if cfg.model.lora_rank > 0:
         named = dict(backbone.named_parameters())
@@ -76,10 +82,14 @@ def export_trained(
         full = _gather(sd, dist, dtype)
         if dist.is_main:
             _save_transformer(cfg.model.backbone, backbone.transformer.config, full, tmp)
+    refused = None
     if dist.is_main:
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    dist.barrier()
+        try:
+            place_export(tmp, out, cfg.log.run_dir)  # checks ``out`` again: it may have changed meanwhile
+        except ConfigError as err:
+            refused = err
+    if dist.reduce_scalars({"refused": float(refused is not None)}, op="max")["refused"] > 0:
+        raise refused or ConfigError(f"--export refuses OUT={out} (rank 0 says why)")
     return out
 
 

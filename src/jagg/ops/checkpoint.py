@@ -45,7 +45,9 @@ and hashes this rank's files. Nothing of it is visible until ``PendingCheckpoint
 the next save, at the end of ``fit``, before an abort, before a resume): it waits for every rank's write,
 writes the manifest and swaps the directory in exactly as a synchronous save does (``save_checkpoint`` is
 ``start_checkpoint(...).finish()``), so at any instant ``find_checkpoint`` sees only finished, verified saves; a
-kill during the write leaves ``checkpoint.tmp/``, which the next start removes. Under torchrun DCP's
+kill during the write leaves ``checkpoint.tmp/``, which the next start removes unless the write had finished:
+a complete save found there (DCP's ``.metadata``, every shard it lists at full length, a readable progress.pt;
+``promote_interrupted_save``) is given its manifest and swapped in on ``--resume``, never deleted. Under torchrun DCP's
 collectives in the background run on a gloo group of their own, never interleaved with the training's.
 """
 
@@ -523,6 +525,56 @@ class CheckpointWriter:
                 self.finish()
             raise
         self.finish()
+
+
+def _complete_save(tmp: Path) -> int:
+    """The iteration of the save in ``tmp`` when every file of it is on disk: DCP's ``.metadata`` (written once
+    every rank's shards are), each shard it lists at least as long as the data it places there, progress.pt
+    readable. ``CheckpointError`` otherwise (or when a manifest there disagrees)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if missing := _missing(tmp):
+        raise CheckpointError(f"{tmp}: {' and '.join(missing)} missing")
+    metadata = _readable(tmp, lambda: FileSystemReader(str(tmp)).read_metadata())
+    for info in (metadata.storage_data or {}).values():
+        shard = tmp / info.relative_path
+        if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+            raise CheckpointError(f"{shard} is missing or shorter than its data")
+    iteration = int(_readable(tmp, lambda: read_progress(tmp))["iteration"])
+    if not (tmp / MANIFEST).is_file():
+        _write_manifest(tmp, {p.name: file_digest(p) for p in sorted(tmp.iterdir())}, DistInfo())
+    verify_checkpoint(tmp, DistInfo())
+    return iteration
+
+
+def promote_interrupted_save(run_dir: str | Path, *, keep: int = 1) -> int | None:
+    """Make a complete save that a killed run left in ``checkpoint.tmp/`` the run's checkpoint (an asynchronous
+    save becomes visible only at the next one, so a preemption may catch it finished but not swapped in): it gets
+    its manifest and is swapped in as ``PendingCheckpoint.finish`` would have. Returns its iteration, or None
+    (nothing there, or incomplete: then the caller removes it as ``jagg.ops.rundir.clean_stale`` does; or not
+    newer than the checkpoint in place). One process (rank 0), holding the run directory's lock."""
+    final = checkpoint_dir(run_dir)
+    tmp, prev = final.with_name(CHECKPOINT + ".tmp"), final.with_name(CHECKPOINT + ".prev")
+    if not tmp.is_dir():
+        return None
+    try:
+        iteration = _complete_save(tmp)
+    except CheckpointError:
+        return None
+    current = find_checkpoint(run_dir)
+    try:
+        newer = (
+            current is None
+            or int(_readable(current, lambda: read_progress(current))["iteration"]) < iteration
+        )
+    except CheckpointError:  # the one in place cannot be read: the complete save replaces it
+        newer = True
+    if not newer:
+        return None
+    if keep < 2 or final.exists():  # as start_checkpoint: the one before the newest goes
+        shutil.rmtree(prev, ignore_errors=True)
+    _swap_in(tmp, final, prev if keep >= 2 else final.with_name(CHECKPOINT + ".old"))
+    return iteration
 
 
 def read_progress(path: str | Path) -> dict:

@@ -150,21 +150,33 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
 @dataclass
 class RunStart:
     """How the CLI starts in ``log.run_dir``: resume from its checkpoint or not, remove what is there first or
-    not, and (on resume) the config keys that differ from run.json's ``{key: (old, new)}``."""
+    not, (on resume) the config keys that differ from run.json's ``{key: (old, new)}``, the metrics rows found
+    (those past the checkpoint are dropped and redone) and, for a run preempted before its first checkpoint that
+    starts again, the record of it for run.json (``restarts``: the earlier ones, then this one)."""
 
     resume: bool
     wipe: bool
     changes: dict[str, tuple] = field(default_factory=dict)
+    metrics_rows: int = 0
+    restarts: list[dict] = field(default_factory=list)
+    promoted: int | None = (
+        None  # the iteration of a complete save promoted from checkpoint.tmp/ (the CLI sets it)
+    )
+    dropped: int = (
+        0  # metrics rows past the loaded checkpoint (the CLI sets it once the checkpoint has loaded)
+    )
 
 
 def start_run_dir(cfg: Config, resume: str | None, overwrite: bool, allow_change: bool) -> RunStart:
     """Decide fresh / resume for ``--resume`` (``"required"``), ``--resume auto`` or neither; reads only (the
     CLI calls it holding the directory's lock, so no other run changes it meanwhile).
 
-    ``auto`` resumes when a checkpoint exists and starts fresh only where nothing would be lost: an empty
-    directory, or one a preempted attempt left before its first metrics row (its run.json must match, as on
-    resume). It never starts over metrics rows or an incomplete checkpoint. A resumed config must equal
-    run.json's except ``RESUMABLE_KEYS``, unless ``allow_change``.
+    ``auto`` resumes when a checkpoint exists and otherwise starts again from iteration 0 in an empty
+    directory or one a preempted attempt left before its first checkpoint (its run.json must match, as on
+    resume): nothing is lost there, since metrics rows past the last checkpoint are dropped and redone in every
+    case (here all of them; the restart is recorded in run.json's ``restarts``). It never starts over an
+    incomplete checkpoint. A resumed config must equal run.json's except ``RESUMABLE_KEYS``, unless
+    ``allow_change``.
     """
     run_dir = Path(cfg.log.run_dir)
     if resume and overwrite:
@@ -178,15 +190,25 @@ def start_run_dir(cfg: Config, resume: str | None, overwrite: bool, allow_change
     if resume == "required" and checkpoint is None:
         raise ConfigError(f"--resume: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")
     changes = _resumed_config_changes(cfg, run_dir, allow_change, what, has_checkpoint=checkpoint is not None)
-    if checkpoint is not None:
-        return RunStart(resume=True, wipe=False, changes=changes)
     rows = _metrics_rows(run_dir)
-    if rows:
-        raise ConfigError(
-            f"--resume auto: {run_dir} holds {rows} metrics rows but no checkpoint to resume them from, and "
-            "starting over would replace them; pass --overwrite (without --resume) to start again"
+    if checkpoint is not None:
+        return RunStart(resume=True, wipe=False, changes=changes, metrics_rows=rows)
+    restarts = _earlier_restarts(run_dir)
+    if rows or restarts or (run_dir / "run.json").is_file():
+        restarts.append(
+            {"reason": "no checkpoint yet (preempted before the first one)", "metrics_rows_dropped": rows}
         )
-    return RunStart(resume=False, wipe=bool(entries(run_dir)))
+    return RunStart(resume=False, wipe=bool(entries(run_dir)), metrics_rows=rows, restarts=restarts)
+
+
+def _earlier_restarts(run_dir: Path) -> list[dict]:
+    """The ``restarts`` an earlier attempt recorded in run.json (a restart replaces run.json and keeps them)."""
+    try:
+        meta = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return []
+    restarts = meta.get("restarts") if isinstance(meta, dict) else None
+    return list(restarts) if isinstance(restarts, list) else []
 
 
 def _fresh_start(run_dir: Path, overwrite: bool) -> RunStart:

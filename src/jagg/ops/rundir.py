@@ -10,6 +10,9 @@ delete, and the temporaries a killed run leaves behind.
   (kill -9 included), so a lock left by a crash is stale by construction; the file also records the holder's
   pid, host and command, which name it in the second writer's error, and are the fallback check (pid alive
   on this host) on a filesystem without ``flock``. ``hold`` gives every rank rank 0's outcome.
+* ``EXPORT_MARKER`` (``.jagg_export``) lists what an export (``--export OUT``) wrote. ``check_export_target``
+  accepts an ``OUT`` that is absent, empty, or an earlier export holding nothing its marker does not list;
+  ``place_export`` renames a finished export (written into a sibling temporary directory) into place.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jagg.errors import ConfigError
 
 MARKER = ".jagg_run"
 LOCK = ".lock"
+EXPORT_MARKER = ".jagg_export"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -95,6 +99,89 @@ def clean_stale(run_dir: Path) -> list[Path]:
     for p in stale:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     return stale
+
+
+# --------------------------------------------------------------------------- exports
+def _export_refusal(out: Path, run_dir: Path) -> str | None:
+    """Why ``--export`` may not write to ``out`` (it would replace what it did not write), or None."""
+    if out.name in ("", ".", ".."):
+        return "it is '.', '..' or '/'"
+    if out.is_symlink():
+        return "it is a symbolic link"
+    path, run = out.resolve(), run_dir.resolve()
+    if path == run or path in run.parents:
+        return "it is the run directory (log.run_dir) or holds it"
+    why = _protected(path)
+    if why is not None:
+        return why
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return "it is a file, not a directory"
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return None
+    listed = _export_listing(out)
+    if listed is None:
+        return f"it is not empty and not an earlier export (no {EXPORT_MARKER} marker)"
+    foreign = sorted(names - listed - {EXPORT_MARKER})
+    if foreign:
+        return f"it holds {foreign[0]!r}, which the earlier export there did not write"
+    return None
+
+
+def _export_listing(out: Path) -> set[str] | None:
+    """The names an earlier export's marker lists, or None when ``out`` holds no readable marker."""
+    try:
+        files = json.loads((out / EXPORT_MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {str(f) for f in files} if isinstance(files, list) else None
+
+
+def check_export_target(out: str | Path, run_dir: str | Path) -> None:
+    """``ConfigError`` (one line naming ``out`` and why) unless ``--export`` may write ``out``: absent, empty or
+    an earlier export (its marker lists everything it holds); never ``.``, ``..``, a symbolic link, the run
+    directory or a directory holding it, the working directory, a git repository's root or the home directory
+    (or an ancestor of one of those)."""
+    why = _export_refusal(Path(out), Path(run_dir))
+    if why:
+        raise ConfigError(
+            f"--export refuses OUT={out}: {why}; choose an OUT that is absent, empty or an earlier export"
+        )
+
+
+def export_tmp(out: str | Path) -> Path:
+    """A new, empty temporary directory beside ``out`` for an export to be written into."""
+    import tempfile
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export.tmp", dir=out.parent))
+
+
+def place_export(tmp: Path, out: str | Path, run_dir: str | Path) -> Path:
+    """Mark the finished export in ``tmp`` (``EXPORT_MARKER`` lists its files) and rename it to ``out``; an
+    earlier export there is moved aside and removed only after the rename (between the two renames ``out`` is
+    absent for an instant, never partial; an empty ``out`` is replaced by the one rename). ``out`` is checked again first (``ConfigError``; ``tmp`` removed)."""
+    out = Path(out)
+    try:
+        check_export_target(out, run_dir)
+    except ConfigError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    names = sorted(p.name for p in tmp.iterdir())
+    (tmp / EXPORT_MARKER).write_text(
+        json.dumps({"written_by": "python -m jagg.train --export", "files": names}, indent=1) + "\n"
+    )
+    old = None
+    if out.exists() and any(out.iterdir()):  # an earlier export (checked above)
+        old = out.with_name(tmp.name.replace(".export.tmp", ".export.old"))
+        out.rename(old)
+    tmp.rename(out)  # rename(2) replaces an empty directory in one step
+    if old is not None:
+        shutil.rmtree(old)
+    return out
 
 
 # --------------------------------------------------------------------------- one writer at a time
