@@ -634,40 +634,49 @@ def _iterations_logged(run) -> list[int]:
     return [json.loads(x)["iteration"] for x in lines]
 
 
-def test_kill_9_during_an_async_write_resumes_from_the_newest_complete_checkpoint(tmp_path):
-    """The second save (iteration 2) of a run with log.async_checkpoint never finishes writing; training goes
-    on (iteration 3 is logged) until the next save waits for it, then kill -9. What is left: iteration 1's
-    checkpoint, complete and verified, and checkpoint.tmp/; the resume removes the latter, redoes iterations
-    2-4 and ends where an uninterrupted synchronous run ends."""
+def _kill_9_when(tmp_path: Path, script: str, argv: list[str], ready, poll: float = 0.2, settle: float = 0.0):
+    """Run ``python -c script *argv`` (the CLI with a hook that stalls it somewhere) from the repository root,
+    its output in ``tmp_path/log.txt``; once ``ready()`` holds (and ``settle`` seconds more), kill -9 it. A
+    process that ends first, or 600 s without ``ready()``, fails the test with its log."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, *argv], stdout=log, stderr=log, env=env, cwd=ROOT
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not ready():
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+                time.sleep(poll)
+            time.sleep(settle)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+def test_kill_9_during_an_async_write_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """The second save (iteration 2) of a run with log.async_checkpoint never finishes writing; training goes
+    on (iteration 3 is logged) until the next save waits for it, then kill -9. What is left: iteration 1's
+    checkpoint, complete and verified, and checkpoint.tmp/; the resume removes the latter, redoes iterations
+    2-4 and ends where an uninterrupted synchronous run ends."""
     from jagg.distributed import DistInfo
     from jagg.ops.checkpoint import find_checkpoint, read_checkpoint, read_progress, verify_checkpoint
 
     run, marker = tmp_path / "run", tmp_path / "in_flight"
     every = ["train.iterations=4", "log.checkpoint_every=1"]
     args = _cli(tmp_path, *every, "log.async_checkpoint=true")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    with open(tmp_path / "log.txt", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SECOND_WRITE_NEVER_ENDS, str(marker), *args],
-            stdout=log,
-            stderr=log,
-            env=env,
-            cwd=ROOT,
-        )
-        try:
-            deadline = time.monotonic() + 600
-            while not (marker.exists() and 3 in _iterations_logged(run)):
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
-                time.sleep(0.2)
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    _kill_9_when(
+        tmp_path,
+        SECOND_WRITE_NEVER_ENDS,
+        [str(marker), *args],
+        lambda: marker.exists() and 3 in _iterations_logged(run),
+    )
     assert find_checkpoint(run) == run / "checkpoint" and read_progress(run / "checkpoint")["iteration"] == 1
     verify_checkpoint(run / "checkpoint", DistInfo())
     assert (run / "checkpoint.tmp").is_dir() and not (run / "checkpoint.tmp" / "manifest.json").exists()
@@ -810,12 +819,6 @@ FIRST_SAVE_NEVER_ENDS = (  # jagg.train whose first checkpoint write hangs (a sl
 def test_kill_9_before_the_first_checkpoint_then_resume_auto(tmp_path, mode):
     """kill -9 while the first (and only, at the end) save is being written, after every metrics row: the retry
     loop's --resume auto starts again and ends bitwise where an uninterrupted run ends."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from jagg.ops.checkpoint import find_checkpoint
 
     run, marker = tmp_path / "run", tmp_path / "in_flight"
@@ -824,23 +827,12 @@ def test_kill_9_before_the_first_checkpoint_then_resume_auto(tmp_path, mode):
         "log.checkpoint_every=0",
         f"log.async_checkpoint={str(mode == 'async').lower()}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    with open(tmp_path / "log.txt", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", FIRST_SAVE_NEVER_ENDS, str(marker), *_cli(tmp_path, *every)],
-            stdout=log,
-            stderr=log,
-            env=env,
-            cwd=ROOT,
-        )
-        try:
-            deadline = time.monotonic() + 600
-            while not (marker.exists() and _iterations_logged(run) == [1, 2]):
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
-                time.sleep(0.2)
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    _kill_9_when(
+        tmp_path,
+        FIRST_SAVE_NEVER_ENDS,
+        [str(marker), *_cli(tmp_path, *every)],
+        lambda: marker.exists() and _iterations_logged(run) == [1, 2],
+    )
     assert find_checkpoint(run) is None and (run / "checkpoint.tmp").is_dir()
     assert main(_cli(tmp_path, "--resume=auto", *every)) == 0
     assert json.loads((run / "run.json").read_text())["restarts"][0]["metrics_rows_dropped"] == 2
@@ -1030,32 +1022,21 @@ def test_kill_9_in_each_of_the_first_3_iterations_then_resume_auto(tmp_path, mod
     """kill -9 in the rollout of iteration at + 1 of 3 (a checkpoint after every iteration): with synchronous
     saves the checkpoint of iteration ``at`` is there; with asynchronous ones it is still in checkpoint.tmp/,
     complete, and is promoted. Either way --resume auto ends bitwise where an uninterrupted run ends."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     run, marker = tmp_path / "run", tmp_path / "hanging"
     args = [
         "train.iterations=3",
         "log.checkpoint_every=1",
         f"log.async_checkpoint={str(mode == 'async').lower()}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-c", HANG_IN_ROLLOUT, str(marker), str(at), *_cli(tmp_path, *args)]
-    with open(tmp_path / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=ROOT)
-        try:
-            deadline = time.monotonic() + 600
-            pending = run / "checkpoint.tmp" / "progress.pt"
-            while not (marker.exists() and (mode == "sync" or at == 0 or pending.exists())):
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
-                time.sleep(0.1)
-            time.sleep(0.5)  # let a background write finish its last bytes
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+    pending = run / "checkpoint.tmp" / "progress.pt"
+    _kill_9_when(
+        tmp_path,
+        HANG_IN_ROLLOUT,
+        [str(marker), str(at), *_cli(tmp_path, *args)],
+        lambda: marker.exists() and (mode == "sync" or at == 0 or pending.exists()),
+        poll=0.1,
+        settle=0.5,  # let a background write finish its last bytes
+    )
     assert _iterations_logged(run) == list(range(1, at + 1))
     assert main(_cli(tmp_path, "--resume=auto", *args)) == 0
     meta = json.loads((run / "run.json").read_text())
