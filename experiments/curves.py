@@ -41,9 +41,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
 import yaml
 
-from jagg.common import atomic_write_text, command_line, run_metadata, set_threads, write_table
+from jagg.common import (
+    SeedStream,
+    atomic_write_text,
+    command_line,
+    generator,
+    run_metadata,
+    set_threads,
+    write_table,
+)
+from jagg.config import load_config
+from jagg.engine.algorithms import ALGORITHMS
 from jagg.engine.routing import BACKWARD_STRATEGIES
 from jagg.plugins.eval_state import paired_divergence
 from jagg.stats import (
@@ -86,7 +97,9 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
         proto["seeds"] = proto["long"]["seeds"]
         proto["recipes"] = {**proto["recipes"], **proto["long"]["recipes"]}
     proto["is_pilot"] = pilot
-    if pilot:
+    if pilot:  # the pilot may have run arms retired since, against a reference of its own
+        proto["arms"] = {**proto["arms"], **proto.get("retired_arms", {})}
+        proto.update({k: proto["pilot"][k] for k in ("reference", "baselines") if k in proto["pilot"]})
         proto["seeds"] = proto["pilot"]["seeds"]
         for spec in proto["recipes"].values():  # the pilot's seeds replace a recipe's own
             spec.pop("seeds", None)
@@ -108,19 +121,25 @@ def recipe_protocol(proto: dict, name: str) -> dict:
     ``seeds`` where it names them (a recipe whose reference, arms or sizing differ from the others'), the
     protocol's otherwise."""
     spec = proto["recipes"].get(name, {})
-    own = ("arms", "control_arms", "contrast", "note", "seeds")
+    own = ("arms", "control_arms", "contrast", "note", "seeds", "reference", "baselines", "staged_arms")
     return {**proto, **{k: spec[k] for k in own if k in spec}}
 
 
+def reference(proto: dict) -> str:
+    """The arm every other arm is compared with: the protocol's ``reference`` (default ``exact``). It trains the
+    same steps as every arm but the declared ``baselines`` (``tests/test_protocol_steps.py``)."""
+    return proto.get("reference", "exact")
+
+
 def arm_seeds(proto: dict, name: str) -> dict[str, list[int]]:
-    """The seeds each arm of a recipe trains: every arm the recipe's ``seeds``; exact and the two arms of the
-    pre-registered contrast also its ``contrast: seeds`` (the contrast needs more seeds than the dose-response
-    and fidelity, which are measured on every arm). ``first_seeds: N`` (--seeds, --quick) keeps the first N
-    of ``seeds`` and no extra ones; a pilot has none."""
+    """The seeds each arm of a recipe trains: every arm the recipe's ``seeds``; the reference, the two arms of
+    the pre-registered contrast and the ``staged_arms`` also its ``contrast: seeds`` (the contrast needs more
+    seeds than the dose-response and fidelity, which are measured on every arm). ``first_seeds: N`` (--seeds,
+    --quick) keeps the first N of ``seeds`` and no extra ones; a pilot has none."""
     view = recipe_protocol(proto, name)
     contrast, first = view.get("contrast") or {}, proto.get("first_seeds")
     extra = list(contrast.get("seeds", [])) if first is None and not proto.get("is_pilot") else []
-    staged = {"exact", contrast.get("better"), contrast.get("worse")}
+    staged = {reference(view), contrast.get("better"), contrast.get("worse"), *view.get("staged_arms", [])}
     return {arm: list(view["seeds"][:first]) + (extra if arm in staged else []) for arm in view["arms"]}
 
 
@@ -132,6 +151,48 @@ def recipe_jobs(proto: dict, name: str) -> list[tuple[str, int]]:
     return sorted(
         ((a, k) for a, ks in seeds.items() for k in ks), key=lambda ak: (ak[1] not in common, ak[1])
     )
+
+
+def trained_steps_of(config: str, overrides: list[str], seed: int, iterations: int | None = None) -> list:
+    """The trained steps per sample of every training iteration of one arm, drawn as the trainer's rollout
+    draws them (``Sampler``: the iteration's window, then the steps per sample from the same generator). The
+    prompt and noise draws the rollout makes in between are left out: no arm override changes them, so the
+    replay compares arms without building a model (``tests/test_protocol_steps.py`` checks the trainer agrees)."""
+    cfg = load_config(config, overrides)
+    algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
+    batch = cfg.train.prompts_per_iter * cfg.train.images_per_prompt
+    out = []
+    for it in range(cfg.train.iterations if iterations is None else iterations):
+        gen = generator(seed, SeedStream.ROLLOUT, it)
+        kinds = algorithm.step_kinds(cfg.sampling.num_steps, gen, iteration=it)
+        out.append(algorithm.trained_steps(list(kinds), batch, gen))
+    return out
+
+
+def step_mismatches(proto: dict, name: str, seed: int = 0, iterations: int | None = None) -> dict[str, str]:
+    """Arms of recipe ``name`` that train other steps than its reference at some iteration, with where, and
+    declared ``baselines`` that train the SAME steps (a stale declaration); empty when the design compares
+    what it says. A quality comparison must train the same steps in every arm (issue 43: protocol v4's exact
+    arm trained random single steps where every other arm trained blocks)."""
+    view, spec = recipe_protocol(proto, name), proto["recipes"][name]
+    common = list(spec.get("overrides", []))
+    ref = reference(view)
+    steps = {
+        arm: trained_steps_of(spec["config"], common + list(o), seed, iterations)
+        for arm, o in view["arms"].items()
+    }
+    problems = {}
+    for arm, mine in steps.items():
+        differs = next(
+            (it for it, (a, b) in enumerate(zip(mine, steps[ref], strict=True)) if not torch.equal(a, b)),
+            None,
+        )
+        declared = arm in view.get("baselines", {})
+        if differs is not None and not declared:
+            problems[arm] = f"trains other steps than {ref} from iteration {differs} (not a declared baseline)"
+        if differs is None and declared:
+            problems[arm] = f"declared a baseline with other steps, but trains the steps of {ref}"
+    return problems
 
 
 def protocol_sha(path: Path = PROTOCOL) -> str:
@@ -970,6 +1031,11 @@ def main(argv: list[str] | None = None) -> None:
         help="--pilot-report at this evaluation (default the last)",
     )
     ap.add_argument("--pilot", action="store_true", help="the protocol's pilot (its seeds and arms) + sizing")
+    ap.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="run from a tree with uncommitted changes; each run's diff is stored beside its CSV",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     set_threads(1)  # this process only orchestrates; each run uses one thread
@@ -1000,11 +1066,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
     for r in recipes:
-        if len(arm_seeds(proto, r)["exact"]) < 2:
+        if len(arm_seeds(proto, r)[reference(recipe_protocol(proto, r))]) < 2:
             raise SystemExit(
                 f"{proto_path.name}: recipe {r}: --seeds and the protocol's seeds must give >= 2 seeds (the "
                 f"comparisons are paired over seeds), got {arm_seeds(proto, r)['exact']}"
             )
+    mismatched = {r: step_mismatches(proto, r, iterations=3) for r in recipes}
+    if any(mismatched.values()):
+        for r, problems in mismatched.items():
+            for arm, why in problems.items():
+                print(f"{proto_path.name}: recipe {r}: arm {arm} {why}", file=sys.stderr)
+        raise SystemExit(2)
     runs = Path(args.runs + suffix)
     out = Path(args.out or f"results/{default_out(proto_path, args.pilot)}{suffix}")
     jobs = [
@@ -1020,7 +1092,8 @@ def main(argv: list[str] | None = None) -> None:
         for a, k in recipe_jobs(proto, r)
         if args.arms is None or a in args.arms
     ]
-    run_and_record(jobs, out, proto_path, argv, args.jobs)
+    refs = {r: reference(recipe_protocol(proto, r)) for r in recipes}
+    run_and_record(jobs, out, proto_path, argv, args.jobs, refs, dirty_diff(out, args.allow_dirty or args.quick))
     figures = Path(args.figures) / ("quick" if args.quick else "") / ("pilot" if args.pilot else "")
     render(out, figures, proto_path, args.long, args.pilot)
     print((out / "summary.md").read_text())
@@ -1033,18 +1106,69 @@ def default_out(proto_path: Path, pilot: bool) -> str:
     return yaml.safe_load(proto_path.read_text()).get("results", "curves") + ("_pilot" if pilot else "")
 
 
-def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_parallel: int) -> None:
-    """Run what ``out`` lacks and write each run's CSV as soon as it and exact's run of its seed are done.
+def tree_changes(out: Path) -> str:
+    """What the working tree changes from the commit it records (``git status --porcelain``), leaving out the
+    protocol's own results folder ``out`` (a resumed protocol finds its earlier CSVs there, uncommitted)."""
+    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    mine = out.as_posix().rstrip("/") + "/"
+    return "".join(line + "\n" for line in status.splitlines() if not line[3:].startswith(mine))
+
+
+def tree_diff() -> str:
+    """The diff of the working tree against HEAD, untracked files listed: stored with each run made from a
+    dirty tree (``--allow-dirty``), so that the code that trained it can be rebuilt."""
+    diff = subprocess.run(["git", "diff", "HEAD"], capture_output=True, text=True, check=True).stdout
+    untracked = subprocess.run(
+        ["git", "ls-files", "--others", "--exclude-standard"], capture_output=True, text=True, check=True
+    ).stdout
+    return diff + "".join(f"# untracked: {name}\n" for name in untracked.splitlines())
+
+
+def dirty_diff(out: Path, allowed: bool) -> str | None:
+    """None from a clean tree; from a dirty one the diff to store with every run where ``allowed`` (a quick
+    smoke run, or ``--allow-dirty``), else exit 2: a protocol run must be rebuildable from its recorded SHA."""
+    try:
+        changes = tree_changes(out)
+    except (OSError, subprocess.CalledProcessError):
+        changes = "(not a git checkout: the code cannot be named by a commit)\n"
+    if not changes:
+        return None
+    if not allowed:
+        print(
+            "curves.py: the working tree has uncommitted changes, so these runs could not be rebuilt from the "
+            f"git SHA they record:\n{changes}commit them, or pass --allow-dirty to store the diff with every run",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    try:
+        return tree_diff()
+    except (OSError, subprocess.CalledProcessError):
+        return changes
+
+
+def run_and_record(
+    jobs: list[tuple],
+    out: Path,
+    proto_path: Path,
+    argv,
+    n_parallel: int,
+    refs: dict[str, str] | None = None,
+    diff: str | None = None,
+) -> None:
+    """Run what ``out`` lacks and write each run's CSV as soon as it and the reference's run of its seed are
+    done (``refs``: the reference arm per recipe, default exact). ``diff``: the uncommitted changes the runs
+    are made with (``dirty_diff``), written beside each CSV as ``<arm>_seed<k>.diff``.
 
     ``out/<recipe>/<arm>_seed<k>.csv`` is the record a later session resumes from (run directories are not
     committed): a run whose CSV was written by the same command is not run again. A seed's arms are compared
     with each other, so they must share one build of the world (``world_build``: bitwise reproducible on one
-    machine, not across CPUs): a seed still missing arms reruns those trained on another build, and exact's
-    run of a seed is (re)run whenever another arm of that seed runs, because the paired divergence reads its
-    evaluated states. Each CSV's meta records the command, the git SHA of the code that trained it and the
-    world build.
+    machine, not across CPUs): a seed still missing arms reruns those trained on another build, and the
+    reference's run of a seed is (re)run whenever another arm of that seed runs, because the paired divergence
+    reads its evaluated states. Each CSV's meta records the command, the git SHA of the code that trained it,
+    the world build and, from a dirty tree, the diff it ran with.
     """
     by_key = {job[0]: job for job in jobs}
+    refs = {r: (refs or {}).get(r, "exact") for r, _, _ in by_key}
     stamp = {key: " ".join(train_command(*job[1:])[1:]) for key, job in by_key.items()}
     build = world_build()  # the cache every run of this process loads
 
@@ -1061,15 +1185,15 @@ def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_paral
     todo = {key for key in by_key if metas[key].get("run_command") != stamp[key]}
     unfinished = {(r, k) for r, _, k in todo}
     todo |= {key for key in by_key if (key[0], key[2]) in unfinished and other_build(key)}
-    todo |= {(r, "exact", k) for r, _, k in todo if (r, "exact", k) in by_key}
+    todo |= {(r, refs[r], k) for r, _, k in todo if (r, refs[r], k) in by_key}
     done: dict = {}
 
     def finished(key: tuple, run_dir: Path) -> None:
         done[key] = run_dir
         for r, a, k in [x for x in todo if x in done]:
-            exact = done.get((r, "exact", k))
+            exact = done.get((r, refs[r], k))
             if exact is None:
-                continue  # written once exact's run of this seed is done
+                continue  # written once the reference's run of this seed is done
             todo.discard((r, a, k))
             job = by_key[(r, a, k)]
             run_json = json.loads((done[(r, a, k)] / "run.json").read_text())
@@ -1085,7 +1209,10 @@ def run_and_record(jobs: list[tuple], out: Path, proto_path: Path, argv, n_paral
                     "world_build", build if run_json["config"]["model"]["source"] == "world" else None
                 ),
                 run_json=run_json["config"],
+                tree_diff=None if diff is None else f"{a}_seed{k}.diff",
             )
+            if diff is not None:
+                atomic_write_text(out / r / f"{a}_seed{k}.diff", diff)
             write_table(collect(done[(r, a, k)], a, k, exact), out / r / f"{a}_seed{k}.csv", meta)
 
     run_all([by_key[key] for key in by_key if key in todo], n_parallel, finished)

@@ -250,9 +250,9 @@ def test_our_sequential_jagg_index_equals_the_authors_group_backward(name):
 
 
 # --------------------------------------------------------------------------- contiguous groups
-def dance(fraction=0.6, w=4, strategy="jagg_index", selection="contiguous_groups"):
+def dance(fraction=0.6, w=4, strategy="jagg_index", selection="contiguous_groups", exact_steps="structure"):
     return DanceGRPO(
-        AlgorithmConfig(timestep_fraction=fraction, step_selection=selection),
+        AlgorithmConfig(timestep_fraction=fraction, step_selection=selection, exact_steps=exact_steps),
         BackwardConfig(strategy=strategy, group_size=w),
     )
 
@@ -304,10 +304,10 @@ def test_sorted_subset_draws_are_unchanged():
     assert torch.equal(algo.trained_steps(kinds, 5, gen), expected)
 
 
-def test_exact_baseline_of_contiguous_groups_trains_as_many_random_single_steps():
-    """backward.strategy=exact: int(n_blocks * fraction) * W single steps at random (the authors' per-step path,
-    which trains int(20 * 0.6) = 12 random steps of 20: the same count here)."""
-    algo = dance(strategy="exact")
+def test_authors_exact_baseline_of_contiguous_groups_trains_as_many_random_single_steps():
+    """exact_steps=random_singles: int(n_blocks * fraction) * W single steps at random (the authors' per-step
+    path, which trains int(20 * 0.6) = 12 random steps of 20: the same count here)."""
+    algo = dance(strategy="exact", exact_steps="random_singles")
     steps = algo.trained_steps(algo.step_kinds(21, torch.Generator()), 256, torch.Generator().manual_seed(2))
     assert steps.shape == (256, 12)
     assert torch.all(steps[:, 1:] > steps[:, :-1]) and steps.max() < 20
@@ -316,9 +316,19 @@ def test_exact_baseline_of_contiguous_groups_trains_as_many_random_single_steps(
         for s in steps
     ]
     assert sum(blockwise) < 5  # whole blocks only by chance (probability 10 / C(20, 12) per sample)
-    assert dance(0.5, 4, "exact").trained_steps(
+    assert dance(0.5, 4, "exact", exact_steps="random_singles").trained_steps(
         algo.step_kinds(21, torch.Generator()), 1, torch.Generator()
     ).shape == (1, 8)
+
+
+@pytest.mark.parametrize("strategy", ["exact", "jagg", "knots"])
+def test_every_strategy_trains_the_same_blocks_by_default(strategy):
+    """exact_steps=structure (the default): exact trains the blocks every other strategy trains, draw for draw,
+    so exact is the gradient reference of those blocks; the authors' baseline does not."""
+    kinds = dance().step_kinds(21, torch.Generator())
+    draw = lambda algo: algo.trained_steps(kinds, 16, torch.Generator().manual_seed(3))  # noqa: E731
+    assert torch.equal(draw(dance(strategy=strategy)), draw(dance()))
+    assert not torch.equal(draw(dance(strategy="exact", exact_steps="random_singles")), draw(dance()))
 
 
 def test_trainer_draws_the_blocks_from_the_iterations_generator(tmp_path):

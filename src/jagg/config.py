@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from jagg.engine.algorithms import ALGORITHMS, STEP_SELECTIONS
+from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS
 from jagg.engine.control import CONTROL_DIRECTIONS, MAX_FRESH_ITERATIONS
 from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import PLACEMENTS, Knots
@@ -137,9 +137,13 @@ class AlgorithmConfig:
     #   sorted_subset      per sample a random int((S-1) * timestep_fraction) single steps, sorted (DanceGRPO)
     #   contiguous_groups  the S-1 steps cut into blocks of W = backward.group_size consecutive steps (S-1 must
     #                      be a multiple of W); per sample a random int((S-1)/W * timestep_fraction) whole blocks,
-    #                      each one JAGG group (the JAGG authors' code). With backward.strategy=exact: as many
-    #                      random single steps instead, the recipe's exact baseline (the authors' per-step path)
+    #                      each one JAGG group (the JAGG authors' code)
     step_selection: str = "sorted_subset"
+    # what backward.strategy=exact trains under contiguous_groups (jagg.engine.algorithms.EXACT_STEPS):
+    #   structure       the same blocks as every other strategy (the gradient reference of a quality comparison)
+    #   random_singles  as many random single steps: the JAGG authors' exact baseline (their per-step path), a
+    #                   baseline with other trained steps
+    exact_steps: str = "structure"
     sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
     # Flow-GRPO-Fast: the window start is drawn uniformly in [lo, hi - size], so the window lies in [lo, hi)
     sde_window_range: list[int] = field(default_factory=lambda: [0, 3])
@@ -727,6 +731,10 @@ def _validate_algorithm(
     _require(
         algorithm.step_selection in STEP_SELECTIONS,
         f"algorithm.step_selection must be one of {list(STEP_SELECTIONS)}, got {algorithm.step_selection!r}",
+    )
+    _require(
+        algorithm.exact_steps in EXACT_STEPS,
+        f"algorithm.exact_steps must be one of {list(EXACT_STEPS)}, got {algorithm.exact_steps!r}",
     )
     _require(
         algorithm.step_selection == "sorted_subset" or algorithm.name == "dancegrpo",

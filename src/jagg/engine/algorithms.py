@@ -35,6 +35,14 @@ from jagg.errors import ConfigError
 #   contiguous_groups  the n usable steps cut into n / W blocks of W consecutive steps; per sample a random
 #                      int(n / W * timestep_fraction) of the blocks (SchumiDing/eff_grpo, the JAGG authors' code)
 STEP_SELECTIONS: tuple[str, ...] = ("sorted_subset", "contiguous_groups")
+# What ``backward.strategy: exact`` trains under ``contiguous_groups`` (``algorithm.exact_steps``):
+#   structure       the same blocks as every other strategy: exact is then the gradient reference of the
+#                   blocks the others aggregate (a quality comparison must train the same steps in every arm)
+#   random_singles  as many random single steps (the JAGG authors' DanceGRPO baseline: SchumiDing/eff_grpo's
+#                   per-step path). Right for their timing table, where only the step count matters; a baseline
+#                   with other trained steps in a quality comparison
+# Under sorted_subset and the window algorithms every strategy trains the same steps either way.
+EXACT_STEPS: tuple[str, ...] = ("structure", "random_singles")
 
 
 class Algorithm:
@@ -129,11 +137,15 @@ class DanceGRPO(Algorithm):
 
     def trained_steps(self, kinds: list[str], batch: int, gen: torch.Generator) -> Tensor:
         n, t = len(kinds) - 1, self.num_trained(self.cfg, len(kinds), self.backward)
-        if self.cfg.step_selection == "contiguous_groups" and self.backward.strategy != "exact":
+        if self.cfg.step_selection == "contiguous_groups" and not self._authors_exact():
             return self._trained_blocks(n, t, batch, gen)
-        # sorted_subset, and the exact baseline of contiguous_groups: t single steps at random
+        # sorted_subset, and the authors' exact baseline of contiguous_groups: t single steps at random
         picks = [torch.randperm(n, generator=gen)[:t].sort().values for _ in range(batch)]
         return torch.stack(picks)  # (B, T)
+
+    def _authors_exact(self) -> bool:
+        """The exact strategy training random single steps in place of the blocks (``EXACT_STEPS``)."""
+        return self.backward.strategy == "exact" and self.cfg.exact_steps == "random_singles"
 
     def _trained_blocks(self, n: int, t: int, batch: int, gen: torch.Generator) -> Tensor:
         """(B, T): per sample t / W random blocks of W consecutive steps out of the n / W, sorted by time."""

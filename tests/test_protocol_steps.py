@@ -1,0 +1,81 @@
+"""Every protocol compares arms that train the same steps (issue 43), except declared baselines.
+
+Protocol v4's `exact` arm trained the JAGG authors' random single steps while every other arm trained blocks,
+so its "against exact" results compared step structures. ``curves.step_mismatches`` replays the trainer's
+step draws for every arm of every recipe of every protocol, and ``curves.py`` refuses a design it flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import curves  # noqa: E402
+
+PROTOCOLS = sorted(Path(__file__).resolve().parents[1].glob("experiments/curves_protocol*.yaml"))
+
+
+def designs():
+    """(protocol file, long, pilot, recipe) for every design a protocol file can run."""
+    for path in PROTOCOLS:
+        raw = yaml.safe_load(path.read_text())
+        for long in [False, True] if "long" in raw else [False]:
+            for pilot in [False, True] if "seeds" in raw.get("pilot", {}) else [False]:
+                proto = curves.load_protocol(path, long=long, pilot=pilot)
+                for recipe in proto["recipes"]:
+                    yield pytest.param(path, long, pilot, recipe, id=f"{path.stem}-{recipe}-{long=}-{pilot=}")
+
+
+@pytest.mark.parametrize(("path", "long", "pilot", "recipe"), list(designs()))
+@pytest.mark.parametrize("seed", [0, 41])
+def test_every_arm_trains_the_references_steps_unless_a_declared_baseline(path, long, pilot, recipe, seed):
+    proto = curves.load_protocol(path, long=long, pilot=pilot)
+    assert curves.step_mismatches(proto, recipe, seed=seed) == {}
+
+
+def test_the_check_catches_v4s_exact_arm_without_its_declaration():
+    """The control: protocol v4 as registered (reference exact on random single steps, no baselines) is flagged
+    on every arm that trains blocks, and an undeclared arm with the authors' baseline is flagged against the
+    re-based reference."""
+    registered = curves.load_protocol(Path("experiments/curves_protocol_v4.yaml"))
+    for key in ("reference", "baselines"):
+        registered.pop(key)
+    flagged = curves.step_mismatches(registered, "authors", iterations=2)
+    assert {"jagg", "jagg_index", "endpoints", "knots", "exact_blocks"} <= set(flagged)
+    rebased = curves.load_protocol(Path("experiments/curves_protocol_v4.yaml"))
+    rebased["baselines"] = {}
+    assert set(curves.step_mismatches(rebased, "authors", iterations=2)) == {"exact"}
+
+
+def test_a_stale_baseline_declaration_is_flagged():
+    proto = curves.load_protocol(Path("experiments/curves_protocol_v4.yaml"))
+    proto["baselines"] = {**proto["baselines"], "jagg": "claims other steps"}
+    assert set(curves.step_mismatches(proto, "authors", iterations=2)) == {"jagg"}
+
+
+def test_the_trainer_trains_what_the_replay_compares(tmp_path):
+    """The replay starts each iteration's step draw without the prompt and noise draws before it (no arm
+    override changes them), so it compares arms rather than reproducing the trainer's indices. The trainer
+    agrees with what it compares: on the authors' structure, exact on blocks trains jagg's steps at every
+    iteration, the authors' exact baseline others."""
+    from jagg.config import TINY_RUN, load_config
+    from jagg.loop.components import build_components
+    from jagg.loop.trainer import Trainer
+
+    def trained(*overrides: str) -> list[torch.Tensor]:
+        cfg = load_config(
+            "configs/world/flux_dancegrpo_authors.yaml", [*TINY_RUN, f"log.run_dir={tmp_path}", *overrides]
+        )
+        trainer = Trainer(cfg, build_components(cfg), tmp_path)
+        return [trainer.rollout(it).trained for it in range(2)]
+
+    jagg = trained("backward.strategy=jagg")
+    blocks = trained("backward.strategy=exact", "algorithm.exact_steps=structure")
+    authors = trained("backward.strategy=exact", "algorithm.exact_steps=random_singles")
+    assert all(torch.equal(a, b) for a, b in zip(jagg, blocks, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(jagg, authors, strict=True))
