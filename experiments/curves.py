@@ -189,7 +189,9 @@ def step_mismatches(proto: dict, name: str, seed: int = 0, iterations: int | Non
         )
         declared = arm in view.get("baselines", {})
         if differs is not None and not declared:
-            problems[arm] = f"trains other steps than {ref} from iteration {differs} (not a declared baseline)"
+            problems[arm] = (
+                f"trains other steps than {ref} from iteration {differs} (not a declared baseline)"
+            )
         if differs is None and declared:
             problems[arm] = f"declared a baseline with other steps, but trains the steps of {ref}"
     return problems
@@ -340,7 +342,8 @@ def paired_diffs(runs: dict, arm: str, metric: str, k: int, reference: str = "ex
 
 
 def battery(d: list[float], margin: float, alpha: float, power: float) -> dict:
-    """The protocol's tests of one paired difference d = arm - exact (higher is better for every metric)."""
+    """The protocol's tests of one paired difference d = arm - reference (higher is better for every metric):
+    the interval, TOST, one-sided 'worse' by t and sign flip, both tests two-sided, the MDD."""
     import numpy as np
 
     sd = float(np.std(d, ddof=1))
@@ -350,19 +353,23 @@ def battery(d: list[float], margin: float, alpha: float, power: float) -> dict:
         "worse_t": one_sided_below(d),
         "worse_flip": sign_flip_test(d, "less"),
         "flip_two_sided": sign_flip_test(d, "two-sided"),
+        "t_two_sided": min(1.0, 2 * min(one_sided_below(d), one_sided_below([-x for x in d]))),
         "mdd": minimum_detectable_difference(sd, len(d), alpha, power),
     }
 
 
-def analyse(stats: dict, arms: list[str], specs: list[dict], alpha: float, power: float) -> list[dict]:
-    """One row per (metric spec, arm != exact): the battery, Holm-adjusted over the arm's secondary specs."""
+def analyse(
+    stats: dict, arms: list[str], specs: list[dict], alpha: float, power: float, ref: str = "exact"
+) -> list[dict]:
+    """One row per (metric spec, arm != the reference ``ref``): the battery, Holm-adjusted over the arm's
+    secondary specs."""
     rows = []
-    for arm in (a for a in arms if a != "exact"):
+    for arm in (a for a in arms if a != ref):
         mine = []
         for spec in specs:
             if spec["metric"] not in stats["metrics"]:
                 continue
-            d = paired_diffs(stats["runs"], arm, spec["metric"], 0 if spec["summary"] == "end" else 1)
+            d = paired_diffs(stats["runs"], arm, spec["metric"], 0 if spec["summary"] == "end" else 1, ref)
             if len(d) >= 2:
                 mine.append({"arm": arm, **spec, "n": len(d), **battery(d, spec["margin"], alpha, power)})
         secondary = [r for r in mine if r["role"] == "secondary"]
@@ -385,13 +392,15 @@ def control_detected(rows: list[dict], control_arms: list[str], alpha: float) ->
     }
 
 
-def verdict(r: dict, alpha: float, controls: dict[str, bool], control_arms: list[str]) -> str:
+def verdict(
+    r: dict, alpha: float, controls: dict[str, bool], control_arms: list[str], ref: str = "exact"
+) -> str:
     """The row's reading under the protocol (worse / equivalent / no claim), Holm-adjusted p for secondary."""
     worse = r["worse_t_adj"] < alpha and r["worse_flip_adj"] < alpha
     if r["arm"] in control_arms:
-        return "positive control " + ("detected (worse than exact)" if worse else "NOT detected")
+        return "positive control " + (f"detected (worse than {ref})" if worse else "NOT detected")
     if worse:
-        return "worse than exact"
+        return f"worse than {ref}"
     if r["tost_adj"] < alpha:
         if controls and all(controls.values()):
             return "equivalent within the margin"
@@ -404,13 +413,19 @@ def verdict(r: dict, alpha: float, controls: dict[str, bool], control_arms: list
 
 
 def battery_table(
-    rows: list[dict], alpha: float, controls: dict[str, bool], control_arms: list[str]
+    rows: list[dict],
+    alpha: float,
+    controls: dict[str, bool],
+    control_arms: list[str],
+    ref: str = "exact",
+    baselines: dict | None = None,
 ) -> list[str]:
-    """Markdown: every row of ``analyse`` with its p-values (Holm-adjusted in brackets for secondary)."""
+    """Markdown: every row of ``analyse`` with its p-values (Holm-adjusted in brackets for secondary); a
+    declared baseline's arm is marked (it trains other steps than ``ref``: its difference is end to end)."""
     lines = [
-        "| metric | summary | role | margin | MDD | arm | n | paired diff to exact [95% CI] | TOST p | "
-        "worse t p | worse sign-flip p | two-sided sign-flip p | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| metric | summary | role | margin | MDD | arm | n | paired diff to {ref} [95% CI] | TOST p | "
+        "worse t p | worse sign-flip p | two-sided t p | two-sided sign-flip p | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def p(r: dict, test: str) -> str:
@@ -419,8 +434,9 @@ def battery_table(
     for r in rows:
         lines.append(
             f"| {r['metric'][5:-5]} | {r['summary']} | {r['role']} | {r['margin']:.3f} | {r['mdd']:.3f} | "
-            f"{r['arm']} | {r['n']} | {r['ci']} | {p(r, 'tost')} | {p(r, 'worse_t')} | {p(r, 'worse_flip')} | "
-            f"{r['flip_two_sided']:.3f} | {verdict(r, alpha, controls, control_arms)} |"
+            f"{r['arm']}{' (baseline, other steps)' if r['arm'] in (baselines or {}) else ''} | {r['n']} | "
+            f"{r['ci']} | {p(r, 'tost')} | {p(r, 'worse_t')} | {p(r, 'worse_flip')} | {r['t_two_sided']:.3f} | "
+            f"{r['flip_two_sided']:.3f} | {verdict(r, alpha, controls, control_arms, ref)} |"
         )
     return lines
 
@@ -557,8 +573,9 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     """One recipe of summary.md: the design, the positive-control check, the battery, judges, time."""
     meta = recipe_meta(recipe_dir)
     alpha, power, controls_named = proto["alpha"], proto["power"], proto.get("control_arms", [])
-    paired = df[df.seed.isin(df[df.strategy == "exact"].seed)].groupby("strategy").seed.nunique()
-    # an arm enters the statistics once it has 2 seeds paired with exact (1 gives no interval)
+    ref = reference(proto)
+    paired = df[df.seed.isin(df[df.strategy == ref].seed)].groupby("strategy").seed.nunique()
+    # an arm enters the statistics once it has 2 seeds paired with the reference (1 gives no interval)
     arms = [a for a in proto["arms"] if paired.get(a, 0) >= 2]
     specs = metric_specs(proto["recipes"][name]) if name in proto["recipes"] else []
     stats = recipe_stats(df, specs)
@@ -568,7 +585,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         f"{m[5:-5]} {sum(b[m] for b in stats['base'].values()) / len(stats['base']):.3f}"
         for m in stats["metrics"]
     )
-    rows = analyse(stats, arms, specs, alpha, power)
+    rows = analyse(stats, arms, specs, alpha, power, ref)
     controls = control_detected(rows, controls_named, alpha)
     if not controls:
         design = "No positive-control arm ran: the design's power is unknown and NO equivalence is claimed."
@@ -602,7 +619,10 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         )
     staged = set(planned) - set.intersection(*(set(ks) for ks in by_arm.values()))
     seeding = "paired: the same seeds for every arm" + (
-        f"; seeds {sorted(staged)} only for exact and the contrast's two arms" if staged else ""
+        f"; seeds {sorted(staged)} only for "
+        + ", ".join(sorted(a for a, ks in by_arm.items() if staged <= set(ks)))
+        if staged
+        else ""
     )
     lines = [
         f"## {name}",
@@ -614,7 +634,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         "",
         f"**Design check.** {design}",
         "",
-        "### Every arm against exact (the protocol's battery)",
+        f"### Every arm against {ref} (the protocol's battery)",
         "",
         f"End = the last evaluation (iteration {last_it}); auc = the mean level over all evaluations. Margins are "
         f"the protocol's (absolute). MDD = the smallest true difference a paired t-test detects with power "
@@ -622,7 +642,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         "brackets (family = the arm's secondary metrics); verdicts use them. 'Worse' needs the t-test and the "
         "sign-flip test. A 95% interval containing 0 means no difference was detected, not that there is none.",
         "",
-        *battery_table(rows, alpha, controls, controls_named),
+        *battery_table(rows, alpha, controls, controls_named, ref, proto.get("baselines")),
         "",
     ]
     judge = judge_table(stats, df, arms)
@@ -728,7 +748,7 @@ def sizing_lines(stats: dict, proto: dict, specs: list[dict]) -> list[str]:
     for spec in [m for m in specs if m["metric"] in stats["metrics"]]:
         for arm in proto.get("control_arms", []):
             # exact - control: > 0 where the control costs
-            dc = paired_diffs(runs, "exact", spec["metric"], SUMMARIES[spec["summary"]], arm)
+            dc = paired_diffs(runs, reference(proto), spec["metric"], SUMMARIES[spec["summary"]], arm)
             if len(dc) < 2:
                 continue
             sd_c, cost = float(np.std(dc, ddof=1)), float(np.mean(dc))
@@ -1093,7 +1113,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.arms is None or a in args.arms
     ]
     refs = {r: reference(recipe_protocol(proto, r)) for r in recipes}
-    run_and_record(jobs, out, proto_path, argv, args.jobs, refs, dirty_diff(out, args.allow_dirty or args.quick))
+    run_and_record(
+        jobs, out, proto_path, argv, args.jobs, refs, dirty_diff(out, args.allow_dirty or args.quick)
+    )
     figures = Path(args.figures) / ("quick" if args.quick else "") / ("pilot" if args.pilot else "")
     render(out, figures, proto_path, args.long, args.pilot)
     print((out / "summary.md").read_text())
@@ -1109,7 +1131,9 @@ def default_out(proto_path: Path, pilot: bool) -> str:
 def tree_changes(out: Path) -> str:
     """What the working tree changes from the commit it records (``git status --porcelain``), leaving out the
     protocol's own results folder ``out`` (a resumed protocol finds its earlier CSVs there, uncommitted)."""
-    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(
+        ["git", "status", "--porcelain"], capture_output=True, text=True, check=True
+    ).stdout
     mine = out.as_posix().rstrip("/") + "/"
     return "".join(line + "\n" for line in status.splitlines() if not line[3:].startswith(mine))
 

@@ -363,6 +363,10 @@ class LogConfig:
     # jagg.plugins.fidelity: every N iterations also compute exact's update on the same rollout and weights (not
     # applied) and log fidelity_cosine / fidelity_rel_err / fidelity_group_cosines; costs one exact update
     fidelity_every: int = 0
+    # jagg.plugins.landing: at those iterations also compare where the arm's update lands with where exact's
+    # would: the AdamW steps (through a copy of the optimizer state) and the velocity's change on the
+    # micro-batch's own states; logs landing_step_cosine / landing_sign_agreement / landing_function_cosine ...
+    landing: bool = False
     # write samples/eval_<it>.rank<r>.pt at each evaluation: this rank's held-out images and evaluated weights
     # (its shards), for the paired divergence of two runs (experiments/curves.py); ~1 MB per evaluation here
     save_eval_state: bool = False
@@ -631,6 +635,10 @@ def validate(cfg: Config) -> None:
         "fidelity_every",
     ):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
+    _require(
+        not cfg.log.landing or cfg.log.fidelity_every > 0,
+        "log.landing=true measures at the fidelity iterations: needs log.fidelity_every >= 1, got 0",
+    )
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
     _require(
         cfg.log.keep_checkpoints in (1, 2),

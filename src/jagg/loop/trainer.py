@@ -42,7 +42,7 @@ from jagg.ops.heartbeat import PhaseWatch
 from jagg.ops.trackers import RunLog
 from jagg.plugins import build_plugins
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
-from jagg.scale.optimizer import build_optimizer, update_ema
+from jagg.scale.optimizer import build_optimizer, shadow_step, update_ema
 from jagg.scale.placement import DTYPES, place_backbone
 
 
@@ -197,6 +197,9 @@ class Trainer:
             inputs=functools.partial(self._update_inputs, ro),
             velocity=lambda rows: self.velocity(ro.cond.select(rows)),
             dist=self.dist,
+            shadow_step=functools.partial(
+                shadow_step, self.optimizer, self.params, self.cfg.optim.max_grad_norm
+            ),
         )
 
     def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[RecordingLoss, Tensor | None]:

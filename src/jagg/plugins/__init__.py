@@ -15,9 +15,10 @@ from jagg.plugins.base import Plugin, RunView
 from jagg.plugins.control import Control
 from jagg.plugins.eval_state import EvalState
 from jagg.plugins.fidelity import Fidelity
+from jagg.plugins.landing import Landing
 from jagg.plugins.onpolicy import OnPolicy
 
-PLUGINS: tuple[type[Plugin], ...] = (Control, Fidelity, OnPolicy, EvalState)
+PLUGINS: tuple[type[Plugin], ...] = (Control, Fidelity, Landing, OnPolicy, EvalState)
 
 
 def build_plugins(cfg: Config, run: RunView) -> list[Plugin]:
