@@ -765,7 +765,8 @@ def sizing_lines(stats: dict, proto: dict, specs: list[dict]) -> list[str]:
 
 
 def fidelity_lines(df, arms: list[str]) -> list[str]:
-    """Per arm: the mean cosine of its applied update to exact's (log.fidelity_every), its relative error and
+    """Per arm: the mean cosine of the gradient it hands to the optimizer to exact's on the same micro-batches
+    (log.fidelity_every; after a control's degradation, before clipping), its relative error and
     the paired divergence from exact's run at the last evaluation, mean [95% CI] over seeds."""
     if "fidelity_cosine" not in df:
         return []
@@ -777,8 +778,8 @@ def fidelity_lines(df, arms: list[str]) -> list[str]:
     lines = [
         "### Fidelity to exact and divergence from exact's run",
         "",
-        "fidelity: the cosine (relative error) of each arm's applied update to exact's on the same rollout and "
-        "weights, mean over the logged iterations; divergence: ||theta - theta_exact|| / ||theta_exact - "
+        "fidelity: the cosine (relative error) of the gradient each arm hands to the optimizer (AdamW) to exact's "
+        "on the same rollout and weights, mean over the logged iterations; divergence: ||theta - theta_exact|| / ||theta_exact - "
         "theta_0|| and the same for the held-out samples, at the last evaluation. Mean [95% CI] over seeds.",
         "",
         "| arm | " + " | ".join(cols) + " |",
@@ -803,6 +804,22 @@ def control_scale(proto: dict) -> dict[str, dict[float, str]]:
             direction = o.get("train.control_direction", "fixed")
             scales.setdefault(direction, {})[float(o["train.control_cosine"])] = arm
     return scales
+
+
+def dose_metric_names(proto: dict) -> tuple[list[str], list[str]]:
+    """The protocol's ``dose_metrics`` split into those an arm is placed by and the fidelity ones dropped: a
+    control's fidelity is its cosine by construction, so locating an arm on the controls' scale by its
+    fidelity reads its fidelity back as a cosine (circular). Fidelity itself is reported by fidelity_lines."""
+    names = proto.get("dose_metrics", [])
+    return [n for n in names if not n.startswith("fidelity_")], [
+        n for n in names if n.startswith("fidelity_")
+    ]
+
+
+def dose_worse(name: str) -> int:
+    """The side of a worse effect for a dose metric, as jagg.stats.dose_location takes it: +1 (higher is worse)
+    for a divergence or a relative error, -1 (lower is worse) for a reward's paired difference and a cosine."""
+    return 1 if name.startswith("div_") or name.split(":")[0].endswith("_rel_err") else -1
 
 
 def dose_values(df, stats: dict, name: str) -> dict[tuple[str, int], float]:
@@ -842,9 +859,10 @@ def dose_effects(df, stats: dict, name: str):
 def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict]) -> list[str]:
     """The dose-response table: per dose metric, each control's effect [95% CI] and each other arm located on
     the fixed-direction and the fresh-direction scale ("behaves like a cosine-c gradient", bootstrap 95%
-    interval over seeds). Effects are paired differences to exact, except divergence and fidelity, which are
-    already relative to exact (its own values: 0 and 1)."""
-    scales, names = control_scale(proto), proto.get("dose_metrics", [])
+    interval over seeds). Effects are paired differences to exact, except divergence, which is already
+    relative to exact (its own value: 0). A fidelity dose metric is dropped, with a line that says why
+    (dose_metric_names)."""
+    scales, (names, dropped) = control_scale(proto), dose_metric_names(proto)
     if not scales or not names:
         return []
     others = [a for a in arms if a != "exact" and a not in proto.get("control_arms", [])]
@@ -852,12 +870,23 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
     lines = [
         "### Dose-response: every arm on the controls' cosine scale",
         "",
-        "Control columns: the effect (paired difference to exact; raw for divergence and fidelity), mean [95% "
-        "CI]. Arm columns: the cosine c at which a control (direction fixed per run / fresh per step) has the "
-        "arm's effect, by linear interpolation from cosine 1 (exact) down; a bound (<=, >=) where the effect "
-        "lies beyond the scale. Bootstrap 95% intervals over the seeds the arm and the scale's controls share, "
-        "resampled jointly for scale and arm.",
+        "Control columns: the effect (paired difference to exact; raw for divergence), mean [95% CI]. Arm "
+        "columns: the cosine c at which a control (direction fixed per run / fresh per step) has the arm's "
+        "effect, by linear interpolation from cosine 1 (exact) down; a bound where the effect lies beyond the "
+        "scale, by the side it lies on: `>=1.00 (beyond exact)` better than exact's (a higher reward, a lower "
+        "divergence), `<=` worse than the weakest control's. Bootstrap 95% intervals over the seeds the arm and "
+        "the scale's controls share, resampled jointly for scale and arm.",
         "",
+        *(
+            [
+                f"Not placed: {', '.join(dropped)} (pre-registered as a dose metric). A control's fidelity is its "
+                "cosine by construction, so placing an arm by its fidelity would read the fidelity back as a "
+                "cosine (circular); fidelity is reported in the fidelity table above.",
+                "",
+            ]
+            if dropped
+            else []
+        ),
         "| metric | " + " | ".join(head + [f"{a} on {d}" for a in others for d in scales]) + " |",
         "|---|" + "---|" * (len(head) + len(others) * len(scales)),
     ]
@@ -872,7 +901,11 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
             for sc in scales.values():
                 common = seeds_of(arm).intersection(*(seeds_of(a) for a in sc.values()))  # joint bootstrap
                 curve = {c: effect(a, common) for c, a in sc.items()}
-                located = located_cosine(curve, effect(arm, common), reference) if len(common) >= 2 else "-"
+                located = (
+                    located_cosine(curve, effect(arm, common), reference, worse=dose_worse(name))
+                    if len(common) >= 2
+                    else "-"
+                )
                 cells.append(str(located))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines + [""]
@@ -888,7 +921,7 @@ def plot_dose(name: str, df, stats: dict, proto: dict, png: Path, meta: dict) ->
     import matplotlib.pyplot as plt
     import numpy as np
 
-    scales, names = control_scale(proto), proto.get("dose_metrics", [])
+    scales, names = control_scale(proto), dose_metric_names(proto)[0]  # no fidelity: see dose_metric_names
     arms = [a for a in df.strategy.unique() if a != "exact" and a not in proto.get("control_arms", [])]
     if not scales or not names:
         return

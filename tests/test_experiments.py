@@ -422,7 +422,8 @@ def test_curves_v4_quick_logs_fidelity_divergence_and_places_arms_on_the_control
     summary = (res / "curves_v4" / "summary.md").read_text()
     for section in ("Pre-registered contrast: jagg - endpoints", "Fidelity to exact", "Dose-response"):
         assert section in summary
-    assert "| fidelity_cosine:mean |" in summary and "jagg on fresh" in summary
+    assert "| fidelity_cosine:mean |" not in summary and "Not placed: fidelity_cosine:mean" in summary
+    assert "jagg on fresh" in summary
     assert (figs / "quick" / "dose_response_authors.png").is_file()
 
 
@@ -601,6 +602,58 @@ def test_contrast_seeds_train_only_exact_and_the_contrast_arms_and_the_dose_scal
     cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")], strict=True))
     assert cells["jagg on fixed"].startswith("0.65 [") and cells["endpoints on fixed"] == "-"
     assert cells["control_0.8 (fixed)"].startswith("-0.120 [")  # over its 3 seeds
+
+
+def test_dose_lines_place_an_arm_beyond_the_scale_by_its_side_and_drop_the_fidelity_placement():
+    """An arm better than exact is beyond exact (>=1.00) even where the controls' effects are noise above
+    exact's (the curve's own direction would put it past the weakest control), an arm worse than every
+    control is past the weakest (<=0.50); the pre-registered fidelity dose metric is dropped with a line that
+    says why (a control's fidelity is its cosine), and the figure's panels skip it too."""
+    proto = {
+        "arms": {
+            "exact": [],
+            "jagg": [],
+            "endpoints": [],
+            "control_0.8": ["train.control_cosine=0.8"],
+            "control_0.5": ["train.control_cosine=0.5"],
+        },
+        "control_arms": ["control_0.8", "control_0.5"],
+        "dose_metrics": ["eval_pref_mean:end", "fidelity_cosine:mean"],
+    }
+    # the controls end 0.002 / 0.004 above exact (noise), jagg 0.05 above, endpoints 0.05 below
+    cost = {"exact": 0.0, "control_0.8": -0.002, "control_0.5": -0.004, "jagg": -0.05, "endpoints": 0.05}
+    fid = {"exact": 1.0, "control_0.8": 0.8, "control_0.5": 0.5, "jagg": 0.96, "endpoints": 0.81}
+    rows = [
+        dict(
+            strategy=a,
+            seed=s,
+            iteration=it,
+            eval_pref_mean=0.0 if it == 0 else 1 - e - 0.01 * s,
+            fidelity_cosine=fid[a],
+        )
+        for a, e in cost.items()
+        for s in (1, 2, 3)
+        for it in (0, 10)
+    ]
+    df = pd.DataFrame(rows)
+    table = "\n".join(
+        curves.dose_lines(df, curves.per_run(df, ["eval_pref_mean"]), proto, list(proto["arms"]), [])
+    )
+    head = next(line for line in table.splitlines() if line.startswith("| metric"))
+    row = next(line for line in table.splitlines() if line.startswith("| eval_pref_mean:end"))
+    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")], strict=True))
+    assert cells["jagg on fixed"].startswith(">=1.00 (beyond exact) [")
+    assert cells["endpoints on fixed"].startswith("<=0.50 [")
+    assert "| fidelity_cosine:mean" not in table and "Not placed: fidelity_cosine:mean" in table
+    assert "its cosine by construction" in table
+    assert curves.dose_metric_names(proto) == (["eval_pref_mean:end"], ["fidelity_cosine:mean"])
+    assert [
+        curves.dose_worse(n) for n in ("eval_pref_mean:end", "div_weights_rel:end", "fidelity_rel_err:mean")
+    ] == [
+        -1,
+        1,
+        1,
+    ]
 
 
 def test_pilot_sizing_counts_the_seeds_each_metric_needs_and_says_where_a_control_costs_nothing():

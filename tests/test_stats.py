@@ -177,6 +177,50 @@ def test_dose_location_interpolates_from_the_reference_down():
     assert dose_location([(1.0, 0.0), (0.8, -0.4), (0.5, -0.2)], -0.3) == pytest.approx(0.85)
 
 
+def test_dose_location_labels_a_value_beyond_the_scale_by_the_side_it_lies_on():
+    """Beyond every point of the curve, the end is chosen by the side of the reference the value lies on, not by
+    which end is nearer in value. A reward-like curve falls with lower cosine, a divergence-like one rises; a
+    value past the reference on its better side is beyond the reference (cosine 1), one past the weakest
+    control is beyond it (the lowest cosine)."""
+    from jagg.stats import dose_location
+
+    falling = [(1.0, 0.0), (0.95, -0.1), (0.5, -0.6)]
+    rising = [(1.0, 0.0), (0.95, 0.4), (0.5, 0.8)]
+    for worse in (None, -1):
+        assert dose_location(falling, 0.5, worse) == 1.0  # above the reference, curve falls: beyond it
+        assert dose_location(falling, -0.7, worse) == 0.5
+    for worse in (None, 1):
+        assert dose_location(rising, -0.5, worse) == 1.0  # below the reference, curve rises: beyond it
+        assert dose_location(rising, 0.9, worse) == 0.5
+    # v4's held-out pref AUC on seeds 40-45: the controls' effects are noise just above exact's, so the curve
+    # rises and the value nearer in value is the weakest control's; an arm that beats exact by 0.045 was
+    # printed <=0.50, one 0.024 below exact >=1.00. The metric's direction (lower is worse) places them.
+    noise = [(1.0, 0.0), (0.95, 0.0049), (0.8, 0.0038), (0.5, 0.0022)]
+    assert dose_location(noise, 0.045, worse=-1) == 1.0
+    assert dose_location(noise, -0.024, worse=-1) == 0.5
+    assert dose_location(noise, 0.045) == 0.5  # the curve's own direction, all it has without the metric's
+    assert dose_location(noise, 0.003, worse=-1) == pytest.approx(
+        1 - 0.003 / 0.0049 * 0.05
+    )  # inside: as before
+    with pytest.raises(ValueError, match="worse"):
+        dose_location(noise, 0.045, worse=0)
+
+
+def test_located_prints_the_bound_beyond_the_reference_by_name():
+    from jagg.stats import Located, located_cosine
+
+    controls = {c: [-(1 - c)] * 5 for c in (0.95, 0.8, 0.5)}
+    above = located_cosine(controls, [0.3] * 5, 0.0)
+    assert above.cosine == 1.0 and str(above) == ">=1.00 (beyond exact) [>=1.00, >=1.00]"
+    assert str(located_cosine(controls, [0.3] * 5, 0.0, name="exact_blocks")).startswith(
+        ">=1.00 (beyond exact_b"
+    )
+    noisy = {0.95: [0.0049] * 5, 0.8: [0.0038] * 5, 0.5: [0.0022] * 5}
+    assert str(located_cosine(noisy, [0.045] * 5, 0.0, worse=-1)).startswith(">=1.00 (beyond exact)")
+    assert str(located_cosine(noisy, [-0.024] * 5, 0.0, worse=-1)).startswith("<=0.50 [")
+    assert str(Located(0.9, 0.5, 1.0, (1.0, 0.95, 0.5))) == "0.90 [<=0.50, >=1.00]"
+
+
 def test_located_cosine_recovers_a_planted_dose_and_its_interval_covers_it():
     """Controls whose effect is linear in (1 - cosine) plus seed noise, and an arm built as a cosine-0.9
     control: over 40 simulated experiments the points centre on 0.9 and the 95% intervals hold it in most

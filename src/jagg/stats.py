@@ -230,26 +230,42 @@ def area_under_curve(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2) / (x[-1] - x[0]))
 
 
-def dose_location(curve: Sequence[tuple[float, float]], value: float) -> float:
+def dose_location(curve: Sequence[tuple[float, float]], value: float, worse: int | None = None) -> float:
     """The dose (a control's cosine) at which the piecewise-linear ``curve`` of (cosine, effect) points reaches
     ``value``, walking from the highest cosine (the reference: cosine 1, its own effect) down; the first
-    crossing counts. A value beyond both ends gives the nearer end (a clamp: the caller reports it as a
-    bound)."""
+    crossing counts.
+
+    A value beyond every point of the curve gives an end of the scale, chosen by the side of the reference it
+    lies on (the caller reports it as a bound): on the better side, the reference's cosine ("beyond the
+    reference"); on the worse side, the lowest cosine ("beyond the weakest control"). ``worse`` says which
+    side is worse: -1 where a lower effect is worse (a reward), +1 where a higher one is (a divergence, an
+    error); None takes it from the curve itself, worse being the side of the lowest-cosine control's effect
+    relative to the reference's (lower on a tie). A caller that knows its metric's direction should pass it:
+    where the controls' effects are noise around the reference, the curve's own direction can point the
+    wrong way and put an arm that beats the reference beyond the weakest control."""
     pts = sorted(curve, reverse=True)
     for (c0, e0), (c1, e1) in zip(pts, pts[1:]):
         if min(e0, e1) <= value <= max(e0, e1):
             return c0 if e1 == e0 else c0 + (value - e0) / (e1 - e0) * (c1 - c0)
-    return pts[0][0] if abs(value - pts[0][1]) <= abs(value - pts[-1][1]) else pts[-1][0]
+    (top, ref), (bottom, weakest) = pts[0], pts[-1]
+    if worse is None:
+        worse = 1 if weakest > ref else -1
+    elif worse not in (-1, 1):
+        raise ValueError(f"worse must be -1, +1 or None, got {worse}")
+    return top if (value - ref) * worse < 0 else bottom
 
 
 @dataclass(frozen=True)
 class Located:
-    """An arm placed on a dose-response scale: the cosine whose control has its effect, with an interval."""
+    """An arm placed on a dose-response scale: the cosine whose control has its effect, with an interval. An
+    end of the scale is a bound: ``>=1.00 (beyond exact)`` on the reference's better side, ``<=0.50`` past the
+    weakest control."""
 
     cosine: float
     lo: float
     hi: float
     scale: tuple[float, ...]  # the cosines of the scale, 1 (the reference) included
+    reference: str = "exact"  # the reference's name, for the bound at its end
 
     def __str__(self) -> str:
         def fmt(c: float) -> str:  # an end of the scale is a bound, not a value
@@ -259,7 +275,8 @@ class Located:
                 else (f">={c:.2f}" if c == max(self.scale) else f"{c:.2f}")
             )
 
-        return f"{fmt(self.cosine)} [{fmt(self.lo)}, {fmt(self.hi)}]"
+        beyond = f" (beyond {self.reference})" if self.cosine == max(self.scale) else ""
+        return f"{fmt(self.cosine)}{beyond} [{fmt(self.lo)}, {fmt(self.hi)}]"
 
 
 def located_cosine(
@@ -269,11 +286,14 @@ def located_cosine(
     level: float = 0.95,
     n_boot: int = 2000,
     seed: int = 0,
+    worse: int | None = None,
+    name: str = "exact",
 ) -> Located:
     """Where ``arm``'s mean effect falls on the controls' mean effects against their cosines.
 
     ``controls`` maps each control's cosine to its per-seed effects and ``arm`` holds the arm's, all indexed by
-    the same seeds; ``reference`` is the reference's own effect (at cosine 1: 0 for a difference to exact).
+    the same seeds; ``reference`` is the reference's own effect (at cosine 1: 0 for a difference to exact) and
+    ``name`` its name; ``worse`` the side of a worse effect, as in dose_location (None: the curve's own).
     The interval is the percentile bootstrap over seeds, resampled jointly for every control and the arm, so it
     carries the scale's uncertainty as well as the arm's.
     """
@@ -282,10 +302,10 @@ def located_cosine(
 
     def place(cols: np.ndarray) -> float:
         means = table[:, cols].mean(axis=1)
-        return dose_location([(1.0, reference), *zip(cosines, means[:-1])], float(means[-1]))
+        return dose_location([(1.0, reference), *zip(cosines, means[:-1])], float(means[-1]), worse)
 
     rng = np.random.default_rng(seed)
     n = table.shape[1]
     boot = [place(rng.integers(0, n, n)) for _ in range(n_boot)]
     lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
-    return Located(place(np.arange(n)), float(lo), float(hi), (1.0, *cosines))
+    return Located(place(np.arange(n)), float(lo), float(hi), (1.0, *cosines), name)

@@ -1,5 +1,5 @@
 """Gradient fidelity along training, a plug-in of the update: how close the gradient a run hands to its optimizer
-is to exact's.
+is to exact's (the gradient, not the step AdamW then takes, which its moments reshape).
 
 At a fidelity iteration it measures, on the same rollout and the same weights:
 
@@ -39,14 +39,14 @@ def compare_to_exact(
     accumulates from zero. The ``.grad`` are left as they were."""
     params = list(params)
     sharded = any(hasattr(p, "to_local") for p in params)
-    applied, arm = [p.grad for p in params], local_grads(params)
+    held, arm = [p.grad for p in params], local_grads(params)  # the arm's gradients, put back after
     for p in params:
         p.grad = None
     try:
         run_exact()
         exact = local_grads(params)
     finally:
-        for p, g in zip(params, applied, strict=True):
+        for p, g in zip(params, held, strict=True):
             p.grad = g
     return compare_grads(arm, exact, sharded)
 
