@@ -839,7 +839,7 @@ def dose_values(df, stats: dict, name: str) -> dict[tuple[str, int], float]:
     return out
 
 
-def dose_effects(df, stats: dict, name: str):
+def dose_effects(df, stats: dict, name: str, ref: str = "exact"):
     """For a dose metric, ``(seeds_of, effect, reference)``: ``seeds_of(arm)`` the seeds where the arm's effect
     is defined; ``effect(arm, seeds)`` its per-seed effect, a paired difference to exact's run of the seed,
     except for divergence and fidelity, which are already relative to exact and taken raw; ``reference``
@@ -848,10 +848,10 @@ def dose_effects(df, stats: dict, name: str):
     paired = not name.startswith(("div_", "fidelity_"))
 
     def seeds_of(arm: str) -> set[int]:
-        return {s for a, s in values if a == arm and (not paired or ("exact", s) in values)}
+        return {s for a, s in values if a == arm and (not paired or (ref, s) in values)}
 
     def effect(arm: str, seeds) -> list[float]:
-        return [values[(arm, s)] - (values[("exact", s)] if paired else 0.0) for s in sorted(seeds)]
+        return [values[(arm, s)] - (values[(ref, s)] if paired else 0.0) for s in sorted(seeds)]
 
     return seeds_of, effect, 0.0 if paired or name.startswith("div_") else 1.0
 
@@ -865,11 +865,13 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
     scales, (names, dropped) = control_scale(proto), dose_metric_names(proto)
     if not scales or not names:
         return []
-    others = [a for a in arms if a != "exact" and a not in proto.get("control_arms", [])]
+    ref, skip = reference(proto), {*proto.get("control_arms", []), *proto.get("baselines", {})}
+    others = [a for a in arms if a != ref and a not in skip]  # a baseline trains other steps: not placed
     head = [f"{arm} ({d})" for d, sc in scales.items() for arm in sc.values()]
     lines = [
         "### Dose-response: every arm on the controls' cosine scale",
         "",
+        f"Reference: `{ref}`, called exact below. "
         "Control columns: the effect (paired difference to exact; raw for divergence), mean [95% CI]. Arm "
         "columns: the cosine c at which a control (direction fixed per run / fresh per step) has the arm's "
         "effect, by linear interpolation from cosine 1 (exact) down; a bound where the effect lies beyond the "
@@ -891,7 +893,7 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
         "|---|" + "---|" * (len(head) + len(others) * len(scales)),
     ]
     for name in names:
-        seeds_of, effect, reference = dose_effects(df, stats, name)
+        seeds_of, effect, own = dose_effects(df, stats, name, ref)
         cells = [
             str(paired_interval(effect(a, seeds_of(a)))) if len(seeds_of(a)) >= 2 else "-"
             for sc in scales.values()
@@ -902,7 +904,7 @@ def dose_lines(df, stats: dict, proto: dict, arms: list[str], specs: list[dict])
                 common = seeds_of(arm).intersection(*(seeds_of(a) for a in sc.values()))  # joint bootstrap
                 curve = {c: effect(a, common) for c, a in sc.items()}
                 located = (
-                    located_cosine(curve, effect(arm, common), reference, worse=dose_worse(name))
+                    located_cosine(curve, effect(arm, common), own, worse=dose_worse(name), name=ref)
                     if len(common) >= 2
                     else "-"
                 )
@@ -922,12 +924,13 @@ def plot_dose(name: str, df, stats: dict, proto: dict, png: Path, meta: dict) ->
     import numpy as np
 
     scales, names = control_scale(proto), dose_metric_names(proto)[0]  # no fidelity: see dose_metric_names
-    arms = [a for a in df.strategy.unique() if a != "exact" and a not in proto.get("control_arms", [])]
+    ref, skip = reference(proto), {*proto.get("control_arms", []), *proto.get("baselines", {})}
+    arms = [a for a in df.strategy.unique() if a != ref and a not in skip]
     if not scales or not names:
         return
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.2), squeeze=False)
     for ax, metric in zip(axes[0], names, strict=True):
-        seeds_of, effect, ref = dose_effects(df, stats, metric)
+        seeds_of, effect, own = dose_effects(df, stats, metric, ref)
 
         def mean_effect(arm: str) -> float:
             return float(np.mean(effect(arm, seeds_of(arm)))) if seeds_of(arm) else float("nan")
@@ -935,7 +938,7 @@ def plot_dose(name: str, df, stats: dict, proto: dict, png: Path, meta: dict) ->
         for direction, sc in scales.items():
             xs = [1.0, *sorted(sc, reverse=True)]
             ax.plot(
-                xs, [ref] + [mean_effect(sc[c]) for c in xs[1:]], marker="o", label=f"control ({direction})"
+                xs, [own] + [mean_effect(sc[c]) for c in xs[1:]], marker="o", label=f"control ({direction})"
             )
         for arm in arms:
             ax.axhline(mean_effect(arm), ls="--", lw=1, color=f"C{2 + arms.index(arm)}", label=arm)
@@ -943,7 +946,7 @@ def plot_dose(name: str, df, stats: dict, proto: dict, png: Path, meta: dict) ->
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{name}: dose-response (means over seeds; effects vs exact)", fontsize=10)
+    fig.suptitle(f"{name}: dose-response (means over seeds; effects vs {ref})", fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     figure_footer(fig, meta, f"world, seeds {sorted(int(k) for k in df.seed.unique())}")
     save_figure(fig, png, 75)

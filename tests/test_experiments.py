@@ -542,13 +542,16 @@ def test_every_arm_of_a_committed_protocol_is_a_valid_config(protocol):
     proto = curves.load_protocol(path)
     for name, spec in proto["recipes"].items():
         seen = curves.recipe_protocol(proto, name)
-        assert "exact" in seen["arms"] and set(seen.get("control_arms", [])) <= set(seen["arms"])
+        assert curves.reference(seen) in seen["arms"]
+        assert set(seen.get("control_arms", [])) <= set(seen["arms"])
         assert set(curves.control_scale(seen)["fixed"]) == {0.95, 0.8, 0.5}
         for overrides in seen["arms"].values():
             cfg = load_config(spec["config"], [*spec.get("overrides", []), *overrides])
             assert cfg.log.fidelity_every > 0 and cfg.log.save_eval_state
         pilot = curves.recipe_protocol(curves.load_protocol(path, pilot=True), name)
-        assert set(pilot["arms"]) == set(seen["arms"]) & set(proto["pilot"]["arms"])
+        ran = {**seen["arms"], **proto.get("retired_arms", {})}  # the pilot may have run arms retired since
+        assert set(pilot["arms"]) == set(ran) & set(proto["pilot"]["arms"])
+        assert curves.reference(pilot) in pilot["arms"]
     assert curves.default_out(path, True).endswith("_pilot")
     planned = {k for name in proto["recipes"] for ks in curves.arm_seeds(proto, name).values() for k in ks}
     assert not planned & set(proto["pilot"]["seeds"])  # the analysis never reuses a pilot's seed
