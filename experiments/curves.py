@@ -307,10 +307,19 @@ def collect(run_dir: Path, strategy: str, seed: int, exact_dir: Path | None = No
 # --------------------------------------------------------------------------- analysis (results/ only)
 def load(recipe_dir: Path, proto: dict | None = None):
     """Every run's CSV of a recipe; with ``proto``, only its arms (a results directory may also hold runs of
-    arms that the protocol does not name, which its analysis must not read)."""
+    arms that the protocol does not name, which its analysis must not read), and a run's divergence only where
+    it was measured from the protocol's reference (meta ``divergence_from``; exact before the key existed)."""
     import pandas as pd
 
-    df = pd.concat([pd.read_csv(p) for p in sorted(recipe_dir.glob("*_seed*.csv"))], ignore_index=True)
+    frames = []
+    for path in sorted(recipe_dir.glob("*_seed*.csv")):
+        frame = pd.read_csv(path)
+        meta = path.with_suffix(".meta.json")
+        origin = json.loads(meta.read_text()).get("divergence_from", "exact") if meta.is_file() else "exact"
+        if proto is not None and origin != reference(proto):  # another run's divergence: not this reference's
+            frame = frame.drop(columns=[c for c in frame if c.startswith("div_")])
+        frames.append(frame)
+    df = pd.concat(frames, ignore_index=True)
     return df if proto is None else df[df.strategy.isin(list(proto["arms"]))]
 
 
@@ -1270,6 +1279,7 @@ def run_and_record(
                 ),
                 run_json=run_json["config"],
                 tree_diff=None if diff is None else f"{a}_seed{k}.diff",
+                divergence_from=refs[r],  # the run the paired divergence is measured from
             )
             if diff is not None:
                 atomic_write_text(out / r / f"{a}_seed{k}.diff", diff)

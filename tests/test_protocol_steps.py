@@ -79,3 +79,21 @@ def test_the_trainer_trains_what_the_replay_compares(tmp_path):
     authors = trained("backward.strategy=exact", "algorithm.exact_steps=random_singles")
     assert all(torch.equal(a, b) for a, b in zip(jagg, blocks, strict=True))
     assert not any(torch.equal(a, b) for a, b in zip(jagg, authors, strict=True))
+
+
+def test_a_divergence_measured_from_another_reference_is_not_read(tmp_path):
+    """Runs written before amendment 1 measured their divergence from the authors' exact; the re-based analysis
+    (reference exact_blocks) must not read it as a divergence from exact_blocks."""
+    import json
+
+    import pandas as pd
+
+    row = {"iteration": 24, "strategy": "jagg", "seed": 40, "div_weights_rel": 0.3, "eval_pref_mean": 1.0}
+    for name, origin in (("jagg_seed40", None), ("exact_blocks_seed40", "exact_blocks")):
+        pd.DataFrame([row | {"strategy": name.rsplit("_seed", 1)[0]}]).to_csv(tmp_path / f"{name}.csv")
+        meta = {} if origin is None else {"divergence_from": origin}
+        (tmp_path / f"{name}.meta.json").write_text(json.dumps(meta))
+    proto = {"reference": "exact_blocks", "arms": {"jagg": [], "exact_blocks": []}}
+    df = curves.load(tmp_path, proto).set_index("strategy")
+    assert pd.isna(df.loc["jagg", "div_weights_rel"]) and df.loc["exact_blocks", "div_weights_rel"] == 0.3
+    assert curves.load(tmp_path, proto | {"reference": "exact"}).div_weights_rel.notna().sum() == 1
