@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS
-from jagg.engine.control import CONTROL_DIRECTIONS, MAX_FRESH_ITERATIONS
+from jagg.engine.control import CONTROL_DIRECTIONS, MAX_FRESH_ITERATIONS, STRUCTURED_CONTROLS
 from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
@@ -322,6 +322,12 @@ class TrainConfig:
     # direction drawn once per run (fixed: a bias, as JAGG's error is) or for every optimizer step (fresh: noise)
     control_cosine: float | None = None
     control_direction: str = "fixed"  # fixed | fresh
+    # structured control (jagg.engine.control.STRUCTURED_CONTROLS), on the exact strategy's own steps: the
+    # gradient recomputed with every step's signal re-weighted at random (reweight, dial = the log-weights' SD)
+    # or with the aggregation matrix moved toward the endpoints rule (toward_endpoints, dial in [0, 1]: 1 is
+    # the endpoints ablation); null: off
+    control_structure: str | None = None
+    control_dial: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -808,6 +814,21 @@ def _validate_optim(optim: OptimConfig) -> None:
 
 
 def _validate_train(train: TrainConfig) -> None:
+    _require(
+        train.control_structure is None or train.control_structure in STRUCTURED_CONTROLS,
+        f"train.control_structure must be null or one of {list(STRUCTURED_CONTROLS)}, "
+        f"got {train.control_structure!r}",
+    )
+    _require(
+        train.control_structure is None or train.control_cosine is None,
+        "train.control_structure and train.control_cosine are two controls: set one, got both",
+    )
+    top = 1.0 if train.control_structure == "toward_endpoints" else math.inf
+    _require(
+        0 <= train.control_dial <= top,
+        f"train.control_dial for train.control_structure={train.control_structure} must be in [0, {top}], "
+        f"got {train.control_dial}",
+    )
     _require(
         train.control_cosine is None or 0 < train.control_cosine <= 1,
         f"train.control_cosine must be null or in (0, 1], got {train.control_cosine}",

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from jagg.engine.diagnostics import sharded_sums
+from jagg.engine.strategies import Interpolation
 
 CONTROL_DIRECTIONS = ("fixed", "fresh")
 # fresh directions of iteration i come from draw 1 + i of the control's seed stream (jagg.common.SeedStream,
@@ -133,3 +134,36 @@ def degrade_gradients(
     for g, u in zip(local, direction, strict=True):
         g.mul_(a).add_(u.to(device=g.device, dtype=g.dtype), alpha=b)
     return a, b
+
+
+# --------------------------------------------------------------------------- structured controls
+# Errors with JAGG's kind of structure, on the exact gradient's own steps, each with a dial (0: exact):
+#   reweight          every trained step's signal scaled by a random positive weight per sample,
+#                     w = exp(dial * e - dial^2 / 2), e ~ N(0, 1): mean 1, log-spread ``dial``
+#   toward_endpoints  the aggregation matrix moved from exact's identity toward the endpoints rule's:
+#                     (1 - dial) I + dial M, M the endpoints ablation's (T, K) block matrix on the same groups;
+#                     dial 1 is the endpoints ablation itself
+STRUCTURED_CONTROLS = ("reweight", "toward_endpoints")
+
+
+def reweighted(num_steps: int, batch: int, dial: float, gen: torch.Generator) -> Interpolation:
+    """Exact's plan with every step's signal scaled per sample by ``exp(dial e - dial^2 / 2)``."""
+    e = torch.randn(num_steps, batch, generator=gen, dtype=torch.float64)
+    weights = torch.zeros(num_steps, num_steps, batch, dtype=torch.float64)
+    weights[range(num_steps), range(num_steps)] = torch.exp(dial * e - dial**2 / 2)
+    return Interpolation(tuple(range(num_steps)), weights, tuple((k,) for k in range(num_steps)), "reweight")
+
+
+def toward(rule: Interpolation, dial: float) -> Interpolation:
+    """The plan ``(1 - dial) I + dial M`` over every step as a knot, M = ``rule``'s matrix with its knot
+    columns placed at their steps: exact at 0, ``rule`` at 1 (returned as is, so dropped steps need no
+    forward)."""
+    if dial >= 1:
+        return rule
+    t = rule.num_steps
+    tail = rule.weights.shape[2:]
+    full = torch.zeros(t, t, *tail, dtype=torch.float64)
+    full[:, list(rule.knots)] = rule.weights
+    eye = torch.eye(t, dtype=torch.float64).view(t, t, *([1] * len(tail)))
+    weights = (1 - dial) * eye + dial * full
+    return Interpolation(tuple(range(t)), weights, tuple((k,) for k in range(t)), f"toward_{rule.name}")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from jagg.config import Config
 from jagg.plugins.base import Plugin, RunView
-from jagg.plugins.control import Control
+from jagg.plugins.control import Control, StructuredControl
 from jagg.plugins.eval_state import EvalState
 from jagg.plugins.fidelity import Fidelity
 from jagg.plugins.landing import Landing
 from jagg.plugins.onpolicy import OnPolicy
 
-PLUGINS: tuple[type[Plugin], ...] = (Control, Fidelity, Landing, OnPolicy, EvalState)
+PLUGINS: tuple[type[Plugin], ...] = (Control, StructuredControl, Fidelity, Landing, OnPolicy, EvalState)
 
 
 def build_plugins(cfg: Config, run: RunView) -> list[Plugin]:
