@@ -97,3 +97,37 @@ def test_a_divergence_measured_from_another_reference_is_not_read(tmp_path):
     df = curves.load(tmp_path, proto).set_index("strategy")
     assert pd.isna(df.loc["jagg", "div_weights_rel"]) and df.loc["exact_blocks", "div_weights_rel"] == 0.3
     assert curves.load(tmp_path, proto | {"reference": "exact"}).div_weights_rel.notna().sum() == 1
+
+
+def test_landing_driver_quick(tmp_path):
+    """experiments/landing.py on tiny runs: the reference lands on itself, the other arm is measured, the
+    yardstick compares two seeds' gradients at the same weights."""
+    import pandas as pd
+
+    import landing
+
+    out = tmp_path / "landing.csv"
+    landing.main(
+        [
+            "--quick",
+            "--recipes",
+            "every_step",
+            "--seeds",
+            "1",
+            "2",
+            "--out",
+            str(out),
+            "--runs",
+            str(tmp_path),
+        ]
+    )
+    df = pd.read_csv(out)
+    ref = df[df.arm == "exact"]
+    assert (
+        len(ref) == 2 and (ref.landing_step_cosine > 1 - 1e-6).all() and (ref.next_reward_abs_diff == 0).all()
+    )
+    knots = df[df.arm == "knots4"]
+    assert len(knots) == 2 and knots.landing_step_cosine.notna().all() and (knots.fidelity_cosine < 1).all()
+    (yard,) = df[df.arm == "yardstick"].fidelity_cosine
+    assert -1 <= yard < 0.999  # two rollouts' gradients differ
+    assert "Yardstick" in out.with_suffix(".md").read_text()
