@@ -91,6 +91,14 @@ def test_toward_a_group_rule_at_zero_is_the_identity():
         (["train.control_structure=sideways"], "train.control_structure must be null or one of"),
         (["train.control_structure=toward_endpoints", "train.control_dial=1.5"], r"in \[0, 1.0\]"),
         (["train.control_structure=reweight", "train.control_cosine=0.8"], "two controls"),
+        (
+            [
+                "train.control_structure=toward_endpoints",
+                "backward.group_size=auto",
+                "backward.jagg_frac=auto",
+            ],
+            "must then be an integer",
+        ),
     ],
 )
 def test_bad_structured_controls_name_the_key(tiny_cfg, overrides, match):

@@ -619,6 +619,11 @@ def validate(cfg: Config) -> None:
     _validate_backward(cfg.backward)
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
+    _require(
+        cfg.train.control_structure != "toward_endpoints" or cfg.backward.group_size is not None,
+        "train.control_structure=toward_endpoints moves toward the endpoints rule on groups of "
+        "backward.group_size, which must then be an integer, got 'auto'",
+    )
     _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")
     trained_on = sorted(EVAL_ONLY & set(cfg.reward.weights))
     _require(

@@ -2,7 +2,7 @@
 
 ``Control``: before every optimizer step the gradient is replaced by one with cosine ``train.control_cosine``
 to it and the same norm. ``StructuredControl`` (``train.control_structure``, ``train.control_dial``): the
-gradient is recomputed with a structured error on the same steps (module ``StructuredControl``).
+gradient is recomputed with a structured error on the same steps (class ``StructuredControl``).
 
 Config keys: ``train.control_cosine`` (null: off; in (0, 1]) and ``train.control_direction`` (``fixed``: one
 random direction per run, a bias; ``fresh``: one per optimizer step, noise). The directions are functions of
@@ -48,7 +48,9 @@ class StructuredControl(Plugin):
     """A control whose error has JAGG's kind of structure, with a dial (``jagg.engine.control``): before every
     optimizer step the gradient is recomputed on the step's micro-batches with the control's plan of their
     trained steps (signals re-weighted at random, or the aggregation matrix moved toward the endpoints rule),
-    replacing the one the arm's backward made. The re-weighting draws are a function of (seed, iteration)."""
+    replacing the one the arm's backward made. The re-weighting draws are a function of (seed, iteration), one
+    weight per step and sample where the trained steps are per sample (DanceGRPO), per step where the batch
+    shares them (windows)."""
 
     name = "structured_control"
     KEYS = ("train.control_structure", "train.control_dial", "backward.group_size")
@@ -62,7 +64,7 @@ class StructuredControl(Plugin):
         if kind is None:
             return None
         rule = dataclasses.replace(cfg.backward, strategy="endpoints", jagg_frac=1.0)
-        endpoints = rule.fixed_setting() if kind == "toward_endpoints" else None
+        endpoints = rule.fixed_setting() if kind == "toward_endpoints" else None  # config: a fixed group size
         return cls(kind, cfg.train.control_dial, run.seed, endpoints)
 
     def begin_update(self, view: UpdateView) -> None:
