@@ -1045,3 +1045,52 @@ def test_kill_9_in_each_of_the_first_3_iterations_then_resume_auto(tmp_path, mod
     else:
         assert meta["resumes"][0]["promoted_checkpoint_tmp"] == (at if mode == "async" else None)
     _equals_uninterrupted(run, tmp_path, "train.iterations=3", "log.checkpoint_every=1")
+
+
+# --------------------------------------------------------------------------- issue 41, part 2
+def test_tilde_in_run_dir_is_the_home_directory(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    argv = [a.replace("configs/", f"{ROOT}/configs/") for a in _cli(tmp_path)]
+    assert main([*argv, "log.run_dir=~/x"]) == 0
+    assert json.loads((home / "x" / "run.json").read_text())["config"]["log"]["run_dir"] == str(home / "x")
+    assert list(cwd.iterdir()) == []  # no directory literally named ~
+
+
+@pytest.mark.parametrize("content", ["latin-1", "binary", "unreadable"])
+def test_an_unreadable_config_file_is_one_line(tmp_path, monkeypatch, capsys, content):
+    path = tmp_path / "bad.yaml"
+    data = {
+        "latin-1": b"log:\n  run_dir: caf\xe9\n",
+        "binary": b"\x89PNG\r\n\x1a\n\x00\xff\xfe",
+        "unreadable": b"x: 1\n",
+    }
+    path.write_bytes(data[content])
+    if content == "unreadable":  # chmod 000 does not stop root: the read itself fails
+        real = Path.read_text
+
+        def denied(self, *a, **kw):
+            if self == path:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(Path, "read_text", denied)
+    assert _exit_code(["--config", str(path), f"log.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    says = "Permission denied" if content == "unreadable" else "is not a UTF-8 text file"
+    assert len(err.splitlines()) == 1 and str(path) in err and says in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_nul_byte_in_run_dir_is_one_line(tmp_path, capsys):
+    path = tmp_path / "nul.yaml"  # a command line cannot hold a NUL byte; YAML's "\0" escape can
+    path.write_text(
+        f'inherit: {ROOT}/configs/world/flux_dancegrpo.yaml\nlog:\n  run_dir: "{tmp_path}/a\\0b"\n'
+    )
+    assert _exit_code(["--config", str(path), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "log.run_dir must be a non-empty path without NUL bytes" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nul.yaml"]

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -435,7 +436,7 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, path.resolve()))
         raise ConfigError(f"config: inherit: cycle {cycle}")
-    data = _safe_load(path.read_text(), f"config: {path}") or {}
+    data = _safe_load(_read_text(path), f"config: {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must be a mapping")
     data = current_keys(data, f"config: {path}")
@@ -443,6 +444,19 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if parent is not None and not isinstance(parent, str):
         raise ConfigError(f"config: {path}: inherit must be a file name, got {parent!r}")
     return _merge(load_yaml(path.parent / parent, (*_chain, path.resolve())), data) if parent else data
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; unreadable (permissions, an I/O error) or not UTF-8 (a binary file, another encoding) is
+    one ``ConfigError`` line naming the file, not a traceback."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config: {path} is not a UTF-8 text file (byte {err.start}: {err.reason}); give a YAML file"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"config: {path} cannot be read ({err.strerror or err})") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -597,6 +611,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         node[keys[-1]] = value
     cfg = _build(Config, data, "")
     validate(cfg)
+    # ~ in log.run_dir means the home directory, as in the data.* paths (jagg.scale.prompts expands them with
+    # os.path.expanduser): expanded here, once, so the directory, the lock and run.json all see the same path
+    cfg.log.run_dir = os.path.expanduser(cfg.log.run_dir)
     return cfg
 
 
@@ -649,6 +666,10 @@ def validate(cfg: Config) -> None:
     _require(
         not cfg.log.landing or cfg.log.fidelity_every > 0,
         "log.landing=true measures at the fidelity iterations: needs log.fidelity_every >= 1, got 0",
+    )
+    _require(
+        bool(cfg.log.run_dir) and "\0" not in cfg.log.run_dir,
+        f"log.run_dir must be a non-empty path without NUL bytes, got {cfg.log.run_dir!r}",
     )
     _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
     _require(
