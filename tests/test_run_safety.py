@@ -388,9 +388,9 @@ def test_without_overwrite_a_foreign_directory_is_not_offered_to_it(tmp_path, ca
 def test_overwrite_replaces_a_run_directory(tmp_path):
     assert main(_cli(tmp_path)) == 0
     run = tmp_path / "run"
-    (run / "stale.txt").write_text("from the old run")
+    (run / "hang_rank0.txt").write_text("from the old run")  # what a run writes (jagg.ops.heartbeat)
     assert main(_cli(tmp_path, "--overwrite")) == 0
-    assert not (run / "stale.txt").exists() and (run / ".jagg_run").is_file()
+    assert not (run / "hang_rank0.txt").exists() and (run / ".jagg_run").is_file()
     assert len(_rows(run)) == 1 and not (run / ".lock").exists()  # released on exit
 
 
@@ -1058,6 +1058,31 @@ def test_tilde_in_run_dir_is_the_home_directory(tmp_path, monkeypatch):
     assert main([*argv, "log.run_dir=~/x"]) == 0
     assert json.loads((home / "x" / "run.json").read_text())["config"]["log"]["run_dir"] == str(home / "x")
     assert list(cwd.iterdir()) == []  # no directory literally named ~
+
+
+def test_overwrite_refuses_a_forged_marker_beside_foreign_files(tmp_path, capsys):
+    forged = _marked(tmp_path / "run")  # .jagg_run beside keep.txt, which no run writes
+    before = _tree(tmp_path / "run")
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--overwrite")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite refuses" in err and "'keep.txt'" in err, err
+    assert _tree(forged) == before and (forged / "keep.txt").read_text() == "must survive"
+
+
+def test_a_run_writes_only_what_overwrite_may_delete(tmp_path):
+    """Every writer on (evaluations, grids, eval states, two checkpoints, TensorBoard): all of it is in
+    ``RUN_ENTRIES``, so ``--overwrite`` can replace the run; a file of someone else's would not be."""
+    from jagg.ops.rundir import foreign_entries
+
+    every = ["log.eval_every=1", "log.eval_prompts=2", "log.checkpoint_every=1", "log.keep_checkpoints=2"]
+    every += ["log.save_eval_state=true", "log.report_to=[tensorboard]", "train.iterations=2"]
+    assert main(_cli(tmp_path, *every)) == 0
+    run = tmp_path / "run"
+    assert {"samples", "tensorboard", "checkpoint.prev"} <= {p.name for p in run.iterdir()}
+    assert foreign_entries(run) == []
+    (run / "notes.txt").write_text("mine")
+    assert [p.name for p in foreign_entries(run)] == ["notes.txt"]
 
 
 @pytest.mark.parametrize("content", ["latin-1", "binary", "unreadable"])

@@ -2,7 +2,8 @@
 delete, and the temporaries a killed run leaves behind.
 
 * ``MARKER`` (``.jagg_run``) is written when a fresh run starts; ``--overwrite`` deletes only a directory that
-  holds it (or a ``run.json`` of this CLI, written before the marker existed) or is empty, and never the
+  holds it (or a ``run.json`` of this CLI, written before the marker existed) or is empty, holds nothing but
+  what a run writes (``RUN_ENTRIES``: a forged marker does not make other files deletable), and is never the
   working directory, one of its ancestors, a git repository's root, the home directory or ``/``
   (``check_overwrite``).
 * ``RunDirLock`` (``.lock``) is an exclusive ``flock`` on a file in the directory, taken by rank 0 before
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import fnmatch
 import json
 import os
 import shutil
@@ -34,6 +36,26 @@ MARKER = ".jagg_run"
 LOCK = ".lock"
 EXPORT_MARKER = ".jagg_export"
 REPO_ROOT = Path(__file__).resolve().parents[3]
+# Everything a run writes at the top of its directory (fnmatch patterns), and the code that writes it: the one
+# list ``--overwrite`` deletes from (anything else there is not the project's, so it refuses), kept in step with
+# the writers by a test that runs the CLI with every writer on.
+RUN_ENTRIES = (
+    MARKER,  # write_marker
+    LOCK,  # RunDirLock
+    "run.json",  # jagg.train._write_run_json
+    "metrics.jsonl",  # jagg.ops.trackers.RunLog
+    "samples",  # RunLog.evaluation (scores, grids), jagg.plugins.eval_state
+    "checkpoint",  # jagg.ops.checkpoint: the checkpoint, a save in progress, the swap's and keep=2's
+    "checkpoint.tmp",
+    "checkpoint.old",
+    "checkpoint.prev",
+    "tensorboard",  # jagg.ops.trackers.TensorBoardTracker
+    "wandb",  # jagg.ops.trackers.WandbTracker (its run, and the id a resume continues)
+    "wandb_run_id",
+    "hang_rank*.txt",  # jagg.ops.heartbeat.PhaseWatch
+    "nccl_trace_rank_*",  # jagg.ops.node.cuda_run_env: the NCCL flight recorder's dumps
+    ".*.tmp",  # jagg.common.atomic_write_text's temporaries, left by a kill
+)
 
 
 # --------------------------------------------------------------------------- what a run directory is
@@ -55,6 +77,16 @@ def is_run_dir(run_dir: Path) -> bool:
     return isinstance(meta, dict) and {"git_sha", "config", "argv"} <= set(meta)
 
 
+def written_by_run(path: Path) -> bool:
+    """Whether ``path`` (an entry of a run directory) is one a run writes (``RUN_ENTRIES``)."""
+    return any(fnmatch.fnmatchcase(path.name, pattern) for pattern in RUN_ENTRIES)
+
+
+def foreign_entries(run_dir: Path) -> list[Path]:
+    """What ``run_dir`` holds that no run writes (someone else's files, or a forged marker's neighbours)."""
+    return [p for p in entries(run_dir) if not written_by_run(p)]
+
+
 def _protected(path: Path) -> str | None:
     """Why ``path`` (resolved) may never be deleted, or None."""
     cwd, home = Path.cwd().resolve(), Path.home().resolve()
@@ -72,6 +104,9 @@ def check_overwrite(run_dir: Path) -> None:
     why = _protected(run_dir.resolve())
     if why is None and entries(run_dir) and not is_run_dir(run_dir):
         why = f"it is not a run directory of this project (no {MARKER} marker, no run.json of this CLI)"
+    foreign = foreign_entries(run_dir) if why is None else []
+    if foreign:  # a marker is only a file: what the directory holds must be what a run writes too
+        why = f"it holds {foreign[0].name!r}, which a run does not write (move it elsewhere first)"
     if why:
         raise ConfigError(
             f"--overwrite refuses to delete log.run_dir={run_dir}: {why}; choose another log.run_dir"
@@ -79,8 +114,12 @@ def check_overwrite(run_dir: Path) -> None:
 
 
 def wipe(run_dir: Path) -> None:
-    """Delete what the run directory holds, keeping the lock file of the run that is starting."""
+    """Delete what a run wrote in the directory (``RUN_ENTRIES``), keeping the lock file of the run that is
+    starting; anything else stays (``check_overwrite`` refuses such a directory; ``--resume auto``'s restart
+    leaves it)."""
     for p in entries(run_dir):
+        if not written_by_run(p):
+            continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
