@@ -1085,6 +1085,81 @@ def test_a_run_writes_only_what_overwrite_may_delete(tmp_path):
     assert [p.name for p in foreign_entries(run)] == ["notes.txt"]
 
 
+@pytest.mark.parametrize("record", ["deleted", "edited"])
+def test_resume_compares_the_checkpoints_own_config(tmp_path, capsys, record):
+    """Neither a deleted nor an edited run.json hides a change from the config the checkpoint was trained with."""
+    assert main(_cli(tmp_path)) == 0
+    meta_path = tmp_path / "run" / "run.json"
+    if record == "deleted":
+        meta_path.unlink()
+    else:  # run.json made to agree with the changed seed
+        meta = json.loads(meta_path.read_text())
+        meta["config"]["train"]["seed"] = 7
+        meta_path.write_text(json.dumps(meta))
+    before = _tree(tmp_path / "run")
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2", "train.seed=7")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train.seed: 0 -> 7" in err and "progress.pt" in err, err
+    assert _tree(tmp_path / "run") == before
+    # --allow-config-change keeps its meaning: the change is made, and recorded
+    assert (
+        main(_cli(tmp_path, "--resume", "--allow-config-change", "train.iterations=2", "train.seed=7")) == 0
+    )
+    assert [r["iteration"] for r in _rows(tmp_path / "run")] == [1, 2]
+
+
+def test_resume_applies_a_changed_learning_rate(tmp_path):
+    assert main(_cli(tmp_path)) == 0
+    changed = [
+        "--resume",
+        "--allow-config-change",
+        "train.iterations=2",
+        "optim.lr=0.5",
+        "optim.weight_decay=0.25",
+    ]
+    assert main(_cli(tmp_path, *changed)) == 0
+    rows = _rows(tmp_path / "run")
+    assert [r["lr"] for r in rows] == [load_config("configs/world/flux_dancegrpo.yaml").optim.lr, 0.5]
+
+
+def test_resume_applies_every_optimizer_setting(tmp_path):
+    """lr, weight decay, betas and eps reach the restored optimizer's param groups (the checkpoint's come back)."""
+    from jagg.loop.components import build_components
+    from jagg.loop.trainer import Trainer
+
+    _tiny_trainer(tmp_path).fit()
+    new = ["optim.lr=0.5", "optim.weight_decay=0.25", "optim.betas=[0.5, 0.75]", "optim.eps=0.001"]
+    cfg = load_config("configs/world/flux_dancegrpo.yaml", [*TINY, f"log.run_dir={tmp_path}", *new])
+    trainer = Trainer(cfg, build_components(cfg), tmp_path)
+    trainer.load_checkpoint()
+    group = trainer.optimizer.param_groups[0]
+    assert trainer.optimizer.state  # the checkpoint's moments were loaded
+    assert (group["lr"], group["weight_decay"], tuple(group["betas"]), group["eps"]) == (
+        0.5,
+        0.25,
+        (0.5, 0.75),
+        0.001,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (["model.lora_rank=2", "model.lora_alpha=2"], "model.lora_rank"),
+        (["optim.ema_decay=0"], "optim.ema_decay"),
+    ],
+)
+def test_a_change_the_checkpoint_cannot_take_is_refused_even_when_allowed(tmp_path, capsys, change, key):
+    assert main(_cli(tmp_path)) == 0
+    before = _tree(tmp_path / "run")
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "--allow-config-change", "train.iterations=2", *change)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and key in err and "even with --allow-config-change" in err, err
+    assert _tree(tmp_path / "run") == before
+
+
 @pytest.mark.parametrize("content", ["latin-1", "binary", "unreadable"])
 def test_an_unreadable_config_file_is_one_line(tmp_path, monkeypatch, capsys, content):
     path = tmp_path / "bad.yaml"
@@ -1108,6 +1183,20 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, monkeypatch, capsys, co
     says = "Permission denied" if content == "unreadable" else "is not a UTF-8 text file"
     assert len(err.splitlines()) == 1 and str(path) in err and says in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "corrupt", ['{"config": {"train": {"seed"', "[1, 2]", '{"git_sha": "x", "config": null, "argv": []}']
+)
+def test_a_corrupt_run_json_on_resume_is_one_line(tmp_path, capsys, corrupt):
+    assert main(_cli(tmp_path)) == 0
+    (tmp_path / "run" / "run.json").write_text(corrupt)
+    before = _tree(tmp_path / "run")
+    capsys.readouterr()
+    assert _exit_code(_cli(tmp_path, "--resume", "train.iterations=2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "run.json is corrupt" in err and "delete it" in err, err
+    assert _tree(tmp_path / "run") == before
 
 
 def test_a_nul_byte_in_run_dir_is_one_line(tmp_path, capsys):

@@ -3,24 +3,27 @@
     --config FILE         the YAML config (required; configs/ holds the world and paper ones)
     key=value             overrides (``backward.strategy=exact``), anywhere on the line
     --resume              continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded);
-                          the config must equal run.json's (train.iterations may grow) unless
-                          --allow-config-change; run.json is kept and the resume recorded in it
+                          the config must equal run.json's and the checkpoint's own (train.iterations may
+                          grow) unless --allow-config-change, which applies optim.* to the restored optimizer
+                          but never changes the model's layout (backbone, source, LoRA rank / targets, EMA on
+                          or off); run.json is kept and the resume recorded in it
     --resume auto         the same when a checkpoint exists, else start again from iteration 0 (preemptible
                           clusters: a retry loop passes it on every attempt); metrics rows past the checkpoint
                           (all of them when there is none yet) are dropped and redone, recorded in run.json
                           (resumes / restarts); a complete save left in checkpoint.tmp/ is promoted, never
                           deleted; an incomplete checkpoint is an error, never a silent restart
-    --overwrite           replace a run directory of this project (one holding its .jagg_run marker, or empty;
-                          never the working directory, a repository root or the home directory); not with
-                          --resume
+    --overwrite           replace a run directory of this project (one holding its .jagg_run marker, or empty,
+                          and nothing a run does not write; never the working directory, a repository root or
+                          the home directory); not with --resume
     --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
                           plan (steps, groups, passes, memory); no weights, no writes
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export); OUT must
                           be absent, empty or an earlier export (never '.', '..', a symlink, the run directory, a
                           git root or the home directory): written beside OUT and renamed into place
-Invalid configs (unknown keys, bad values, YAML syntax, unknown reward or prompt-set names, train.device=cuda
-without CUDA, a driver older than torch's CUDA build needs, a resume that contradicts run.json) exit with status
+Invalid configs (unknown keys, bad values, YAML syntax, a config file that is not UTF-8 text or cannot be read,
+unknown reward or prompt-set names, train.device=cuda without CUDA, a driver older than torch's CUDA build needs,
+a resume that contradicts run.json or the checkpoint, a corrupt run.json) exit with status
 2 and one line naming the key, before the model code is imported and before anything is written. One run writes
 to a run directory at a time: rank 0 locks it (log.run_dir/.lock) before writing, and a second run there exits 2
 naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL

@@ -340,6 +340,7 @@ class Trainer:
         progress, _ = resume_checkpoint(
             self.run_dir, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
         )
+        self._apply_optim_config()
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
         for component in self.stateful:
@@ -348,6 +349,14 @@ class Trainer:
             self.backward = self.calibrator.setting or self.backward
         self.checkpointed_at = self.iteration
         self.run_log.restart(progress.metrics)
+
+    def _apply_optim_config(self) -> None:
+        """The config's AdamW hyperparameters on the restored optimizer: loading its state dict brings back the
+        checkpoint's ``param_groups`` (lr, weight decay, betas, eps), so without this a resume with
+        ``--allow-config-change optim.lr=...`` would go on with the old values. Equal values change nothing."""
+        o = self.cfg.optim
+        for group in self.optimizer.param_groups:
+            group.update(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps)
 
     # ------------------------------------------------------------------ main loop
     def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:

@@ -10,7 +10,8 @@ the real-model path are imported and before anything is written, so a typo costs
     check_device         train.device=cuda needs a CUDA device (one per local rank under torchrun)
     check_trackers       every tracker in log.report_to is installed
     start_run_dir        fresh / resume / resume-if-checkpoint (never over metrics or an incomplete checkpoint),
-                         what --overwrite may delete, and a resumed run's config against run.json
+                         what --overwrite may delete, and a resumed run's config against run.json and the
+                         checkpoint's own (progress.pt); changes the checkpoint cannot take are refused
 
 Every failure is a ``ConfigError`` naming the key (the CLI prints it as one line, exit status 2).
 """
@@ -51,6 +52,11 @@ REWARD_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # reward.kwargs.<name>.dtype (jag
 # log.report_to only adds where the same rows go; log.run_dir is where the directory is now (moved or copied);
 # log.async_checkpoint changes when a checkpoint is written, not what it holds.
 RESUMABLE_KEYS = ("train.iterations", "log.report_to", "log.run_dir", "log.async_checkpoint")
+# Keys even --allow-config-change cannot change on resume (nor optim.ema_decay between 0 and > 0: the EMA is
+# there or not): the checkpoint's tensors are laid out for the old value (the backbone and its source: the
+# architecture; LoRA's rank and targets: which parameters are trained, of what shape). The optimizer's
+# hyperparameters can change: jagg.loop.trainer applies them to the restored optimizer.
+FIXED_ON_RESUME = ("model.backbone", "model.source", "model.lora_rank", "model.lora_targets")
 
 
 def _did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -189,7 +195,7 @@ def start_run_dir(cfg: Config, resume: str | None, overwrite: bool, allow_change
         raise ConfigError(f"{what}: {incomplete_message(found[0])}")
     if resume == "required" and checkpoint is None:
         raise ConfigError(f"--resume: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")
-    changes = _resumed_config_changes(cfg, run_dir, allow_change, what, has_checkpoint=checkpoint is not None)
+    changes = _resumed_config_changes(cfg, run_dir, allow_change, what, checkpoint)
     rows = _metrics_rows(run_dir)
     if checkpoint is not None:
         return RunStart(resume=True, wipe=False, changes=changes, metrics_rows=rows)
@@ -238,30 +244,95 @@ def _metrics_rows(run_dir: Path) -> int:
 
 
 def _resumed_config_changes(
-    cfg: Config, run_dir: Path, allow_change: bool, what: str, has_checkpoint: bool
+    cfg: Config, run_dir: Path, allow_change: bool, what: str, checkpoint: Path | None
 ) -> dict[str, tuple]:
-    """The keys whose value differs from run.json's config; ``ConfigError`` unless allowed or resumable.
+    """The keys whose value differs from the config the run was trained with; ``ConfigError`` unless allowed
+    or resumable (``RESUMABLE_KEYS``).
 
-    Without run.json there is nothing to compare: fine beside a checkpoint (run.json is then written anew) or
-    in an empty directory, refused in a non-empty one (not a run directory of this CLI). Keys run.json names
-    the old way (``jagg.config.RENAMED_KEYS``) are compared under their current names.
+    Compared with both records, whatever the other says: run.json's config and the checkpoint's own (its
+    progress.pt), so neither a deleted nor an edited run.json hides a change from the weights' config; where
+    both differ, run.json's value is reported (it is what a resume records). Without run.json and without a checkpoint there is nothing
+    to compare: fine in an empty directory, refused in a non-empty one (not a run directory of this CLI).
     """
-    meta_path = run_dir / "run.json"
-    if not meta_path.is_file():
-        if not has_checkpoint and entries(run_dir) and not is_run_dir(run_dir):
+    new = json.loads(json.dumps(cfg.to_dict(), default=str))
+    meta_path, progress_path = run_dir / "run.json", checkpoint / "progress.pt" if checkpoint else None
+    recorded = _run_json_config(meta_path, what)
+    trained = _checkpoint_config(checkpoint) if checkpoint is not None else None
+    if recorded is None and trained is None:
+        if entries(run_dir) and not is_run_dir(run_dir):
             raise ConfigError(
                 f"{what}: {meta_path} is missing, so {run_dir} is not a run directory of this CLI"
             )
         return {}
-    # a run written before a key was renamed stored it under its old name, which means the same
-    old = current_keys(json.loads(meta_path.read_text()).get("config", {}), str(meta_path))
-    new = json.loads(json.dumps(cfg.to_dict(), default=str))
-    changes = config_changes(old, new)
-    refused = sorted(k for k in changes if k not in RESUMABLE_KEYS)
-    if refused and not allow_change:
-        shown = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in refused)
+    # run.json's changes are what a resume records (its config is the first attempt's); the checkpoint adds the
+    # changes run.json does not show (deleted, edited, or an earlier allowed change the weights carry)
+    changes = _changes_from(recorded, new, meta_path) if recorded is not None else {}
+    for key, change in _changes_from(trained, new, progress_path).items():
+        if key not in changes and (recorded is None or key not in RESUMABLE_KEYS):
+            changes[key] = change
+    _refuse_unresumable(changes, allow_change, what)
+    return {k: (old, value) for k, (old, value, _) in sorted(changes.items())}
+
+
+def _changes_from(old: dict | None, new: dict, where: Path) -> dict[str, tuple]:
+    """``{key: (old, new, where)}``: ``config_changes`` with the record the old value comes from."""
+    return {k: (*change, where) for k, change in config_changes(old or {}, new).items()} if old else {}
+
+
+def _refuse_unresumable(changes: dict[str, tuple], allow_change: bool, what: str) -> None:
+    """``ConfigError`` (one line naming the keys, their values and where the old ones are recorded) for the
+    changed keys a resume may not make: any outside ``RESUMABLE_KEYS`` without --allow-config-change, and with
+    it those the restored state cannot take (``FIXED_ON_RESUME``)."""
+    fixed = sorted(k for k in changes if k in FIXED_ON_RESUME or _ema_switched(k, changes[k]))
+    refused = fixed if allow_change else sorted(k for k in changes if k not in RESUMABLE_KEYS)
+    if not refused:
+        return
+    shown = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r} (in {changes[k][2]})" for k in refused)
+    if allow_change:
         raise ConfigError(
-            f"{what}: the config differs from {meta_path} in {shown}; "
-            "pass --allow-config-change to continue with the new values"
+            f"{what}: {shown} cannot change on resume, even with --allow-config-change (the checkpoint's "
+            "tensors are laid out for the old value); start a new run (another log.run_dir) for it"
         )
-    return changes
+    raise ConfigError(
+        f"{what}: the config differs from the one the run was trained with in {shown}; "
+        "pass --allow-config-change to continue with the new values"
+    )
+
+
+def _ema_switched(key: str, change: tuple) -> bool:
+    """optim.ema_decay turned on or off: the checkpoint holds an EMA or not (a new positive decay applies)."""
+    return key == "optim.ema_decay" and (change[0] == 0) != (change[1] == 0)
+
+
+def _run_json_config(path: Path, what: str) -> dict | None:
+    """run.json's config under the current key names (``jagg.config.RENAMED_KEYS``); None without run.json. A
+    run.json that is not JSON, not a mapping or without a config mapping is one ``ConfigError`` line."""
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{what}: {path} is corrupt ({first}); {_RUN_JSON_ADVICE}") from None
+    config = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{what}: {path} is corrupt (no config mapping in it); {_RUN_JSON_ADVICE}")
+    return current_keys(config, str(path))
+
+
+# a resume without run.json compares the checkpoint's own config and writes run.json anew
+_RUN_JSON_ADVICE = "delete it to resume against the checkpoint's own config (a new run.json is written)"
+
+
+def _checkpoint_config(checkpoint: Path) -> dict | None:
+    """The config stored in the checkpoint's progress.pt, under the current key names; None where it cannot be
+    read (loading the checkpoint then verifies it and reports what is wrong, naming the file)."""
+    from jagg.ops.checkpoint import read_progress
+
+    try:
+        config = read_progress(checkpoint).get("config")
+    except Exception:  # noqa: BLE001 - any unreadable progress.pt: the verified load reports it
+        return None
+    if not isinstance(config, dict):
+        return None
+    return current_keys(json.loads(json.dumps(config, default=str)), str(checkpoint / "progress.pt"))
