@@ -105,6 +105,7 @@ def one_arm(
             f"log.run_dir={run_dir}",
         ],
     )
+    print(f"[landing] {run_dir.parent.name} {run_dir.name}", flush=True)
     trainer = Trainer(cfg, build_components(cfg), run_dir)
     tap = GradientTap()
     trainer.plugins.append(tap)  # last: sees the gradient the optimizer receives
