@@ -11,7 +11,8 @@ then read three ways against the reference's (exact on the same steps):
 * the yardstick: the cosine between the reference's gradients from two independent rollouts (two seeds) at
   the same weights, i.e. how much a single GRPO gradient moves with its rollout.
 
-The Spearman correlation across arms (means over seeds) of each instrument's distance from 1 with the reward
+The Spearman correlation across arms (means over seeds) of each instrument's distance (1 - a cosine, or a
+relative error) with the reward
 distance says which instrument ranks the arms as their next-iteration rewards do.
 
     python experiments/landing.py [--recipes authors ...] [--seeds 40 41 42] [--quick]
@@ -75,7 +76,22 @@ RECIPES: dict[str, tuple[str, dict[str, list[str]]]] = {
         {"exact": ["backward.strategy=exact"], "jagg": ["backward.strategy=jagg"]},
     ),
 }
-INSTRUMENTS = ("fidelity_cosine", "landing_step_cosine", "landing_sign_agreement", "landing_function_cosine")
+# every instrument a run logs at a fidelity iteration; a cosine or agreement is read as 1 - value, an error as is
+INSTRUMENTS = (
+    "fidelity_cosine",
+    "fidelity_rel_err",
+    "landing_step_cosine",
+    "landing_sign_agreement",
+    "landing_tensor_cosine_min",
+    "landing_tensor_cosine_median",
+    "landing_function_cosine",
+    "landing_function_rel_err",
+)
+
+
+def distance(name: str, values):
+    """An instrument as a distance from the reference (0 for the reference itself)."""
+    return values if name.endswith("rel_err") else 1 - values
 
 
 class GradientTap(Plugin):
@@ -170,9 +186,8 @@ def render(csv: Path) -> str:
         "",
     ]
     for recipe, d in df.groupby("recipe", sort=False):
-        arms = (
-            d[d.arm != "yardstick"].groupby("arm", sort=False)[[*INSTRUMENTS, "next_reward_abs_diff"]].mean()
-        )
+        shown = [k for k in INSTRUMENTS if k in d]
+        arms = d[d.arm != "yardstick"].groupby("arm", sort=False)[[*shown, "next_reward_abs_diff"]].mean()
         yard = d[d.arm == "yardstick"].fidelity_cosine
         lines += [f"## {recipe} (reference {d.reference.iloc[0]})", ""]
         lines.append(markdown_table(arms.reset_index()))
@@ -184,11 +199,13 @@ def render(csv: Path) -> str:
         ]
         others = arms.drop(index=d.reference.iloc[0])
         if len(others) >= 3:
-            lines.append("Spearman of (1 - instrument) with the next-iteration reward distance, across arms:")
-            for k in INSTRUMENTS:
-                lines.append(
-                    f"- {k}: {spearman((1 - others[k]).tolist(), others.next_reward_abs_diff.tolist()):+.2f}"
-                )
+            lines.append(
+                "Spearman across arms of each instrument's distance (1 - cosine or agreement; a relative error "
+                "as is) with the next-iteration reward distance:"
+            )
+            for k in [k for k in INSTRUMENTS if k in others]:  # a CSV of fewer instruments (an older run)
+                rho = spearman(distance(k, others[k]).tolist(), others.next_reward_abs_diff.tolist())
+                lines.append(f"- {k}: {rho:+.2f}")
             lines.append("")
     return "\n".join(lines)
 
