@@ -98,7 +98,7 @@ routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per
 	$(PY) experiments/routing.py
 
 V4 := experiments/curves_protocol_v4.yaml
-curves: $(STAMP) pretrain ## Reward curves under protocol v4 (experiments/curves_protocol_v4.yaml): the authors' structure, exact / jagg / jagg_index / endpoints / knots / controls at cosines 0.95, 0.8, 0.5 (fixed and fresh direction), fidelity, divergence, dose-response; resumes from results/curves_v4/ (hours; QUICK=1: a smoke run) -> results/curves_v4/, paper_figures/reward_curves_authors.png
+curves: $(STAMP) pretrain ## Reward curves under protocol v4 (experiments/curves_protocol_v4.yaml): the authors' structure, amendment 1: reference exact_blocks (exact on the same blocks), jagg / jagg_index / endpoints / knots, the authors' exact as a baseline, controls on the blocks at cosines 0.95, 0.8, 0.5 (fixed and fresh direction), fidelity, divergence, dose-response; resumes from results/curves_v4/ (hours; QUICK=1: a smoke run) -> results/curves_v4/, paper_figures/reward_curves_authors.png
 	$(PY) experiments/curves.py --protocol $(V4) $(if $(QUICK),--quick,)
 
 curves-pilot: $(STAMP) pretrain ## Protocol v4's pilot (seeds 900-902, exact / jagg / endpoints / control 0.5) and the sizing of its seeds (~1 h) -> results/curves_v4_pilot/
