@@ -308,19 +308,34 @@ def collect(run_dir: Path, strategy: str, seed: int, exact_dir: Path | None = No
 def load(recipe_dir: Path, proto: dict | None = None):
     """Every run's CSV of a recipe; with ``proto``, only its arms (a results directory may also hold runs of
     arms that the protocol does not name, which its analysis must not read), and a run's divergence only where
-    it was measured from the protocol's reference (meta ``divergence_from``; exact before the key existed)."""
+    it was measured from the protocol's reference (meta ``divergence_from``; exact before the key existed). A
+    run trained on another world build than the reference's run of its seed is left out (a paired difference
+    across builds is not one); ``df.attrs["other_build"]`` lists those runs."""
     import pandas as pd
 
-    frames = []
+    frames, builds = [], {}
     for path in sorted(recipe_dir.glob("*_seed*.csv")):
         frame = pd.read_csv(path)
-        meta = path.with_suffix(".meta.json")
-        origin = json.loads(meta.read_text()).get("divergence_from", "exact") if meta.is_file() else "exact"
-        if proto is not None and origin != reference(proto):  # another run's divergence: not this reference's
-            frame = frame.drop(columns=[c for c in frame if c.startswith("div_")])
+        meta_path = path.with_suffix(".meta.json")
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if proto is not None and meta.get("divergence_from", "exact") != reference(proto):
+            frame = frame.drop(columns=[c for c in frame if c.startswith("div_")])  # not this reference's
+        if len(frame):
+            builds[(frame.strategy.iloc[0], int(frame.seed.iloc[0]))] = json.dumps(meta.get("world_build"))
         frames.append(frame)
     df = pd.concat(frames, ignore_index=True)
-    return df if proto is None else df[df.strategy.isin(list(proto["arms"]))]
+    if proto is None:
+        return df
+    ref = reference(proto)
+    other = sorted(
+        (a, k) for (a, k), b in builds.items() if a != ref and (ref, k) in builds and b != builds[(ref, k)]
+    )
+    keep = (
+        df.strategy.isin(list(proto["arms"])) & ~pd.Series(list(zip(df.strategy, df.seed))).isin(other).values
+    )
+    df = df[keep]
+    df.attrs["other_build"] = [f"{a}_seed{k}" for a, k in other if a in proto["arms"]]
+    return df
 
 
 def per_run(df, metrics: list[str] | None = None) -> dict:
@@ -509,7 +524,9 @@ def timing_table(df, strategies: list[str]) -> list[str]:
         e = it[it.strategy == strategy]
         # measured routing's cost (auto, jagg_auto, knots' placement); 0 for an arm that never calibrates
         cal = e.groupby("seed").time_calibrate_s.sum().mean() if "time_calibrate_s" in e else 0.0
-        saved = np.mean([totals["exact"][s] - totals[strategy][s] for s in totals[strategy].index])
+        base = totals.get("exact", {})
+        shared = [s for s in totals[strategy].index if s in base]  # seeds both arms ran (on one build)
+        saved = np.mean([base[s] - totals[strategy][s] for s in shared]) if shared else float("nan")
         lines.append(
             f"| {strategy} | {e.time_iteration_s.median():.3f} | {e.time_update_s.median():.3f} | "
             f"{med_exact / e.time_update_s.median():.2f}x | {e.groupby('seed').time_iteration_s.sum().mean():.0f} "
@@ -611,6 +628,12 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         )
     if proto.get("note"):
         design += f" {proto['note'].strip()}"
+    if df.attrs.get("other_build"):
+        design += (
+            f" Left out, trained on another world build than {ref}'s run of their seed (to be rerun): "
+            + ", ".join(df.attrs["other_build"])
+            + "."
+        )
     by_arm = arm_seeds(proto, name)
     plan = {(a, k) for a, ks in by_arm.items() for k in ks}
     planned, missing = sorted({k for _, k in plan}), plan - set(stats["runs"])

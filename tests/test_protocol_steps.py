@@ -131,3 +131,27 @@ def test_landing_driver_quick(tmp_path):
     (yard,) = df[df.arm == "yardstick"].fidelity_cosine
     assert -1 <= yard < 0.999  # two rollouts' gradients differ
     assert "Yardstick" in out.with_suffix(".md").read_text()
+
+
+def test_a_run_on_another_world_build_than_the_references_is_left_out(tmp_path):
+    """v4's seeds 40-42 ran on an unrecorded build: paired with exact_blocks on the recorded one they would give
+    differences across builds. The analysis leaves them out and lists them."""
+    import json
+
+    import pandas as pd
+
+    runs = {
+        ("exact_blocks", 40): {"a": "1"},
+        ("jagg", 40): None,
+        ("jagg", 43): {"a": "1"},
+        ("exact_blocks", 43): {"a": "1"},
+    }
+    for (arm, seed), build in runs.items():
+        pd.DataFrame([{"iteration": 0, "strategy": arm, "seed": seed, "eval_pref_mean": 1.0}]).to_csv(
+            tmp_path / f"{arm}_seed{seed}.csv"
+        )
+        meta = {"divergence_from": "exact_blocks"} | ({} if build is None else {"world_build": build})
+        (tmp_path / f"{arm}_seed{seed}.meta.json").write_text(json.dumps(meta))
+    df = curves.load(tmp_path, {"reference": "exact_blocks", "arms": {"jagg": [], "exact_blocks": []}})
+    assert set(zip(df.strategy, df.seed)) == {("exact_blocks", 40), ("exact_blocks", 43), ("jagg", 43)}
+    assert df.attrs["other_build"] == ["jagg_seed40"]
