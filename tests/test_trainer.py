@@ -173,6 +173,18 @@ def test_ema_tracks_parameters_and_is_used_for_eval(tmp_path, tiny_cfg):
     assert len(ema) == len(trainer.params) and all(torch.equal(a, b) for a, b in zip(ema, trainer.ema))
 
 
+def test_eval_at_evaluates_after_exactly_those_iterations(tmp_path, tiny_cfg):
+    """``log.eval_at`` (an equal-cost arm's evaluations at fractions of its budget): the base model and each
+    listed iteration, none other; with ``eval_every`` as well, the union."""
+    cfg = tiny_cfg("train.iterations=5", "log.eval_every=0", "log.eval_at=[0,2,5]")
+    rows = build_trainer(cfg).fit()
+    evaluated = [m["iteration"] for m in rows if any(k.startswith("eval_") for k in m)]
+    assert evaluated == [0, 2, 5]
+    cfg = tiny_cfg("train.iterations=5", "log.eval_every=4", "log.eval_at=[1]", run_dir=tmp_path / "union")
+    rows = build_trainer(cfg).fit()
+    assert [m["iteration"] for m in rows if any(k.startswith("eval_") for k in m)] == [0, 1, 4, 5]
+
+
 def test_bf16_autocast_smoke(tmp_path, tiny_cfg):
     cfg = tiny_cfg("train.precision=bf16", "train.iterations=1")
     (m,) = build_trainer(cfg).fit()

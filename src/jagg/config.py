@@ -354,6 +354,9 @@ class DataConfig:
 class LogConfig:
     run_dir: str = "runs/default"
     eval_every: int = 10  # iterations; 0 = never
+    # also evaluate after exactly these iterations (0 = the base model): a schedule at fractions of a run whose
+    # length is not a multiple of one cadence (experiments/curves.py's equal-cost arms)
+    eval_at: list[int] = field(default_factory=list)
     eval_prompts: int = 24
     eval_images_per_prompt: int = 1
     checkpoint_every: int = 10  # iterations; 0 = only at the end
@@ -663,6 +666,12 @@ def validate(cfg: Config) -> None:
         "fidelity_every",
     ):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
+    bad_at = [i for i in cfg.log.eval_at if not (isinstance(i, int) and 0 <= i <= cfg.train.iterations)]
+    _require(
+        not bad_at,
+        f"log.eval_at: {bad_at[0] if bad_at else ''!r} is not an iteration in [0, train.iterations = "
+        f"{cfg.train.iterations}]",
+    )
     _require(
         not cfg.log.landing or cfg.log.fidelity_every > 0,
         "log.landing=true measures at the fidelity iterations: needs log.fidelity_every >= 1, got 0",

@@ -366,7 +366,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.watch.start()
         with self.checkpoints.finishing():  # the last save is complete when fit returns
-            if self.iteration == 0 and log.eval_every:
+            if self.iteration == 0 and self._evaluates_after(0):
                 self._evaluate_and_log(0, {"iteration": 0})
             while self.iteration < train.iterations:
                 self._next_iteration(progress)
@@ -381,7 +381,7 @@ class Trainer:
         log, train = self.cfg.log, self.cfg.train
         row = self.train_iteration(self.iteration)
         self.iteration += 1
-        if log.eval_every and (self.iteration % log.eval_every == 0 or self.iteration == train.iterations):
+        if self._evaluates_after(self.iteration):
             self._evaluate_and_log(self.iteration, row)
         else:
             self.run_log.append(row)
@@ -394,6 +394,13 @@ class Trainer:
             raise TrainingAborted(self.consecutive_skips, train.max_consecutive_skips, self.checkpoint_path)
         if log.checkpoint_every and self.iteration % log.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _evaluates_after(self, it: int) -> bool:
+        """Whether iteration ``it`` ends with an evaluation: every ``log.eval_every`` (and the last), and each
+        of ``log.eval_at``; iteration 0 is the base model."""
+        log = self.cfg.log
+        every = log.eval_every and (it % log.eval_every == 0 or it == self.cfg.train.iterations)
+        return bool(every) or it in log.eval_at
 
     def _evaluate_and_log(self, it: int, row: dict) -> None:
         """Evaluate, log ``row`` with the scores, write the samples, then the plug-ins' touch point."""
