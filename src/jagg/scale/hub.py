@@ -62,7 +62,9 @@ def unavailable_message(what: str, name_or_path: str, reason: str, how: str = ""
     """The one error text used everywhere: what, which id or path, why, and how to provide it. A hub id gets the
     two ways to provide it; a local path gets what to check there (``hf download`` of a path means nothing)."""
     if looks_like_local_path(name_or_path):
-        fix = "It is a local path: check that it exists and holds a complete copy, or give the hub id instead."
+        fix = (
+            "It is a local path: check that it exists and holds a complete copy, or give the hub id instead."
+        )
     else:
         fix = (
             f"Provide it either by downloading it on a connected machine (`hf download {name_or_path}`, then "
