@@ -132,6 +132,24 @@ def test_specs_cover_every_reward_and_name_what_is_not_checked():
     assert not report.ok and report.lines()[0].split()[:3] == ["not", "checked", "jpeg"]
 
 
+def test_every_registered_reward_is_checked_or_says_why_not():
+    """A reward added to the registry without a rule here is still listed (as having no rule), but the known
+    ones are each either checked or named with their reason; the dtype names are the loop's."""
+    from jagg.loop.rewards import REWARD_DTYPES
+    from jagg.rewards import REWARDS
+    from jagg.scale.weights_check import DTYPE_NAMES, NOT_CHECKED, REWARD_RULES
+
+    assert set(REWARDS) == set(REWARD_RULES) | set(NOT_CHECKED) and not set(REWARD_RULES) & set(NOT_CHECKED)
+    assert DTYPE_NAMES == REWARD_DTYPES
+    cfg = load_config(MIX)
+    cfg.reward.eval = [*cfg.reward.eval, "someone_elses"]
+    spec = model_specs(cfg)[-1]
+    assert (spec.what, spec.skip) == (
+        "someone_elses reward",
+        "the weights check has no rule for this reward's files",
+    )
+
+
 def test_rewards_pass_and_unchecked_are_listed(saved, capsys):
     """Every reward of the config, each through its own loader's rules (ImageReward's renamed ViT keys and the
     BLIP weights it drops, HPSv3's pre-4.52 key layout and processor vocabulary), and the JPEG reward listed as

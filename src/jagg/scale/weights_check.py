@@ -448,11 +448,6 @@ def file_tensors(path: Path, unwrap: str | None = None) -> Tensors:
     return safetensors_tensors(path) if path.suffix == ".safetensors" else torch_tensors(path, unwrap)
 
 
-def safetensors_shapes(path: Path) -> Shapes:
-    """Key -> shape from a safetensors file's header alone (``safetensors_tensors`` without the dtypes)."""
-    return {k: t.shape for k, t in safetensors_tensors(path).items()}
-
-
 UNWRAP = {"open_clip": "state_dict", "imagereward": "state_dict", "hpsv3": "model"}  # the loaders' .get(...)
 
 
