@@ -29,6 +29,8 @@ OLD = NodeFacts(
     cuda_available=False,
 )
 GOOD = NodeFacts(**{**OLD.__dict__, "driver": "580.65.06", "cuda_available": True})
+# an NGC container on a 550 datacenter driver: its cuda-compat libcuda (CUDA 13.0) runs the CUDA 13 build
+FORWARD = NodeFacts(**{**OLD.__dict__, "cuda_available": True, "driver_cuda": "13.0"})
 NONE = NodeFacts(**{**OLD.__dict__, "driver": None, "gpus": ()})
 CUDA_ENV = (
     "PYTORCH_CUDA_ALLOC_CONF",
@@ -79,6 +81,43 @@ def test_mismatch_rules():
     check_node(GOOD, "cuda")
 
 
+def test_forward_compatibility_is_accepted_and_reported():
+    """The kernel driver (550) is older than the CUDA 13 build needs, but CUDA initialises: accepted, and the
+    report says why; the same driver where CUDA does not initialise is refused."""
+    assert FORWARD.driver_too_old and FORWARD.forward_compatible and not FORWARD.unusable
+    assert OLD.unusable and not OLD.forward_compatible
+    for device in ("cuda", "auto"):
+        check_node(FORWARD, device)
+    text = "\n".join(node_report(FORWARD))
+    assert "550.54.15 (older than the build's >= 580, but CUDA initialises: forward compatibility" in text
+    assert "(CUDA 13.0)" in text and "TOO OLD" not in text
+
+
+def test_libcuda_version(monkeypatch):
+    """``cuDriverGetVersion``'s integer (1000 * major + 10 * minor) read through a stand-in libcuda."""
+    import ctypes
+
+    class LibCuda:
+        def __init__(self, value: int, status: int = 0):
+            self.value, self.status = value, status
+
+        def cuDriverGetVersion(self, ref):
+            ref._obj.value = self.value
+            return self.status
+
+    for value, text in ((13000, "13.0"), (12080, "12.8")):
+        monkeypatch.setattr(ctypes, "CDLL", lambda name, v=value: LibCuda(v))
+        assert node.libcuda_version() == text
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: LibCuda(13000, status=100))  # CUDA_ERROR_NO_DEVICE
+    assert node.libcuda_version() is None
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert node.libcuda_version() is None
+
+
 def test_report_names_build_driver_nccl_gpus():
     text = "\n".join(node_report(OLD))
     for part in ("2.14.1+cu130", "CUDA 13.0 build", "550.54.15 (TOO OLD", "NCCL 2.30.7", "8 x NVIDIA H100"):
@@ -109,6 +148,19 @@ def test_dry_run_reports_node_and_exits_2_on_a_mismatch(tmp_path, capsys, clean_
         and "install NVIDIA driver >= 580" in err
     )
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # a dry run sets nothing
+
+
+def test_forward_compatible_node_runs(tmp_path, capsys, clean_env):
+    """The dry run on a forward-compatible node plans (exit 0) and reports it; a CUDA run passes the node check
+    and gets its environment (the fused-optimizer probe on the GPU this machine lacks is stubbed)."""
+    _mock(clean_env, FORWARD)
+    assert main(["--config", PAPER, "--dry-run", "--world-size", "8", f"log.run_dir={tmp_path}/r"]) == 0
+    out = capsys.readouterr().out
+    assert "but CUDA initialises: forward compatibility" in out and "memory per rank" in out
+    cfg = load_config(WORLD, [*TINY_RUN, f"log.run_dir={tmp_path}/run", "train.device=cuda"])
+    clean_env.setattr(node, "check_fused", lambda cfg, device: None)
+    assert node.prepare_node(cfg, dry_run=False) == FORWARD
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 def test_dry_run_without_driver_still_plans(capsys, clean_env):

@@ -5,10 +5,13 @@ match, and the environment a CUDA run sets before CUDA initialises.
 
     report      one line per fact, on ``--dry-run`` and at the start of every run that may use CUDA
                 (``train.device`` cuda or auto): ``node_report(node_facts())``
-    check       a driver older than the torch build needs (``MIN_DRIVER``: a CUDA 13 build needs 580 or newer)
-                is a ``ConfigError`` (exit 2, one line saying what to install). On such a node
-                ``torch.cuda.is_available()`` is simply False, and ``train.device=auto`` would quietly train on
-                the CPU. No driver at all is fine for a dry run (planning on a laptop) and for ``device=cpu``.
+    check       a kernel driver older than the torch build needs (``MIN_DRIVER``: a CUDA 13 build needs 580 or
+                newer) while CUDA does not initialise is a ``ConfigError`` (exit 2, one line saying what to
+                install). On such a node ``torch.cuda.is_available()`` is simply False, and ``train.device=auto``
+                would quietly train on the CPU. Where CUDA does initialise on the older kernel driver, a newer
+                user-mode driver (``libcuda``) runs it: NVIDIA's forward compatibility (the ``cuda-compat``
+                package, as in NGC containers on datacenter GPUs). That node is accepted and reported as such.
+                No driver at all is fine for a dry run (planning on a laptop) and for ``device=cpu``.
     environment for runs that will use CUDA, defaults the user has not set (``cuda_run_env``):
                 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (read when CUDA initialises, so set first)
                 and the NCCL flight recorder (``TORCH_FR_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``,
@@ -17,7 +20,8 @@ match, and the environment a CUDA run sets before CUDA initialises.
     optimizer   with ``optim.fused``, one fused AdamW step on the run's device (``jagg.scale.optimizer.check_fused``)
 
 The driver version comes from ``/proc/driver/nvidia/version`` (Linux) or ``nvidia-smi``, not from CUDA, so it is
-known exactly when CUDA cannot start. Nothing here downloads or installs anything.
+known exactly when CUDA cannot start; the CUDA version the loaded ``libcuda`` supports comes from its
+``cuDriverGetVersion`` (it differs from the kernel driver's under forward compatibility). Nothing here downloads or installs anything.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class NodeFacts:
     nccl: str | None  # e.g. "2.27.7"
     gpus: tuple[str, ...] = ()  # "NVIDIA H100 80GB HBM3 (79.2 GiB)" per visible GPU
     cuda_available: bool = False
+    driver_cuda: str | None = None  # the CUDA version the loaded libcuda supports, e.g. "13.0"
 
     @property
     def required_driver(self) -> int | None:
@@ -65,8 +70,20 @@ class NodeFacts:
 
     @property
     def driver_too_old(self) -> bool:
+        """The kernel driver is older than the build needs (CUDA may still initialise: ``forward_compatible``)."""
         need = self.required_driver
         return self.driver is not None and need is not None and _major(self.driver) < need
+
+    @property
+    def forward_compatible(self) -> bool:
+        """CUDA initialises although the kernel driver is older than the build needs: a newer user-mode driver
+        (NVIDIA's forward compatibility, e.g. an NGC container's ``cuda-compat`` libcuda) runs it."""
+        return self.driver_too_old and self.cuda_available
+
+    @property
+    def unusable(self) -> bool:
+        """The one refused case: the driver is older than the build needs and CUDA does not initialise."""
+        return self.driver_too_old and not self.cuda_available
 
 
 def _major(version: str) -> int:
@@ -89,6 +106,21 @@ def driver_version() -> str | None:
         return found
     out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return out.splitlines()[0].strip() if out else None
+
+
+def libcuda_version() -> str | None:
+    """The CUDA version the user-mode driver (``libcuda.so.1``) supports, e.g. "13.0" (``cuDriverGetVersion``,
+    which needs no context), or None without one. Under forward compatibility it is newer than the kernel
+    driver's."""
+    import ctypes
+
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
 
 
 def _run(cmd: list[str]) -> str:
@@ -143,6 +175,7 @@ def node_facts(gpus: bool = True) -> NodeFacts:
         nccl=_nccl_version(),
         gpus=_gpus(available) if gpus else (),
         cuda_available=available,
+        driver_cuda=libcuda_version(),
     )
 
 
@@ -162,9 +195,10 @@ def install_hint(facts: NodeFacts) -> str:
 
 
 def check_node(facts: NodeFacts, device: str) -> None:
-    """``ConfigError`` (one line: what to install) when a driver is present but older than the torch build
-    needs, unless the run is on the CPU (``train.device=cpu``)."""
-    if device != "cpu" and facts.driver_too_old:
+    """``ConfigError`` (one line: what to install) when a driver is present, older than the torch build needs,
+    and CUDA does not initialise, unless the run is on the CPU (``train.device=cpu``). A node where CUDA
+    initialises on the older driver (forward compatibility) passes."""
+    if device != "cpu" and facts.unusable:
         raise ConfigError(f"train.device={device}: {install_hint(facts)}")
 
 
@@ -174,6 +208,12 @@ def node_report(facts: NodeFacts) -> list[str]:
     build = f"CUDA {facts.cuda_build} build" if facts.cuda_build else "CPU-only build"
     if facts.driver is None:
         driver = "none found (no NVIDIA kernel module)"
+    elif facts.forward_compatible:
+        libcuda = f" (CUDA {facts.driver_cuda})" if facts.driver_cuda else ""
+        driver = (
+            f"{facts.driver} (older than the build's >= {need}, but CUDA initialises: forward compatibility, "
+            f"a newer user-mode driver{libcuda} such as an NGC container's cuda-compat)"
+        )
     else:
         driver = f"{facts.driver} ({'TOO OLD' if facts.driver_too_old else 'ok'}" + (
             f", the build needs >= {need})" if need else ")"

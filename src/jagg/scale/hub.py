@@ -59,12 +59,18 @@ def looks_like_local_path(name_or_path: str) -> bool:
 
 
 def unavailable_message(what: str, name_or_path: str, reason: str, how: str = "") -> str:
-    """The one error text used everywhere: what, which id, why, and the two ways to provide it."""
-    return (
-        f"{what}: '{name_or_path}' is not available ({reason}). Provide it either by downloading it on a "
-        f"connected machine (`hf download {name_or_path}`, then copy the cache and set HF_HOME) or by passing "
-        f"a local path instead of the hub id.{(' ' + how) if how else ''}"
-    )
+    """The one error text used everywhere: what, which id or path, why, and how to provide it. A hub id gets the
+    two ways to provide it; a local path gets what to check there (``hf download`` of a path means nothing)."""
+    if looks_like_local_path(name_or_path):
+        fix = (
+            "It is a local path: check that it exists and holds a complete copy, or give the hub id instead."
+        )
+    else:
+        fix = (
+            f"Provide it either by downloading it on a connected machine (`hf download {name_or_path}`, then "
+            "copy the cache and set HF_HOME) or by passing a local path instead of the hub id."
+        )
+    return f"{what}: '{name_or_path}' is not available ({reason}). {fix}{(' ' + how) if how else ''}"
 
 
 def load_or_explain(

@@ -236,6 +236,12 @@ def adapter_kwargs(m: ModelConfig) -> dict:
     }[m.backbone]
 
 
+def load_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the transformer, text encoders and VAE are loaded in (``train.precision``; the weights check
+    compares the checkpoints' stored dtypes with it)."""
+    return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+
+
 def build_pretrained_components(cfg: Config) -> Components:
     """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
 
@@ -248,7 +254,7 @@ def build_pretrained_components(cfg: Config) -> Components:
     """
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
     device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
-    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    dtype = load_dtype(cfg)
     info = DistInfo.current()
     backbone = load_backbone(m.backbone, m.path, dtype=dtype, meta=not info.is_main, **adapter_kwargs(m))
     decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=dtype), device=device)
