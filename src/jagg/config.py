@@ -301,6 +301,12 @@ class OptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0  # 0 = no EMA
+    # the EMA's cadence (jagg.scale.optimizer.ema_decay_at; Flow-GRPO's EMAModuleWrapper): updated after
+    # optimizer steps k-1, 2k-1, ... (every step for k = 1); warm-up: decay min((1 + s) / (10 + s), ema_decay)
+    # at step s; repeats: r applications on the same weights at each update (decay ** r)
+    ema_every: int = 1
+    ema_warmup: bool = False
+    ema_repeats: int = 1
     # fused AdamW (one kernel, no step temporaries) instead of torch's default foreach; jagg.scale.optimizer
     fused: bool = False
 
@@ -833,6 +839,8 @@ def _validate_optim(optim: OptimConfig) -> None:
     _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
     _require(optim.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {optim.max_grad_norm}")
     _require(0 <= optim.ema_decay < 1, f"optim.ema_decay must be in [0, 1), got {optim.ema_decay}")
+    for key in ("ema_every", "ema_repeats"):
+        _require(getattr(optim, key) >= 1, f"optim.{key} must be >= 1, got {getattr(optim, key)}")
     _require(
         len(optim.betas) == 2 and all(0 <= x < 1 for x in optim.betas),
         f"optim.betas must be two values in [0, 1), got {optim.betas}",
