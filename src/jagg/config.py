@@ -117,6 +117,10 @@ class ModelConfig:
         " "  # Qwen-Image true CFG (used when true_cfg_scale > 1), as the Qwen-Image pipeline
     )
     max_sequence_length: int = 512  # text tokens: Flux T5 padding length, Qwen-Image truncation
+    # the dtype the frozen transformer weights (the LoRA base; all of it before LoRA) and the VAE are loaded
+    # and kept in: compute = train.precision's (bf16 at paper scale); fp32 = Flow-GRPO's SD3 trainer, whose
+    # transformer and VAE stay fp32 with the matmuls under autocast (jagg.scale.placement.weights_dtype)
+    base_dtype: str = "compute"
 
 
 @dataclass(kw_only=True)
@@ -643,6 +647,10 @@ def validate(cfg: Config) -> None:
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
     _require(
+        model.base_dtype == "compute" or cfg.train.precision in ("bf16", "fp32"),
+        f"model.base_dtype=fp32 needs train.precision bf16 or fp32, got {cfg.train.precision!r}",
+    )
+    _require(
         cfg.train.control_structure != "toward_endpoints" or cfg.backward.group_size is not None,
         "train.control_structure=toward_endpoints moves toward the endpoints rule on groups of "
         "backward.group_size, which must then be an integer, got 'auto'",
@@ -717,6 +725,10 @@ def _validate_model(model: ModelConfig) -> None:
         f"(got lora_rank={model.lora_rank}) or model.shard_frozen_base=true",
     )
     _require(model.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {model.true_cfg_scale}")
+    _require(
+        model.base_dtype in ("compute", "fp32"),
+        f"model.base_dtype must be compute|fp32, got {model.base_dtype!r}",
+    )
     _require(
         model.max_sequence_length >= 1,
         f"model.max_sequence_length must be >= 1, got {model.max_sequence_length}",

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jagg.config import Config, current_keys
-from jagg.errors import ConfigError
+from jagg.errors import ConfigError, WeightsUnavailableError
 from jagg.ops.checkpoint import checkpoint_candidates, find_checkpoint, incomplete_message
 from jagg.ops.rundir import MARKER, check_overwrite, entries, is_run_dir
 
@@ -96,9 +96,10 @@ def check_prompt_sets(cfg: Config, *, fetch: bool = True) -> None:
             _check_prompt_file(f"data.{key}", str(Path(source).expanduser()))
             continue
         if fetch and isinstance(PROMPT_DATASETS.get(source), RepoFileSource):
-            repo_file(
-                source, PROMPT_DATASETS[source]
-            )  # a few MB: found, fetched or refused before the weights
+            try:  # a few MB: found, fetched or refused before the weights
+                repo_file(source, PROMPT_DATASETS[source])
+            except WeightsUnavailableError as err:
+                raise ConfigError(f"data.{key}: {err}") from None
             continue
         if source in PROMPT_DATASETS:
             continue

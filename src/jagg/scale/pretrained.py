@@ -29,6 +29,7 @@ from jagg.scale.pipelines import (
     SD3TextEncoder,
     VaeDecoder,
 )
+from jagg.scale.placement import weights_dtype
 from jagg.scale.prompts import load_prompts
 
 # name -> default hub id (the paper's backbones)
@@ -239,7 +240,8 @@ def adapter_kwargs(m: ModelConfig) -> dict:
 def build_pretrained_components(cfg: Config) -> Components:
     """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
 
-    Weights load in bf16 when ``train.precision=bf16`` (else fp32); text encoders and VAE go to the training
+    Weights load in bf16 when ``train.precision=bf16`` (else fp32), the transformer and the VAE in fp32 with
+    ``model.base_dtype: fp32``; text encoders and VAE go to the training
     device, the transformer stays on CPU for the trainer to place (and shard). Under several processes only
     rank 0 reads the transformer's weights; the other ranks build it on the meta device and receive their
     shards from rank 0 when the trainer shards it (``jagg.scale.placement``). With
@@ -248,10 +250,11 @@ def build_pretrained_components(cfg: Config) -> Components:
     """
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
     device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
-    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32  # the text encoders'
+    weights = weights_dtype(cfg)  # the transformer's and the VAE's: fp32 with model.base_dtype=fp32
     info = DistInfo.current()
-    backbone = load_backbone(m.backbone, m.path, dtype=dtype, meta=not info.is_main, **adapter_kwargs(m))
-    decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=dtype), device=device)
+    backbone = load_backbone(m.backbone, m.path, dtype=weights, meta=not info.is_main, **adapter_kwargs(m))
+    decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=weights), device=device)
     if decoder.vae.config.get("latent_channels", decoder.vae.config.get("z_dim")) != backbone.latent_channels:
         raise ConfigError(f"model.path={m.path}: VAE latent channels do not match the transformer's")
     namespace = (
