@@ -205,7 +205,7 @@ def meta_backbone(cfg: Config, units: tuple[int, ...], arch: dict | None = None)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, lora_rank=0))
     # the load dtypes (a pretrained load gives the frozen base in the compute dtype): casting a frozen meta
     # parameter inside the fake mode makes it a FakeTensor that a replicated base's ``to_empty`` cannot swap
-    trained, frozen = parameter_dtypes(cfg.train.precision)
+    trained, frozen = parameter_dtypes(cfg.train.precision, cfg.model.base_dtype)
     cast_parameters(backbone, trainable=trained, frozen=frozen)
     return backbone, cfg
 

@@ -237,6 +237,25 @@ def test_prompt_set_typo_fails_before_the_model_code(tmp_path):
     assert not run_dir.exists()
 
 
+def test_missing_flow_grpo_split_fails_offline_before_the_model_code(tmp_path):
+    """The SD3.5-M recipe's named caption split, absent and offline: one line saying how to provide it, exit 2,
+    before diffusers is imported and before anything is written; a dry run does not look for it."""
+    run_dir = tmp_path / "run"
+    config = "configs/paper/sd3/sd35m_flowgrpo.yaml"
+    code = (
+        "import sys\nfrom jagg.train import main\n"
+        f"try:\n    main(['--config', '{config}', 'log.run_dir={run_dir}'])\nexcept SystemExit as e:\n"
+        "    print('exit', e.code)\n"
+        "print('heavy', sorted(m for m in ('diffusers', 'transformers', 'open_clip', 'jagg.world') if m in sys.modules))"
+    )
+    env = {**os.environ, "JAGG_PROMPTS_DIR": str(tmp_path / "prompts"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "exit 2" in out.stdout and "heavy []" in out.stdout, out.stdout + out.stderr
+    where = "yifan123/flow_grpo@ac4c86e:dataset/pickscore/train.txt"
+    assert f"data.train_prompts: prompt dataset 'pickscore_flowgrpo_train': {where}" in out.stderr
+    assert not run_dir.exists() and not (tmp_path / "prompts").exists()
+
+
 def test_preflight_reward_names_equal_the_registry():
     from jagg.loop.rewards import REWARD_DTYPES, REWARDS
     from jagg.ops import preflight

@@ -7,6 +7,7 @@ export loads into diffusers; the config and offline errors."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -76,6 +77,7 @@ def sd3_cfg(pipeline_dir, tmp_path, *overrides):
             "train.train_batch_size=2",
             "train.grad_accum=1",
             "optim.lr=1e-3",
+            "optim.ema_every=1",  # the recipe's first EMA update is after step 7; these runs take 2 to 4
             "log.eval_every=2",
             "log.eval_prompts=2",
             f"log.run_dir={tmp_path}",
@@ -264,6 +266,48 @@ def test_two_training_iterations_with_lora_and_export(pipeline_dir, tmp_path):
         pipe.load_lora_weights(str(out))
         after = pipe(prompt=PROMPTS[:1], latents=noise.clone(), **kw).images
     assert not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("base_dtype", ["fp32", "compute"])
+def test_base_dtype_keeps_the_frozen_transformer_and_vae_in_fp32(pipeline_dir, tmp_path, base_dtype):
+    """``model.base_dtype: fp32`` (the paper config, as Flow-GRPO's SD3 trainer): under bf16 autocast the
+    frozen transformer and the VAE load and stay fp32 (compute: bf16), the adapters fp32 either way; a
+    training iteration runs; the memory plan counts the frozen base at 4 bytes a parameter (compute: 2)."""
+    from jagg.capacity.memory_model import memory_plan
+    from jagg.loop.components import build_components
+    from jagg.loop.trainer import Trainer
+
+    cfg = sd3_cfg(
+        pipeline_dir,
+        tmp_path,
+        "train.precision=bf16",
+        f"model.base_dtype={base_dtype}",
+        "train.iterations=1",
+        "log.eval_every=0",
+        "algorithm.kl_beta=0",
+    )
+    want = torch.float32 if base_dtype == "fp32" else torch.bfloat16
+    comp = build_components(cfg)
+    assert {p.dtype for p in comp.decode.vae.parameters()} == {want}
+    trainer = Trainer(cfg, comp, tmp_path)
+    params = dict(trainer.backbone.named_parameters())
+    assert {p.dtype for n, p in params.items() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for n, p in params.items() if not p.requires_grad} == {want}
+    (row,) = trainer.fit()
+    assert row["optimizer_steps"] == 2 and row["skipped_steps"] == 0 and math.isfinite(row["loss"])
+    frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
+    paper = load_config("configs/paper/sd3/sd35m_flowgrpo.yaml", [f"model.base_dtype={base_dtype}"])
+    plan = memory_plan(paper, 8, 2, False)
+    assert frozen > 0 and paper.model.shard_frozen_base is False
+    n_frozen = plan.gpu["frozen base (replicated)"] / (4 if base_dtype == "fp32" else 2)
+    assert n_frozen == 2_243_171_520  # SD3.5-M's own parameters (the r32 adapters are the trained ones)
+
+
+def test_base_dtype_is_validated():
+    with pytest.raises(ConfigError, match="model.base_dtype must be compute|fp32, got 'fp16'"):
+        load_config("configs/paper/sd3/sd35m_flowgrpo.yaml", ["model.base_dtype=fp16"])
+    with pytest.raises(ConfigError, match="model.base_dtype=fp32 needs train.precision bf16 or fp32"):
+        load_config("configs/paper/sd3/sd35m_flowgrpo.yaml", ["train.precision=fp64"])
 
 
 def test_config_errors_and_offline(tmp_path, monkeypatch):

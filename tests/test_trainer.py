@@ -185,6 +185,60 @@ def test_eval_at_evaluates_after_exactly_those_iterations(tmp_path, tiny_cfg):
     assert [m["iteration"] for m in rows if any(k.startswith("eval_") for k in m)] == [0, 1, 4, 5]
 
 
+def test_ema_cadence_warmup_and_repeats_equal_a_hand_computation(tiny_cfg):
+    """Flow-GRPO's EMA (flow_grpo/ema.py:33-49 @ ac4c86e) with k = 3, two applications per update: after
+    optimizer steps 2, 5, 8 only, at decay min((1 + s) / (10 + s), 0.9), each applied twice on the same
+    weights; recomputed by hand from the weights after every step (float64)."""
+    cfg = tiny_cfg(
+        "train.precision=fp64",
+        "train.iterations=4",  # 2 optimizer steps an iteration: steps 1..8
+        "optim.ema_decay=0.9",
+        "optim.ema_every=3",
+        "optim.ema_warmup=true",
+        "optim.ema_repeats=2",
+    )
+    trainer = build_trainer(cfg)
+    expected = [p.detach().clone() for p in trainer.params]
+    after_step = []
+    trainer.optimizer.register_step_post_hook(
+        lambda *_: after_step.append([p.detach().clone() for p in trainer.params])
+    )
+    trainer.fit()
+    assert len(after_step) == 8
+    for s, weights in enumerate(after_step, start=1):
+        if (s + 1) % 3:
+            continue
+        d = min((1 + s) / (10 + s), 0.9)
+        for _ in range(2):
+            expected = [d * e + (1 - d) * w for e, w in zip(expected, weights, strict=True)]
+    assert all(e.dtype == torch.float64 for e in trainer.ema)
+    for got, want in zip(trainer.ema, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    # the last update (step 8) is not the weights of step 8 nor an every-step EMA's
+    assert not torch.equal(trainer.ema[0], after_step[-1][0])
+
+
+def test_ema_decay_at_follows_flow_grpo_schedule():
+    from jagg.config import OptimConfig
+    from jagg.scale.optimizer import ema_decay_at
+
+    theirs = OptimConfig(ema_decay=0.9, ema_every=8, ema_warmup=True, ema_repeats=2)
+    assert [s for s in range(1, 40) if ema_decay_at(theirs, s) is not None] == [7, 15, 23, 31, 39]
+    assert ema_decay_at(theirs, 7) == (8 / 17) ** 2
+    assert ema_decay_at(theirs, 95) == 0.9**2  # (96 / 105) > 0.9: the warm-up is over
+    plain = OptimConfig(ema_decay=0.5)
+    assert [ema_decay_at(plain, s) for s in (1, 2, 3)] == [0.5, 0.5, 0.5]
+    assert ema_decay_at(OptimConfig(), 1) is None  # no EMA
+
+
+@pytest.mark.parametrize("key", ["ema_every", "ema_repeats"])
+def test_ema_cadence_is_validated(tiny_cfg, key):
+    from jagg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"optim.{key} must be >= 1, got 0"):
+        tiny_cfg(f"optim.{key}=0")
+
+
 def test_bf16_autocast_smoke(tmp_path, tiny_cfg):
     cfg = tiny_cfg("train.precision=bf16", "train.iterations=1")
     (m,) = build_trainer(cfg).fit()

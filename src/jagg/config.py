@@ -117,6 +117,10 @@ class ModelConfig:
         " "  # Qwen-Image true CFG (used when true_cfg_scale > 1), as the Qwen-Image pipeline
     )
     max_sequence_length: int = 512  # text tokens: Flux T5 padding length, Qwen-Image truncation
+    # the dtype the frozen transformer weights (the LoRA base; all of it before LoRA) and the VAE are loaded
+    # and kept in: compute = train.precision's (bf16 at paper scale); fp32 = Flow-GRPO's SD3 trainer, whose
+    # transformer and VAE stay fp32 with the matmuls under autocast (jagg.scale.placement.weights_dtype)
+    base_dtype: str = "compute"
 
 
 @dataclass(kw_only=True)
@@ -301,6 +305,12 @@ class OptimConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0
     ema_decay: float = 0.0  # 0 = no EMA
+    # the EMA's cadence (jagg.scale.optimizer.ema_decay_at; Flow-GRPO's EMAModuleWrapper): updated after
+    # optimizer steps k-1, 2k-1, ... (every step for k = 1); warm-up: decay min((1 + s) / (10 + s), ema_decay)
+    # at step s; repeats: r applications on the same weights at each update (decay ** r)
+    ema_every: int = 1
+    ema_warmup: bool = False
+    ema_repeats: int = 1
     # fused AdamW (one kernel, no step temporaries) instead of torch's default foreach; jagg.scale.optimizer
     fused: bool = False
 
@@ -640,6 +650,10 @@ def validate(cfg: Config) -> None:
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
     _require(
+        model.base_dtype == "compute" or cfg.train.precision in ("bf16", "fp32"),
+        f"model.base_dtype=fp32 needs train.precision bf16 or fp32, got {cfg.train.precision!r}",
+    )
+    _require(
         cfg.train.control_structure != "toward_endpoints" or cfg.backward.group_size is not None,
         "train.control_structure=toward_endpoints moves toward the endpoints rule on groups of "
         "backward.group_size, which must then be an integer, got 'auto'",
@@ -720,6 +734,10 @@ def _validate_model(model: ModelConfig) -> None:
         f"(got lora_rank={model.lora_rank}) or model.shard_frozen_base=true",
     )
     _require(model.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {model.true_cfg_scale}")
+    _require(
+        model.base_dtype in ("compute", "fp32"),
+        f"model.base_dtype must be compute|fp32, got {model.base_dtype!r}",
+    )
     _require(
         model.max_sequence_length >= 1,
         f"model.max_sequence_length must be >= 1, got {model.max_sequence_length}",
@@ -842,6 +860,8 @@ def _validate_optim(optim: OptimConfig) -> None:
     _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
     _require(optim.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {optim.max_grad_norm}")
     _require(0 <= optim.ema_decay < 1, f"optim.ema_decay must be in [0, 1), got {optim.ema_decay}")
+    for key in ("ema_every", "ema_repeats"):
+        _require(getattr(optim, key) >= 1, f"optim.{key} must be >= 1, got {getattr(optim, key)}")
     _require(
         len(optim.betas) == 2 and all(0 <= x < 1 for x in optim.betas),
         f"optim.betas must be two values in [0, 1), got {optim.betas}",

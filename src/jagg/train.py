@@ -160,7 +160,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         preflight.check_reward_names(cfg)
-        preflight.check_prompt_sets(cfg)
+        preflight.check_prompt_sets(cfg, fetch=not args.dry_run)
         prepare_node(cfg, dry_run=args.dry_run)  # report torch / driver / NCCL / GPUs; CUDA env before CUDA
         if args.dry_run:
             return _dry_run(cfg, args.world_size)

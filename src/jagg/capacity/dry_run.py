@@ -66,7 +66,19 @@ def add_run_section(p: Report, cfg: Config, world_size: int) -> None:
         f"{n_global} = {train.prompts_per_iter} prompts x {train.images_per_prompt} images; {n_global // world_size} "
         f"per rank in micro-batches of {train.train_batch_size}, step every {train.grad_accum}",
     )
-    p.add("precision / grad checkpointing", f"{train.precision} / {model.gradient_checkpointing}")
+    n_micro = max(1, n_global // world_size // train.train_batch_size)
+    p.add(
+        "optimizer steps per iteration",
+        f"{-(-n_micro // train.grad_accum)} of up to {world_size * train.train_batch_size * train.grad_accum} "
+        f"samples; reward std over "
+        + (
+            f"all {n_global} rewards"
+            if algorithm.adv_std == "global"
+            else f"each group of {train.images_per_prompt}"
+        ),
+    )
+    base = "" if model.base_dtype == "compute" else f" (frozen base and VAE {model.base_dtype})"
+    p.add("precision / grad checkpointing", f"{train.precision}{base} / {model.gradient_checkpointing}")
     p.add(
         "LoRA",
         f"rank {model.lora_rank}, alpha {model.lora_alpha}" if model.lora_rank else "none (full fine-tuning)",

@@ -181,11 +181,14 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     master = (
         8 if train.precision == "fp64" else 4
     )  # trained parameters (bf16 = autocast over fp32 master weights)
-    compute = 2 if train.precision == "bf16" else master  # activations; frozen parameters stay in this dtype
+    compute = 2 if train.precision == "bf16" else master  # activations
+    # frozen transformer parameters and the VAE: the compute dtype, or fp32 with model.base_dtype=fp32 (the
+    # FSDP2 all-gathers of a sharded base stay in the compute dtype: its mixed-precision policy)
+    frozen = 4 if model_cfg.base_dtype == "fp32" else compute
     r = world_size
     replicated = not model_cfg.shard_frozen_base  # the frozen LoRA base in full on every rank
     gpu = {
-        "transformer weights (sharded)": (n_train * master + (0 if replicated else n_all - n_train) * compute)
+        "transformer weights (sharded)": (n_train * master + (0 if replicated else n_all - n_train) * frozen)
         / r,
         "gradients (sharded)": n_train * master / r,
         "AdamW moments (sharded)": 2 * n_train * 4 / r,
@@ -199,7 +202,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         (sum(x.numel() for x in blk.parameters() if x.requires_grad) for blk in blocks), default=0
     )
     if replicated:  # resident; only the adapters are all-gathered
-        gpu["frozen base (replicated)"] = (n_all - n_train) * compute
+        gpu["frozen base (replicated)"] = (n_all - n_train) * frozen
     # FSDP2 shards parameters only; placement casts floating buffers to the master dtype (cast_parameters).
     # SD3's positional table (pos_embed_max_size^2 x hidden: 0.84 GiB for SD3.5-M) is one; Flux / Qwen-Image none
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
@@ -219,14 +222,14 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         # counted once when both apply).
         gpu[f"unsharded gradients held ({' / '.join(held)})"] = n_train * compute
     if cfg.algorithm.kl_beta > 0:
-        gpu["KL reference (unsharded copy)"] = n_all * compute
+        gpu["KL reference (unsharded copy)"] = n_all * frozen
     pretrained = model_cfg.source == "pretrained"
     aux: dict[str, int] = {}
     if pretrained:
         if not data.precompute_embeddings:
             aux.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
         vae = "qwenimage_vae" if model_cfg.backbone == "qwenimage" else "flux_vae"  # SD3's VAE: Flux's layout
-        aux[vae] = aux_params(vae) * compute
+        aux[vae] = aux_params(vae) * frozen
         for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
             if name in AUX_MODELS:
                 aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}), name)
@@ -259,7 +262,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     no_grad = max(train.train_batch_size, eval_batch) * cfg_mult * tokens * hidden * 20 * compute
     # host: rank 0 holds the loaded transformer once (memory-mapped safetensors, load dtype), every rank the
     # largest other model while it loads it (weights are read to the host, then moved to the GPU).
-    load_bytes = n_all * (2 if train.precision == "bf16" else 4) if pretrained else 0
+    load_bytes = n_all * (2 if frozen == 2 else 4) if pretrained else 0  # jagg.scale.placement.weights_dtype
     staged = dict(aux)
     if (
         pretrained

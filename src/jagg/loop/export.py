@@ -39,7 +39,7 @@ from jagg.models import BACKBONES, Backbone
 from jagg.ops.checkpoint import find_checkpoint, load_weights, trainable_names
 from jagg.ops.rundir import check_export_target, export_tmp, place_export
 from jagg.scale.lora import export_lora
-from jagg.scale.placement import DTYPES, place_backbone
+from jagg.scale.placement import DTYPES, place_backbone, weights_dtype
 
 
 def _gather(tensors: dict[str, torch.Tensor], dist: DistInfo, dtype: torch.dtype | None) -> dict:
@@ -130,5 +130,4 @@ def _load_backbone(cfg: Config, dist: DistInfo) -> Backbone:
         return build_components(cfg).backbone
     from jagg.scale.pretrained import load_backbone
 
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-    return load_backbone(cfg.model.backbone, cfg.model.path, dtype=dtype, meta=not dist.is_main)
+    return load_backbone(cfg.model.backbone, cfg.model.path, dtype=weights_dtype(cfg), meta=not dist.is_main)

@@ -42,7 +42,7 @@ from jagg.ops.heartbeat import PhaseWatch
 from jagg.ops.trackers import RunLog
 from jagg.plugins import build_plugins
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
-from jagg.scale.optimizer import build_optimizer, shadow_step, update_ema
+from jagg.scale.optimizer import build_optimizer, ema_decay_at, optimizer_steps, shadow_step, update_ema
 from jagg.scale.placement import DTYPES, place_backbone
 
 
@@ -227,8 +227,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
         self.weights_version += 1
-        if self.ema is not None:
-            update_ema(self.ema, self.params, self.cfg.optim.ema_decay)
+        decay = ema_decay_at(self.cfg.optim, optimizer_steps(self.optimizer))  # None: no EMA, or not due
+        if self.ema is not None and decay is not None:
+            update_ema(self.ema, self.params, decay)
         return norm, True
 
     def plugin(self, name: str) -> Plugin | None:

@@ -6,7 +6,8 @@ the real-model path are imported and before anything is written, so a typo costs
     check_reward_names   reward.weights / reward.eval against the names ``jagg.loop.rewards`` registers
                          (``REWARD_NAMES``, a static copy; a test checks it equals the registry)
     check_prompt_sets    data.train_prompts / data.eval_prompts: a readable file with a prompt, or a name in
-                         ``PROMPT_DATASETS``
+                         ``PROMPT_DATASETS`` (a pinned repository's file, such as Flow-GRPO's caption split,
+                         is found or fetched here, or the run stops before any weight loads)
     check_device         train.device=cuda needs a CUDA device (one per local rank under torchrun)
     check_trackers       every tracker in log.report_to is installed
     start_run_dir        fresh / resume / resume-if-checkpoint (never over metrics or an incomplete checkpoint),
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jagg.config import Config, current_keys
-from jagg.errors import ConfigError
+from jagg.errors import ConfigError, WeightsUnavailableError
 from jagg.ops.checkpoint import checkpoint_candidates, find_checkpoint, incomplete_message
 from jagg.ops.rundir import MARKER, check_overwrite, entries, is_run_dir
 
@@ -81,16 +82,24 @@ def check_reward_names(cfg: Config, known: Iterable[str] = REWARD_NAMES) -> None
             )
 
 
-def check_prompt_sets(cfg: Config) -> None:
-    """With model.source=pretrained, each prompt source is an existing file or a known hub prompt set."""
+def check_prompt_sets(cfg: Config, *, fetch: bool = True) -> None:
+    """With model.source=pretrained, each prompt source is an existing file or a known prompt set; a pinned
+    repository's file is also found or fetched (``fetch``; not in a dry run, which reads and writes nothing)."""
     if cfg.model.source != "pretrained":
         return
-    from jagg.scale.prompts import PROMPT_DATASETS  # no model code: the names and their hub sources
+    # no model code: the names, their sources, and the files of a pinned repository
+    from jagg.scale.prompts import PROMPT_DATASETS, RepoFileSource, repo_file
 
     for key in ("train_prompts", "eval_prompts"):
         source = getattr(cfg.data, key)
         if Path(source).expanduser().is_file():
             _check_prompt_file(f"data.{key}", str(Path(source).expanduser()))
+            continue
+        if fetch and isinstance(PROMPT_DATASETS.get(source), RepoFileSource):
+            try:  # a few MB: found, fetched or refused before the weights
+                repo_file(source, PROMPT_DATASETS[source])
+            except WeightsUnavailableError as err:
+                raise ConfigError(f"data.{key}: {err}") from None
             continue
         if source in PROMPT_DATASETS:
             continue

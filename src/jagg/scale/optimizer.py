@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from jagg.config import Config
+from jagg.config import Config, OptimConfig
 from jagg.distributed import full_tensor
 from jagg.errors import ConfigError
 
@@ -78,6 +78,32 @@ def update_ema(ema: list[torch.Tensor], params: Iterable[torch.nn.Parameter], de
     """``ema <- decay * ema + (1 - decay) * params``, in place (the weights evaluations use, ``optim.ema_decay``)."""
     for e, p in zip(ema, params):
         e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
+def ema_decay_at(optim: OptimConfig, step: int) -> float | None:
+    """The EMA decay to apply after optimizer step ``step`` (1 = the run's first), or None when none is due.
+
+    ``optim.ema_every`` k, ``optim.ema_warmup`` and ``optim.ema_repeats`` r follow Flow-GRPO's
+    ``EMAModuleWrapper.step(params, global_step)`` (yifan123/flow_grpo @ ac4c86e ``flow_grpo/ema.py:33-49``),
+    called with the count of optimizer steps done (``scripts/train_sd3.py:952-955``): due when
+    ``(step + 1) % k == 0`` (steps 7, 15, 23, ... for k = 8), at decay ``min((1 + step) / (10 + step),
+    ema_decay)`` with the warm-up, else ``ema_decay``. Their call sits in the micro-batch loop, so at a due step
+    it runs once per micro-batch until the next optimizer step, on unchanged weights: r applications of d are
+    one of d ** r (``ema <- p + d^r (ema - p)``). k = 1, no warm-up, r = 1: after every step at ``ema_decay``."""
+    if optim.ema_decay <= 0 or (step + 1) % optim.ema_every != 0:
+        return None
+    decay = min((1 + step) / (10 + step), optim.ema_decay) if optim.ema_warmup else optim.ema_decay
+    return decay**optim.ema_repeats
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps AdamW has applied (its per-parameter ``step``: checkpointed with its state, so the EMA's
+    cadence goes on across a resume); 0 before the first."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if "step" in optimizer.state.get(p, {}):
+                return int(optimizer.state[p]["step"])
+    return 0
 
 
 def shadow_step(

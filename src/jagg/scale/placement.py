@@ -2,7 +2,8 @@
 
     dtypes        ``train.precision=bf16``: the trained parameters are fp32 master weights under bf16 autocast;
                   frozen parameters (the LoRA base) stay in bf16, the dtype they were loaded in, and are never
-                  upcast. fp32 / fp64: every parameter in that dtype.
+                  upcast; with ``model.base_dtype: fp32`` they are loaded and kept in fp32 (Flow-GRPO's SD3
+                  trainer), autocast casting each matmul's weight. fp32 / fp64: every parameter in that dtype.
     one process   the backbone is cast and moved to the training device.
     N processes   only rank 0 holds the loaded weights (``model.source=pretrained`` builds the transformer on
                   the meta device on the other ranks); every rank shards its copy per block
@@ -32,10 +33,19 @@ from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
-def parameter_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype]:
-    """(trained, frozen) parameter dtypes of ``train.precision``: bf16 -> (fp32 master, bf16)."""
+def parameter_dtypes(precision: str, base_dtype: str = "compute") -> tuple[torch.dtype, torch.dtype]:
+    """(trained, frozen) parameter dtypes of ``train.precision`` and ``model.base_dtype``: bf16 -> (fp32
+    master, bf16), or (fp32, fp32) with an fp32 base."""
     compute = DTYPES[precision]
-    return (torch.float32 if compute == torch.bfloat16 else compute), compute
+    frozen = torch.float32 if base_dtype == "fp32" else compute
+    return (torch.float32 if compute == torch.bfloat16 else compute), frozen
+
+
+def weights_dtype(cfg: Config) -> torch.dtype:
+    """The dtype a pretrained transformer and its VAE load in: the frozen parameters' (above); fp64 runs load
+    fp32 and are cast by ``place_backbone``."""
+    frozen = parameter_dtypes(cfg.train.precision, cfg.model.base_dtype)[1]
+    return torch.bfloat16 if frozen == torch.bfloat16 else torch.float32
 
 
 def mixed_precision(precision: str):
@@ -74,7 +84,7 @@ def place_backbone(
     """LoRA (``model.lora_rank > 0``), gradient checkpointing, dtypes, device and, under several processes,
     FSDP2 sharding with rank 0's weights (module docstring). Returns (backbone, reference): ``reference`` asks
     for an unsharded frozen copy of the initial model on every rank (the KL reference; small models only)."""
-    trained, frozen = parameter_dtypes(cfg.train.precision)
+    trained, frozen = parameter_dtypes(cfg.train.precision, cfg.model.base_dtype)
     if cfg.model.lora_rank > 0:  # before sharding and before the optimizer sees the parameters
         apply_run_lora(cfg, backbone)
     if cfg.model.gradient_checkpointing:

@@ -29,6 +29,7 @@ from jagg.scale.pipelines import (
     SD3TextEncoder,
     VaeDecoder,
 )
+from jagg.scale.placement import weights_dtype
 from jagg.scale.prompts import load_prompts
 
 # name -> default hub id (the paper's backbones)
@@ -236,16 +237,20 @@ def adapter_kwargs(m: ModelConfig) -> dict:
     }[m.backbone]
 
 
-def load_dtype(cfg: Config) -> torch.dtype:
-    """The dtype the transformer, text encoders and VAE are loaded in (``train.precision``; the weights check
-    compares the checkpoints' stored dtypes with it)."""
+def load_dtype(cfg: Config, part: str = "text_encoder") -> torch.dtype:
+    """The dtype a pipeline part is loaded in: the text encoders in ``train.precision``'s, the transformer and
+    the VAE in the frozen base's (``weights_dtype``: fp32 with ``model.base_dtype: fp32``). The weights check
+    compares the checkpoints' stored dtypes with it."""
+    if part in ("transformer", "vae"):
+        return weights_dtype(cfg)
     return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
 
 
 def build_pretrained_components(cfg: Config) -> Components:
     """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
 
-    Weights load in bf16 when ``train.precision=bf16`` (else fp32); text encoders and VAE go to the training
+    Weights load in bf16 when ``train.precision=bf16`` (else fp32), the transformer and the VAE in fp32 with
+    ``model.base_dtype: fp32``; text encoders and VAE go to the training
     device, the transformer stays on CPU for the trainer to place (and shard). Under several processes only
     rank 0 reads the transformer's weights; the other ranks build it on the meta device and receive their
     shards from rank 0 when the trainer shards it (``jagg.scale.placement``). With
@@ -254,10 +259,11 @@ def build_pretrained_components(cfg: Config) -> Components:
     """
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
     device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
-    dtype = load_dtype(cfg)
+    dtype = load_dtype(cfg)  # the text encoders'
+    weights = load_dtype(cfg, "transformer")  # and the VAE's: fp32 with model.base_dtype=fp32
     info = DistInfo.current()
-    backbone = load_backbone(m.backbone, m.path, dtype=dtype, meta=not info.is_main, **adapter_kwargs(m))
-    decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=dtype), device=device)
+    backbone = load_backbone(m.backbone, m.path, dtype=weights, meta=not info.is_main, **adapter_kwargs(m))
+    decoder = VaeDecoder(load_part(m.backbone, "vae", m.path, dtype=weights), device=device)
     if decoder.vae.config.get("latent_channels", decoder.vae.config.get("z_dim")) != backbone.latent_channels:
         raise ConfigError(f"model.path={m.path}: VAE latent channels do not match the transformer's")
     namespace = (

@@ -6,15 +6,24 @@ No package ships these prompts. ``load_prompts`` takes either a local file or a 
                  records use the first of PROMPT_COLUMNS they have, and CATEGORY_COLUMNS for a category.
     dataset name hpdv2_train / hpdv2_test (the train.json / test.json annotation files of the hub dataset
                  ymhao/HPDv2, without its 32 GB of images), drawbench (shunk031/DrawBench, parquet conversion),
-                 pickapic (captions of yuvalkirstain/pickapic_v2, streamed through ``datasets``).
+                 pickapic (captions of yuvalkirstain/pickapic_v2, streamed through ``datasets``),
+                 pickscore_flowgrpo_train / pickscore_flowgrpo_test (Flow-GRPO's Pick-a-Pic caption split,
+                 ``dataset/pickscore/{train,test}.txt`` of yifan123/flow_grpo @ ac4c86e: 25,432 and 2,048
+                 captions, a ``RepoFileSource``).
 Hub sources are tried cache-first and fail fast offline with a ``WeightsUnavailableError`` (jagg.scale.hub).
+A ``RepoFileSource`` is read from a copy of its repository's layout under ``prompts_dir()``
+($JAGG_PROMPTS_DIR, default ~/.cache/jagg/prompts), fetched there once when missing and online, and its
+SHA-256 checked either way; offline (HF_HUB_OFFLINE, or GitHub unreachable) it fails fast the same way.
 The hub layouts were not reachable from the development machine; if one changed, pass a local file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -57,11 +66,50 @@ class HubPromptSource:
     streaming: bool = False
 
 
-PROMPT_DATASETS: dict[str, HubPromptSource] = {
+@dataclass(frozen=True)
+class RepoFileSource:
+    """One text file of a public GitHub repository at a pinned commit, with the SHA-256 of its bytes and its
+    count of lines (Flow-GRPO's caption splits: one prompt a line, read as their ``TextPromptDataset``)."""
+
+    repo: str  # owner/name
+    commit: str
+    path: str  # inside the repository
+    sha256: str
+    lines: int
+
+    @property
+    def url(self) -> str:
+        return f"https://raw.githubusercontent.com/{self.repo}/{self.commit}/{self.path}"
+
+    def local_path(self, root: str) -> str:
+        """Where a copy lives: ``root``/owner/name/path (a checkout of the repository there also serves)."""
+        return os.path.join(root, *self.repo.split("/"), *self.path.split("/"))
+
+
+FLOW_GRPO = "yifan123/flow_grpo"
+FLOW_GRPO_COMMIT = "ac4c86e8cae021841f1fde853d340e0db67690dd"
+
+PROMPT_DATASETS: dict[str, HubPromptSource | RepoFileSource] = {
     "hpdv2_train": HubPromptSource("ymhao/HPDv2", filename="train.json"),
     "hpdv2_test": HubPromptSource("ymhao/HPDv2", split="test", filename="test.json"),
     "drawbench": HubPromptSource("shunk031/DrawBench", split="test", revision="refs/convert/parquet"),
     "pickapic": HubPromptSource("yuvalkirstain/pickapic_v2", split="train", streaming=True),
+    # Flow-GRPO's pickscore_sd3 prompts (config/grpo.py:109, scripts/train_sd3.py:41-51, 477-479): unique
+    # Pick-a-Pic v1 captions of >= 6 words, shuffled, the first 2,048 held out (dataset/pickscore/prpocess.py)
+    "pickscore_flowgrpo_train": RepoFileSource(
+        FLOW_GRPO,
+        FLOW_GRPO_COMMIT,
+        "dataset/pickscore/train.txt",
+        sha256="2f425adcbb9a6d0feee7c6c448e1cb83a1f71deca9434b803907e2578eca837f",
+        lines=25_432,
+    ),
+    "pickscore_flowgrpo_test": RepoFileSource(
+        FLOW_GRPO,
+        FLOW_GRPO_COMMIT,
+        "dataset/pickscore/test.txt",
+        sha256="d75c025fa451866e70f7e36243f7cdd93095523cb51f5f9651f2ce3236d20262",
+        lines=2_048,
+    ),
 }
 
 
@@ -144,6 +192,63 @@ def _read_hub(name: str, src: HubPromptSource, limit: int | None) -> tuple[list[
     return prompts, cats
 
 
+# --------------------------------------------------------------------------- files of a pinned repository
+def prompts_dir() -> str:
+    """Where ``RepoFileSource`` copies live: $JAGG_PROMPTS_DIR, else ~/.cache/jagg/prompts."""
+    return os.path.expanduser(os.environ.get("JAGG_PROMPTS_DIR") or "~/.cache/jagg/prompts")
+
+
+def _github_reachable(timeout: float = 3.0) -> bool:
+    try:
+        with socket.create_connection(("raw.githubusercontent.com", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _fetch(src: RepoFileSource, path: str) -> None:
+    """Download ``src`` to ``path`` (atomically: a checked temporary file renamed into place)."""
+    from urllib.request import urlopen
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with urlopen(src.url, timeout=60) as response:
+        data = response.read()
+    if hashlib.sha256(data).hexdigest() != src.sha256:
+        raise WeightsUnavailableError(f"{src.url}: downloaded file does not have SHA-256 {src.sha256}")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".part")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def repo_file(name: str, src: RepoFileSource) -> str:
+    """The local path of ``src``'s file, fetched into ``prompts_dir()`` when missing and online; a
+    ``WeightsUnavailableError`` saying how to provide it when offline, or when the copy there is another file."""
+    path = src.local_path(prompts_dir())
+    where = f"{src.repo}@{src.commit[:7]}:{src.path}"
+    how = (
+        f"Copy it (from a {src.repo} checkout at {src.commit[:7]} or {src.url}) to {path}, set JAGG_PROMPTS_DIR "
+        f"to a folder holding {src.repo}/{src.path}, or pass a file as data.train_prompts / data.eval_prompts."
+    )
+    if not os.path.isfile(path):
+        if hub_offline() or not _github_reachable():
+            why = "HF_HUB_OFFLINE is set" if hub_offline() else "GitHub is unreachable"
+            raise WeightsUnavailableError(f"prompt dataset {name!r}: {where} is not available ({why}). {how}")
+        _fetch(src, path)
+    digest = _sha256(path)
+    if digest != src.sha256:
+        raise WeightsUnavailableError(
+            f"prompt dataset {name!r}: {path} is not {where} (SHA-256 {digest[:12]}..., expected "
+            f"{src.sha256[:12]}...). {how}"
+        )
+    return path
+
+
 def load_prompts(
     source: str, *, limit: int | None = None, dedupe: bool = True, name: str | None = None
 ) -> PromptSet:
@@ -155,6 +260,13 @@ def load_prompts(
     path = os.path.expanduser(source)
     if os.path.isfile(path):
         prompts, cats = read_prompt_file(path)
+    elif isinstance(PROMPT_DATASETS.get(source), RepoFileSource):
+        src = PROMPT_DATASETS[source]
+        prompts, cats = read_prompt_file(repo_file(source, src))
+        if len(prompts) != src.lines:  # the file is theirs (SHA-256): our reading must keep every line
+            raise ValueError(
+                f"prompts: {source!r} read as {len(prompts)} prompts, {src.lines} lines expected"
+            )
     elif source in PROMPT_DATASETS:
         prompts, cats = _read_hub(source, PROMPT_DATASETS[source], limit)
     elif source.lower().endswith(LOCAL_SUFFIXES):

@@ -211,7 +211,7 @@ def model_specs(cfg: Config) -> list[Spec]:
         raise ConfigError(
             f"model.source={m.source}: the weights check is for model.source=pretrained configs"
         )
-    repo, dtype = m.path or PRETRAINED_IDS[m.backbone], load_dtype(cfg)
+    repo = m.path or PRETRAINED_IDS[m.backbone]
     specs = [
         Spec(
             f"{m.backbone} transformer",
@@ -220,12 +220,13 @@ def model_specs(cfg: Config) -> list[Spec]:
             "diffusers",
             BACKBONES[m.backbone].transformer_cls,
             key="model.path",
-            dtype=dtype,
+            dtype=load_dtype(cfg, "transformer"),
         )
     ]
     for sub, (library, _) in PIPELINE_PARTS[m.backbone].items():
         if not sub.startswith("tokenizer"):
             cls = part_class(m.backbone, sub)
+            dtype = load_dtype(cfg, sub)
             specs.append(Spec(f"{m.backbone} {sub}", repo, sub, library, cls, key="model.path", dtype=dtype))
     return specs + reward_specs(cfg)
 
