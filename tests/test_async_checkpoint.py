@@ -268,3 +268,63 @@ def test_two_ranks_async_checkpoints_resume_and_equal_sync_ones(tmp_path):
         assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         _same_checkpoints(tmp_path / "sync" / name, ckpt)
     assert not (tmp_path / "async" / "checkpoint.tmp").exists()
+
+
+def two_rank_poll(rank: int, out_dir: str) -> None:
+    """An asynchronous save whose write is done on rank 0 but held up on rank 1 (its hashing waits): the poll
+    finishes it on neither rank; once rank 1 is done, the next poll finishes it on both. The writer's gloo
+    group has train.dist_timeout_s as its timeout."""
+    from concurrent.futures import wait
+
+    import jagg.ops.checkpoint as ckpt
+
+    out = Path(out_dir)
+    (out / "run").mkdir(exist_ok=True)  # fit would make it
+    trainer = build_trainer(
+        tiny_config(
+            out / "run", *RUN, "log.async_checkpoint=true", "train.dist_timeout_s=123", base=TWO_RANKS
+        )
+    )
+    writer = trainer.checkpoints
+    gate, real = threading.Event(), ckpt.file_digest
+    if rank == 1:
+        ckpt.file_digest = lambda path, *a: (gate.wait(600), real(path, *a))[1]
+    trainer._next_iteration(None)  # iteration 1, then its save (log.checkpoint_every=1)
+    if rank == 0:
+        wait([writer.pending.written])  # rank 0's part is on disk
+    first = writer.poll()  # rank 1 still hashing: not finished anywhere
+    first_visible = (out / "run" / "checkpoint").exists()
+    gate.set()
+    wait([writer.pending.written])
+    second = writer.poll()
+    ckpt.file_digest = real
+    timeout = writer.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    result = {"polls": [first, str(second)], "first_visible": first_visible, "group_timeout_s": timeout}
+    save_rank_result(out, rank, result)
+
+
+def test_two_ranks_finish_a_save_when_both_writes_are_done(tmp_path):
+    run_ranks("test_async_checkpoint:two_rank_poll", 2, tmp_path, timeout=600)
+    ckpt = tmp_path / "run" / "checkpoint"
+    for r in rank_results(tmp_path, 2):
+        assert r == {"polls": [None, str(ckpt)], "first_visible": False, "group_timeout_s": 123.0}
+    verify_checkpoint(ckpt, DistInfo())
+    assert read_progress(ckpt)["iteration"] == 1
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_the_writers_gloo_group_gets_the_dist_timeout(tmp_path, monkeypatch, asynchronous):
+    """Under torchrun an asynchronous writer's own gloo group is made with train.dist_timeout_s (torch's
+    default for a new gloo group is 30 minutes); a synchronous one makes none."""
+    from datetime import timedelta
+
+    import torch.distributed
+
+    from jagg.ops.checkpoint import CheckpointWriter
+
+    made = []
+    monkeypatch.setattr(torch.distributed, "new_group", lambda **kw: made.append(kw) or "group")
+    writer = CheckpointWriter(tmp_path, DistInfo(0, 2), keep=1, asynchronous=asynchronous, timeout_s=123)
+    assert made == ([{"backend": "gloo", "timeout": timedelta(seconds=123)}] if asynchronous else [])
+    assert writer.group == ("group" if asynchronous else None)
