@@ -32,8 +32,12 @@ lost iterations are redone exactly: iteration ``it`` depends only on the seed an
 
 Disk space: a save writes the new checkpoint while the previous one is still on disk (that is what makes it
 atomic), so it needs one more checkpoint's worth of free space, more than its tensors' bytes; it checks that
-before it writes anything, and a full disk during the write is one ``CheckpointError`` that names the free and
-the needed space (the partial ``checkpoint.tmp/`` is removed, and the next run start removes one a kill left).
+before it writes anything. A write that fails (full disk or quota, a file past the file-size limit of
+``ulimit -f``, any I/O error), on any rank, sync or async, is one ``CheckpointError`` on every rank naming the
+file and the reason (the errno's text and name: ENOSPC, EFBIG, ...; a full disk adds the free and the needed
+space; torch's zip writer may drop the errno of a write past the size limit, and a file that reached the limit
+is then named as EFBIG all the same). The partial ``checkpoint.tmp/`` is removed, the previous checkpoint stays,
+and the next run start removes a ``checkpoint.tmp/`` a kill left.
 
 The optimizer is saved once it has stepped (its state exists); saving before that writes the weights only,
 because building an AdamW state dict of a fresh optimizer would take a zero step and change the live run.
@@ -41,14 +45,20 @@ because building an AdamW state dict of a fresh optimizer would take a zero step
 Asynchronous saves (``log.async_checkpoint``; ``CheckpointWriter``): ``start_checkpoint`` copies the state to
 CPU memory (DCP's ``async_save`` stages before it returns) and captures progress.pt's contents (metrics, RNG
 states) before returning, so training goes on while a background thread writes the shards, then progress.pt,
-and hashes this rank's files. Nothing of it is visible until ``PendingCheckpoint.finish`` (a collective, at
-the next save, at the end of ``fit``, before an abort, before a resume): it waits for every rank's write,
-writes the manifest and swaps the directory in exactly as a synchronous save does (``save_checkpoint`` is
-``start_checkpoint(...).finish()``), so at any instant ``find_checkpoint`` sees only finished, verified saves; a
-kill during the write leaves ``checkpoint.tmp/``, which the next start removes unless the write had finished:
-a complete save found there (DCP's ``.metadata``, every shard it lists at full length, a readable progress.pt;
-``promote_interrupted_save``) is given its manifest and swapped in on ``--resume``, never deleted. Under torchrun DCP's
-collectives in the background run on a gloo group of their own, never interleaved with the training's.
+and hashes this rank's files. Nothing of it is visible until ``PendingCheckpoint.finish`` (a collective): it
+waits for every rank's write, writes the manifest and swaps the directory in exactly as a synchronous save does
+(``save_checkpoint`` is ``start_checkpoint(...).finish()``), so at any instant ``find_checkpoint`` sees only
+finished, verified saves. It runs as soon as the save is written: ``CheckpointWriter.poll``, at every iteration
+boundary (the CLI calls it in ``fit``'s progress callback), asks every rank whether its write is done (one
+all-reduce of a 0/1 flag while a save is in flight; nothing on one process) and finishes the save at the first
+boundary where all are; the next save, the end of ``fit``, an abort or a resume finish one still in flight by
+waiting for it. So a preemption loses at most the iterations since the last save whose write had finished, not
+those since the save before it. A kill during the write leaves ``checkpoint.tmp/``, which the next start
+removes unless the write had finished: a complete save found there (DCP's ``.metadata``, every shard it lists
+at full length, a readable progress.pt; ``promote_interrupted_save``) is given its manifest and swapped in on
+``--resume``, never deleted. Under torchrun DCP's collectives in the background run on a gloo group of their
+own (timeout ``train.dist_timeout_s``), never interleaved with the training's; the poll's all-reduce runs on the
+training's group for that reason.
 """
 
 from __future__ import annotations
@@ -651,7 +661,8 @@ def _complete_save(tmp: Path) -> int:
 
 def promote_interrupted_save(run_dir: str | Path, *, keep: int = 1) -> int | None:
     """Make a complete save that a killed run left in ``checkpoint.tmp/`` the run's checkpoint (an asynchronous
-    save becomes visible only at the next one, so a preemption may catch it finished but not swapped in): it gets
+    save becomes visible only at the iteration boundary after its write, so a kill may catch it written but not
+    swapped in): it gets
     its manifest and is swapped in as ``PendingCheckpoint.finish`` would have. Returns its iteration, or None
     (nothing there, or incomplete: then the caller removes it as ``jagg.ops.rundir.clean_stale`` does; or not
     newer than the checkpoint in place). One process (rank 0), holding the run directory's lock."""
