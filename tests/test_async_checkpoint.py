@@ -129,13 +129,57 @@ def test_an_async_save_is_a_snapshot_invisible_until_finished(tmp_path, gated_wr
     )
 
 
+def test_a_save_becomes_the_checkpoint_at_the_first_poll_after_its_write(tmp_path, gated_writes):
+    """``CheckpointWriter.poll`` (the CLI calls it after every iteration) leaves a save in flight alone while
+    its write goes on, however many boundaries pass, and finishes it at the first poll once the write is done;
+    before the change the save became the checkpoint only at the next save or the end of ``fit``."""
+    from concurrent.futures import wait
+
+    over = ("train.iterations=3", "log.checkpoint_every=0", "log.async_checkpoint=true")
+    trainer = build_trainer(tiny_config(tmp_path, *over))
+    writer = trainer.checkpoints
+    assert writer.poll() is None  # nothing in flight: nothing to do
+    trainer._next_iteration(None)
+    trainer.save_checkpoint()  # its shards wait at the gate
+    polls = []
+    for _ in range(2):  # two boundaries pass while the write is held up
+        polls.append(writer.poll())
+        assert checkpoint_candidates(tmp_path) == [] and writer.pending is not None
+        trainer._next_iteration(None)
+    gated_writes.set()
+    wait([writer.pending.written])  # the write is done (digests included): the next boundary finishes it
+    polls.append(writer.poll())
+    assert polls == [None, None, tmp_path / "checkpoint"] and writer.pending is None
+    assert not (tmp_path / "checkpoint.tmp").exists()
+    verify_checkpoint(tmp_path / "checkpoint", DistInfo())
+    assert read_progress(tmp_path / "checkpoint")["iteration"] == 1 and trainer.iteration == 3
+    assert writer.poll() is None and writer.finish() is None  # finished once
+
+
+def test_a_synchronous_writer_has_nothing_to_poll(tmp_path):
+    trainer = build_trainer(tiny_config(tmp_path, "log.async_checkpoint=false", "log.checkpoint_every=0"))
+    trainer._next_iteration(None)
+    trainer.save_checkpoint()
+    assert trainer.checkpoints.pending is None and trainer.checkpoints.poll() is None
+    assert read_progress(tmp_path / "checkpoint")["iteration"] == 1
+
+
+FAILED_WRITES = {  # errno -> what the one-line error says after the checkpoint and the file
+    "ENOSPC": r"No space left on device \(ENOSPC\); .* free on .*, .* needed; free some space",
+    "EFBIG": r"File too large \(EFBIG\)(: the file-size limit .*)?; the previous checkpoint stays",
+}
+
+
+@pytest.mark.parametrize("code", sorted(FAILED_WRITES))
 @pytest.mark.parametrize("asynchronous", ["false", "true"])
-def test_a_full_disk_during_a_write_is_one_error_and_keeps_the_previous_checkpoint(
-    tmp_path, monkeypatch, asynchronous
+def test_a_failed_write_is_one_error_naming_the_file_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, asynchronous, code
 ):
-    """ENOSPC inside DCP's writer reaches the caller as DCP's CheckpointException (a BaseException wrapping
-    each rank's error): one CheckpointError, from the save itself or, asynchronous, from its finish."""
+    """ENOSPC or EFBIG inside DCP's writer reaches the caller as DCP's CheckpointException (a BaseException
+    wrapping each rank's error): one CheckpointError naming the shard and the errno, from the save itself or,
+    asynchronous, from the poll after the next iteration."""
     import errno
+    import os
 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
@@ -143,20 +187,46 @@ def test_a_full_disk_during_a_write_is_one_error_and_keeps_the_previous_checkpoi
 
     calls, real = [], FileSystemWriter.write_data
 
-    def second_fills_the_disk(self, plan, planner):
+    def second_fails(self, plan, planner):
         calls.append(1)
         if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
         return real(self, plan, planner)
 
-    monkeypatch.setattr(FileSystemWriter, "write_data", second_fills_the_disk)
-    over = ("train.iterations=2", "log.checkpoint_every=1", f"log.async_checkpoint={asynchronous}")
+    monkeypatch.setattr(FileSystemWriter, "write_data", second_fails)
+    over = ("train.iterations=3", "log.checkpoint_every=1", f"log.async_checkpoint={asynchronous}")
     trainer = build_trainer(tiny_config(tmp_path, *over))
-    with pytest.raises(CheckpointError, match=r"disk full while writing checkpoint .* free on .* needed"):
-        trainer.fit()  # the second save fails (asynchronous: in the background; fit's end reports it)
+    trainer._next_iteration(None)
+    if asynchronous == "true":
+        trainer.checkpoints.pending.written.result()  # the first save's write is done: the poll finishes it
+        assert trainer.checkpoints.poll() == tmp_path / "checkpoint"
+    prefix = "disk full while writing" if code == "ENOSPC" else "writing"
+    shard = tmp_path / "checkpoint.tmp" / "__0_0.distcp"
+    pattern = f"{prefix} checkpoint {tmp_path / 'checkpoint'}( failed)?: {shard}: {FAILED_WRITES[code]}"
+    with pytest.raises(CheckpointError, match=pattern):
+        trainer._next_iteration(None)  # the second save fails (asynchronous: in the background)
+        assert asynchronous == "true" and trainer.checkpoints.pending is not None
+        trainer.checkpoints.pending.written.exception()  # wait for the background write to fail
+        trainer.checkpoints.poll()  # the CLI's poll after the next iteration reports it
     assert not (tmp_path / "checkpoint.tmp").exists()
     assert read_progress(tmp_path / "checkpoint")["iteration"] == 1
     verify_checkpoint(tmp_path / "checkpoint", DistInfo())
+
+
+def test_a_write_error_without_an_errno_at_the_file_size_limit_is_efbig(tmp_path, monkeypatch):
+    """torch's zip writer may report a write past the file-size limit as a RuntimeError without the OSError:
+    the file that reached the limit (ulimit -f) is named as EFBIG all the same."""
+    import jagg.ops.checkpoint as ckpt
+
+    shard = tmp_path / "__0_0.distcp"
+    shard.write_bytes(b"x" * 4096)
+    monkeypatch.setattr(ckpt, "_file_size_limit", lambda: 4096)
+    err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    failure = ckpt.WriteFailure.of(err, shard)
+    assert (failure.path, failure.full) == (str(shard), False)
+    assert failure.reason == "File too large (EFBIG): it reached the file-size limit (ulimit -f) of 4.0 KiB"
+    monkeypatch.setattr(ckpt, "_file_size_limit", lambda: None)  # unlimited: the writer's own words
+    assert ckpt.WriteFailure.of(err, shard).reason == f"RuntimeError: {err}"
 
 
 # --------------------------------------------------------------------------- 2 gloo ranks (FSDP2)
@@ -198,3 +268,63 @@ def test_two_ranks_async_checkpoints_resume_and_equal_sync_ones(tmp_path):
         assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
         _same_checkpoints(tmp_path / "sync" / name, ckpt)
     assert not (tmp_path / "async" / "checkpoint.tmp").exists()
+
+
+def two_rank_poll(rank: int, out_dir: str) -> None:
+    """An asynchronous save whose write is done on rank 0 but held up on rank 1 (its hashing waits): the poll
+    finishes it on neither rank; once rank 1 is done, the next poll finishes it on both. The writer's gloo
+    group has train.dist_timeout_s as its timeout."""
+    from concurrent.futures import wait
+
+    import jagg.ops.checkpoint as ckpt
+
+    out = Path(out_dir)
+    (out / "run").mkdir(exist_ok=True)  # fit would make it
+    trainer = build_trainer(
+        tiny_config(
+            out / "run", *RUN, "log.async_checkpoint=true", "train.dist_timeout_s=123", base=TWO_RANKS
+        )
+    )
+    writer = trainer.checkpoints
+    gate, real = threading.Event(), ckpt.file_digest
+    if rank == 1:
+        ckpt.file_digest = lambda path, *a: (gate.wait(600), real(path, *a))[1]
+    trainer._next_iteration(None)  # iteration 1, then its save (log.checkpoint_every=1)
+    if rank == 0:
+        wait([writer.pending.written])  # rank 0's part is on disk
+    first = writer.poll()  # rank 1 still hashing: not finished anywhere
+    first_visible = (out / "run" / "checkpoint").exists()
+    gate.set()
+    wait([writer.pending.written])
+    second = writer.poll()
+    ckpt.file_digest = real
+    timeout = writer.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    result = {"polls": [first, str(second)], "first_visible": first_visible, "group_timeout_s": timeout}
+    save_rank_result(out, rank, result)
+
+
+def test_two_ranks_finish_a_save_when_both_writes_are_done(tmp_path):
+    run_ranks("test_async_checkpoint:two_rank_poll", 2, tmp_path, timeout=600)
+    ckpt = tmp_path / "run" / "checkpoint"
+    for r in rank_results(tmp_path, 2):
+        assert r == {"polls": [None, str(ckpt)], "first_visible": False, "group_timeout_s": 123.0}
+    verify_checkpoint(ckpt, DistInfo())
+    assert read_progress(ckpt)["iteration"] == 1
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_the_writers_gloo_group_gets_the_dist_timeout(tmp_path, monkeypatch, asynchronous):
+    """Under torchrun an asynchronous writer's own gloo group is made with train.dist_timeout_s (torch's
+    default for a new gloo group is 30 minutes); a synchronous one makes none."""
+    from datetime import timedelta
+
+    import torch.distributed
+
+    from jagg.ops.checkpoint import CheckpointWriter
+
+    made = []
+    monkeypatch.setattr(torch.distributed, "new_group", lambda **kw: made.append(kw) or "group")
+    writer = CheckpointWriter(tmp_path, DistInfo(0, 2), keep=1, asynchronous=asynchronous, timeout_s=123)
+    assert made == ([{"backend": "gloo", "timeout": timedelta(seconds=123)}] if asynchronous else [])
+    assert writer.group == ("group" if asynchronous else None)

@@ -1208,3 +1208,117 @@ def test_a_nul_byte_in_run_dir_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "log.run_dir must be a non-empty path without NUL bytes" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nul.yaml"]
+
+
+# --------------------------------------------------------------------------- issue 40: checkpoints final when written
+def test_the_cli_finishes_an_async_save_at_the_first_boundary_after_its_write(tmp_path, monkeypatch):
+    """With log.checkpoint_every=2 the save of iteration 2 is the checkpoint from the boundary after iteration
+    3 (its write done by then), not from the save of iteration 4; the one of 4 from the boundary after 5.
+    Each poll here first waits for the write in flight, so the counts do not depend on the disk's speed."""
+    from concurrent.futures import wait
+
+    from jagg.ops.checkpoint import CheckpointWriter, read_progress
+
+    run, seen, real = tmp_path / "run", [], CheckpointWriter.poll
+
+    def poll(self):
+        if self.pending is not None:
+            wait([self.pending.written])
+        finished = real(self)
+        seen.append((_iterations_logged(run)[-1], finished and read_progress(finished)["iteration"]))
+        return finished
+
+    monkeypatch.setattr(CheckpointWriter, "poll", poll)
+    every = ["train.iterations=5", "log.checkpoint_every=2", "log.async_checkpoint=true"]
+    assert main(_cli(tmp_path, *every)) == 0
+    assert seen == [(1, None), (2, None), (3, 2), (4, None), (5, 4)]
+    assert read_progress(run / "checkpoint")["iteration"] == 5  # the end of fit saves and finishes the last
+
+
+POLL_DRILL = (  # jagg.train whose polls wait for the write in flight until sys.argv[1] exists; write number
+    # int(sys.argv[2]) hangs (a slow disk; 0: none) and the rollout of iteration int(sys.argv[3]) + 1 hangs (-1:
+    # none), each creating sys.argv[1] first, until killed
+    "import sys, time\nfrom concurrent.futures import wait\nfrom pathlib import Path\n"
+    "from torch.distributed.checkpoint.filesystem import FileSystemWriter\nimport jagg.loop.rollout as rollout\n"
+    "from jagg.ops.checkpoint import CheckpointWriter\nfrom jagg.train import main\n"
+    "marker, hang_write, hang_rollout = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])\n"
+    "writes, real_write, real_poll, real_call = [], FileSystemWriter.write_data, CheckpointWriter.poll, "
+    "rollout.Sampler.__call__\n"
+    "def hang():\n    marker.write_text('hanging')\n    time.sleep(600)\n"
+    "def write_data(self, plan, planner):\n"
+    "    writes.append(1)\n"
+    "    if len(writes) == hang_write:\n        hang()\n"
+    "    return real_write(self, plan, planner)\n"
+    "def poll(self):\n"
+    "    if self.pending is not None and not marker.exists():\n        wait([self.pending.written])\n"
+    "    return real_poll(self)\n"
+    "def call(self, it, *args, **kw):\n"
+    "    if it == hang_rollout:\n        hang()\n"
+    "    return real_call(self, it, *args, **kw)\n"
+    "FileSystemWriter.write_data, CheckpointWriter.poll, rollout.Sampler.__call__ = write_data, poll, call\n"
+    "sys.exit(main(sys.argv[4:]))\n"
+)
+
+
+@pytest.mark.parametrize("case", ["write_in_flight", "between_saves"])
+def test_kill_9_after_an_async_save_was_finished_at_a_boundary(tmp_path, case):
+    """log.checkpoint_every=2, asynchronous: the save of iteration 2 is finished at the boundary after iteration
+    3. ``write_in_flight``: the save of iteration 4 never finishes writing; kill -9 once iteration 5 is logged.
+    ``between_saves``: kill -9 in iteration 4's rollout, no write in flight. Either way checkpoint/ is iteration
+    2's, with its manifest, nothing needs promoting (before the change, ``between_saves`` left the complete save
+    in checkpoint.tmp/ and no checkpoint), and --resume auto ends bitwise where an uninterrupted run ends."""
+    from jagg.distributed import DistInfo
+    from jagg.ops.checkpoint import find_checkpoint, read_progress, verify_checkpoint
+
+    run, marker = tmp_path / "run", tmp_path / "hanging"
+    iterations = 6 if case == "write_in_flight" else 4
+    every = [f"train.iterations={iterations}", "log.checkpoint_every=2", "log.async_checkpoint=true"]
+    hang = ["2", "-1"] if case == "write_in_flight" else ["0", "3"]
+    logged_at_kill = [1, 2, 3, 4, 5] if case == "write_in_flight" else [1, 2, 3]
+    _kill_9_when(
+        tmp_path,
+        POLL_DRILL,
+        [str(marker), *hang, *_cli(tmp_path, *every)],
+        lambda: marker.exists() and _iterations_logged(run) == logged_at_kill,
+    )
+    assert find_checkpoint(run) == run / "checkpoint" and read_progress(run / "checkpoint")["iteration"] == 2
+    verify_checkpoint(run / "checkpoint", DistInfo())  # its manifest was written at the boundary
+    in_flight = run / "checkpoint.tmp"
+    assert in_flight.is_dir() == (case == "write_in_flight") and not (in_flight / ".metadata").exists()
+    assert main(_cli(tmp_path, "--resume=auto", *every)) == 0
+    (resume,) = json.loads((run / "run.json").read_text())["resumes"]
+    assert resume["promoted_checkpoint_tmp"] is None
+    assert resume["metrics_rows_dropped"] == len(logged_at_kill) - 2
+    _equals_uninterrupted(run, tmp_path, f"train.iterations={iterations}", "log.checkpoint_every=2")
+
+
+FILE_SIZE_LIMIT = (  # jagg.train under a file-size limit of int(sys.argv[1]) bytes, SIGXFSZ ignored (so a
+    # write past it fails with EFBIG instead of killing the process)
+    "import resource, signal, sys\nfrom jagg.train import main\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    "hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), hard))\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_checkpoint_past_the_file_size_limit_is_one_line_exit_2(tmp_path, mode):
+    """Issue 41: a shard write past ``ulimit -f`` was a 40-line DCP traceback (torch's zip writer loses the
+    errno). Now one line naming the shard and EFBIG, exit 2, checkpoint.tmp/ removed, sync and async (the
+    asynchronous save's failure is reported at the boundary after the next iteration)."""
+    run = tmp_path / "run"
+    flags = [
+        "train.iterations=2",
+        "log.checkpoint_every=1",
+        f"log.async_checkpoint={str(mode == 'async').lower()}",
+    ]
+    done = _cli_process(tmp_path, FILE_SIZE_LIMIT, str(2**20), *_cli(tmp_path, *flags))  # the shard: ~16 MiB
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip()
+    shard = run / "checkpoint.tmp" / "__0_0.distcp"
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"writing checkpoint {run / 'checkpoint'} failed: {shard}: File too large (EFBIG)" in err, err
+    assert "1.0 MiB" in err and "--resume" in err, err
+    assert not (run / "checkpoint.tmp").exists() and not (run / "checkpoint").exists()
+    assert _iterations_logged(run) == ([1] if mode == "sync" else [1, 2])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import shutil
 import struct
 import time
 
@@ -192,19 +193,100 @@ def test_unknown_or_missing_tracker_fails_before_writing(tmp_path, capsys):
     assert not run_dir.exists()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
-def test_wandb_resumed_run_keeps_its_id(tmp_path, monkeypatch):
-    """A second tracker on the same run directory (a resume) writes to the same wandb run id."""
-    from jagg.ops.trackers import Trackers
+def _resumed_from_an_earlier_checkpoint(run_dir, *trackers: str) -> None:
+    """A run of 2 iterations (rows 0, 1, 2: evaluations at each) with checkpoints at 1 and 2, put back to the
+    checkpoint of iteration 1, then resumed for 3 iterations: iteration 2 is redone, 3 is new."""
+    every = ["log.checkpoint_every=1", "log.keep_checkpoints=2", f"log.report_to=[{','.join(trackers)}]"]
+    assert main([*TRACKED, f"log.run_dir={run_dir}", *every]) == 0
+    shutil.rmtree(run_dir / "checkpoint")
+    (run_dir / "checkpoint.prev").rename(run_dir / "checkpoint")  # as if preempted before the second save
+    time.sleep(1.1)  # wandb's offline run folders are named by the second they start in
+    assert main(["--resume", *TRACKED, "train.iterations=3", f"log.run_dir={run_dir}", *every]) == 0
+    assert [r["iteration"] for r in _rows(run_dir)] == [0, 1, 2, 3]
 
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
+def test_wandb_after_a_resume_from_an_earlier_checkpoint_shows_the_resumed_trajectory(tmp_path, monkeypatch):
+    """Each attempt is its own wandb run. The resumed one is linked to the first (its config's resumed_from:
+    the first run's id and the checkpoint's iteration) and holds every row of metrics.jsonl at its iteration,
+    the checkpoint's rows logged again (grids included): the redone iteration 2 is the resumed run's, not the
+    first attempt's. (Before, the resume reopened the same run, and wandb dropped the steps it had seen.)"""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    for step in (0, 1):
-        trackers = Trackers(["wandb"], tmp_path / "run", {"seed": 0})
-        trackers.log_row({"iteration": step, "loss": float(step)})
-        trackers.close()
-        time.sleep(1.1)  # offline run folders are named by the second they start in
-    files = sorted((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
-    run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
-    assert len(files) == 2 and {f.name for f in files} == {f"run-{run_id}.wandb"}
-    assert [sorted(wandb_history(f)[0]) for f in files] == [[0], [1]]
+    run_dir = tmp_path / "run"
+    _resumed_from_an_earlier_checkpoint(run_dir, "wandb")
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))  # oldest first
+    assert len(files) == 2
+    (first, first_config), (resumed, config) = (wandb_history(f) for f in files)
+    first_id, newest = (f.name.removeprefix("run-").removesuffix(".wandb") for f in files)
+    assert first_id != newest == (run_dir / "wandb_run_id").read_text().strip()
+    assert "resumed_from" not in first_config and sorted(first) == [0, 1, 2]
+    assert config["resumed_from"] == {"wandb_run": first_id, "iteration": 1}
+    rows = _rows(run_dir)
+    assert sorted(resumed) == [r["iteration"] for r in rows]
+    for row in rows:
+        logged = resumed[row["iteration"]]
+        for name, value in scalars(row).items():
+            np.testing.assert_allclose(logged[name], value, rtol=1e-12, err_msg=name)
+        assert logged["samples/_type"] == "image-file"
+
+
+def test_tensorboard_after_a_resume_from_an_earlier_checkpoint_drops_the_redone_steps(tmp_path):
+    """The first attempt's events at the redone iteration 2 are purged (a SessionLog.START at step 2): every
+    scalar has one value per step, metrics.jsonl's; the checkpoint's steps 0 and 1 stay from the first file."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    _resumed_from_an_earlier_checkpoint(run_dir, "tensorboard")
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    rows = _rows(run_dir)
+    for name in ("loss", "reward_mean", "time_iteration_s"):
+        by_step = {r["iteration"]: scalars(r)[name] for r in rows if name in scalars(r)}
+        events = acc.Scalars(name)
+        assert [e.step for e in events] == sorted(by_step), name  # each step once: the earlier 2 is gone
+        np.testing.assert_allclose([e.value for e in events], [by_step[e.step] for e in events], rtol=1e-6)
+    assert [e.step for e in acc.Images("samples")] == [0, 1, 2, 3]
+
+
+def test_wandb_restart_links_and_replays_with_a_mocked_wandb(tmp_path, monkeypatch):
+    """What ``WandbTracker`` asks of wandb, without wandb: a new id per attempt, no ``resume`` of the old id,
+    ``resumed_from`` in the config, the checkpoint's rows logged again at their steps."""
+    import sys
+    import types
+
+    from jagg.ops.trackers import WandbTracker
+
+    calls = []
+
+    class Run:
+        def __init__(self, **kw):
+            self.config = types.SimpleNamespace(update=lambda d, **k: calls.append(("config", d)))
+            calls.append(("init", kw))
+
+        def log(self, data, step):
+            calls.append(("log", step, sorted(data)))
+
+    fake = types.SimpleNamespace(init=lambda **kw: Run(**kw), Image=lambda path: path)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "wandb_run_id").write_text("abc123\n")  # an earlier attempt's run
+    tracker = WandbTracker(run_dir, {"seed": 0})
+    _, init = calls[0]
+    assert init["id"] != "abc123" and "resume" not in init and "resume_from" not in init
+    assert init["config"]["resumed_from"] == {"wandb_run": "abc123", "iteration": 0}
+    assert init["id"] == (run_dir / "wandb_run_id").read_text().strip() and init["name"] == "run"
+    (run_dir / "samples").mkdir()
+    (run_dir / "samples" / "iter_00000.png").write_bytes(b"png")
+    tracker.restart([{"iteration": 0, "eval_x_mean": 0.5}, {"iteration": 1, "loss": 0.25}])
+    assert calls[1:] == [
+        ("config", {"resumed_from": {"wandb_run": "abc123", "iteration": 1}}),
+        ("log", 0, ["eval_x_mean"]),
+        ("log", 0, ["samples"]),
+        ("log", 1, ["loss"]),
+    ]
+    assert "resumed at iteration 1 from wandb run abc123" in tracker.run.notes

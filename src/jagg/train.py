@@ -266,7 +266,7 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
         display = _progress(cfg.train.iterations, trainer.iteration) if info.is_main else None
         with stop_requests() as flag:  # SIGTERM / SIGUSR1: finish the iteration, save, exit 143 / 138
             try:
-                trainer.fit(progress=_stop_when_asked(display, flag, info, cfg.train.iterations))
+                trainer.fit(progress=_after_iteration(trainer, display, flag, info, cfg.train.iterations))
             except StopRequested as stop:
                 stopped = stop
                 _save_and_stop(trainer)
@@ -288,14 +288,17 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     return 0 if stopped is None else stopped.status
 
 
-def _stop_when_asked(display, flag, info, total: int):
-    """``Trainer.fit``'s progress callback: the display (rank 0), then ``StopRequested`` when a stop signal
-    arrived on any rank (``jagg.ops.signals``) and iterations are left."""
+def _after_iteration(trainer, display, flag, info, total: int):
+    """``Trainer.fit``'s progress callback: the display (rank 0); an asynchronous save whose write is done on
+    every rank becomes the checkpoint (``CheckpointWriter.poll``: a preemption from here on resumes from it);
+    then ``StopRequested`` when a stop signal arrived on any rank (``jagg.ops.signals``) and iterations are
+    left."""
     from jagg.ops.signals import StopRequested
 
     def after_iteration(row: dict) -> None:
         if display is not None:
             display(row)
+        trainer.checkpoints.poll()
         signum = flag.agreed(info)
         if signum is not None and row["iteration"] < total:
             raise StopRequested(signum, row["iteration"])

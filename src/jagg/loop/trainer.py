@@ -83,7 +83,11 @@ class Trainer:
         # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
         asynchronous = cfg.log.writes_async(self.device.type)
         self.checkpoints = CheckpointWriter(
-            self.run_dir, self.dist, keep=cfg.log.keep_checkpoints, asynchronous=asynchronous
+            self.run_dir,
+            self.dist,
+            keep=cfg.log.keep_checkpoints,
+            asynchronous=asynchronous,
+            timeout_s=train.dist_timeout_s,
         )
         # How the update runs its backward: fixed by the config, or measured by the run's calibrator (None until
         # its first measurement; jagg.loop.calibration)
@@ -318,8 +322,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Start the sharded checkpoint of now (a collective: every rank writes its own shards); it becomes the
-        run's checkpoint, atomically, at once or, with ``log.async_checkpoint``, at ``self.checkpoints.finish()``
-        (the next save, the end of ``fit``, an abort, a resume)."""
+        run's checkpoint, atomically, at once or, with ``log.async_checkpoint``, at ``self.checkpoints.poll()``
+        once every rank's write is done (the CLI polls after every iteration, in ``fit``'s progress callback) or
+        at ``self.checkpoints.finish()`` (the next save, the end of ``fit``, an abort, a resume)."""
         self.watch.enter("checkpoint", self.iteration)
         progress = Progress(
             iteration=self.iteration,

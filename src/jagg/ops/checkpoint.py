@@ -32,8 +32,12 @@ lost iterations are redone exactly: iteration ``it`` depends only on the seed an
 
 Disk space: a save writes the new checkpoint while the previous one is still on disk (that is what makes it
 atomic), so it needs one more checkpoint's worth of free space, more than its tensors' bytes; it checks that
-before it writes anything, and a full disk during the write is one ``CheckpointError`` that names the free and
-the needed space (the partial ``checkpoint.tmp/`` is removed, and the next run start removes one a kill left).
+before it writes anything. A write that fails (full disk or quota, a file past the file-size limit of
+``ulimit -f``, any I/O error), on any rank, sync or async, is one ``CheckpointError`` on every rank naming the
+file and the reason (the errno's text and name: ENOSPC, EFBIG, ...; a full disk adds the free and the needed
+space; torch's zip writer may drop the errno of a write past the size limit, and a file that reached the limit
+is then named as EFBIG all the same). The partial ``checkpoint.tmp/`` is removed, the previous checkpoint stays,
+and the next run start removes a ``checkpoint.tmp/`` a kill left.
 
 The optimizer is saved once it has stepped (its state exists); saving before that writes the weights only,
 because building an AdamW state dict of a fresh optimizer would take a zero step and change the live run.
@@ -41,14 +45,20 @@ because building an AdamW state dict of a fresh optimizer would take a zero step
 Asynchronous saves (``log.async_checkpoint``; ``CheckpointWriter``): ``start_checkpoint`` copies the state to
 CPU memory (DCP's ``async_save`` stages before it returns) and captures progress.pt's contents (metrics, RNG
 states) before returning, so training goes on while a background thread writes the shards, then progress.pt,
-and hashes this rank's files. Nothing of it is visible until ``PendingCheckpoint.finish`` (a collective, at
-the next save, at the end of ``fit``, before an abort, before a resume): it waits for every rank's write,
-writes the manifest and swaps the directory in exactly as a synchronous save does (``save_checkpoint`` is
-``start_checkpoint(...).finish()``), so at any instant ``find_checkpoint`` sees only finished, verified saves; a
-kill during the write leaves ``checkpoint.tmp/``, which the next start removes unless the write had finished:
-a complete save found there (DCP's ``.metadata``, every shard it lists at full length, a readable progress.pt;
-``promote_interrupted_save``) is given its manifest and swapped in on ``--resume``, never deleted. Under torchrun DCP's
-collectives in the background run on a gloo group of their own, never interleaved with the training's.
+and hashes this rank's files. Nothing of it is visible until ``PendingCheckpoint.finish`` (a collective): it
+waits for every rank's write, writes the manifest and swaps the directory in exactly as a synchronous save does
+(``save_checkpoint`` is ``start_checkpoint(...).finish()``), so at any instant ``find_checkpoint`` sees only
+finished, verified saves. It runs as soon as the save is written: ``CheckpointWriter.poll``, at every iteration
+boundary (the CLI calls it in ``fit``'s progress callback), asks every rank whether its write is done (one
+all-reduce of a 0/1 flag while a save is in flight; nothing on one process) and finishes the save at the first
+boundary where all are; the next save, the end of ``fit``, an abort or a resume finish one still in flight by
+waiting for it. So a preemption loses at most the iterations since the last save whose write had finished, not
+those since the save before it. A kill during the write leaves ``checkpoint.tmp/``, which the next start
+removes unless the write had finished: a complete save found there (DCP's ``.metadata``, every shard it lists
+at full length, a readable progress.pt; ``promote_interrupted_save``) is given its manifest and swapped in on
+``--resume``, never deleted. Under torchrun DCP's collectives in the background run on a gloo group of their
+own (timeout ``train.dist_timeout_s``), never interleaved with the training's; the poll's all-reduce runs on the
+training's group for that reason.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ import copy
 import errno
 import hashlib
 import json
+import os
 import pickle
 import random
 import shutil
@@ -288,24 +299,87 @@ def _space(directory: Path, state: dict, progress: Progress, dist: DistInfo) -> 
 
 
 def _write_errors() -> tuple[type[BaseException], ...]:
-    """What a failed write raises: an OSError, or DCP's ``CheckpointException`` holding every rank's error (a
+    """What a failed write raises: an OSError, a RuntimeError (torch's zip writer, which reports a failed
+    ``write`` without its errno), or DCP's ``CheckpointException`` holding every rank's error (a
     ``BaseException``, not a ``RuntimeError``)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (OSError, RuntimeError, CheckpointException)
 
 
-def _is_disk_full(err: BaseException) -> bool:
-    """An ENOSPC anywhere in the error, its causes or, for DCP's ``CheckpointException``, its ranks' failures."""
-    seen = 0
-    while err is not None and seen < 10:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
+def _os_error(err: BaseException | None, depth: int = 0) -> OSError | None:
+    """The first OSError with an errno in ``err``, its causes or, for DCP's ``CheckpointException``, its ranks'
+    failures (the zip writer's RuntimeError often carries the OSError it hit as its context)."""
+    while err is not None and depth < 10:
+        if isinstance(err, OSError) and err.errno:
+            return err
         failures = getattr(err, "failures", None)
-        if isinstance(failures, dict) and any(_is_disk_full(f[0]) for f in failures.values()):
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                if (found := _os_error(failure[0], depth + 1)) is not None:
+                    return found
+        err, depth = err.__cause__ or err.__context__, depth + 1
+    return None
+
+
+def _file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``, RLIMIT_FSIZE), None when unlimited."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+class WriteFailure(Exception):
+    """A checkpoint file that could not be written: the file, the reason (one line), and whether the disk (or
+    the quota) is full. ``PendingCheckpoint.finish`` turns it into one ``CheckpointError`` on every rank."""
+
+    def __init__(self, path: str, reason: str, full: bool = False) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason, self.full = path, reason, full
+
+    @classmethod
+    def of(cls, err: BaseException, path: Path) -> WriteFailure:
+        """What ``err``, raised while writing ``path``, says: the errno's text and name (ENOSPC, EFBIG, ...)
+        wherever in the error it is. Without one (torch's zip writer drops it), a file that reached the
+        file-size limit is named as EFBIG; else the error's type and first line."""
+        limit = _file_size_limit()
+        found = _os_error(err)
+        if found is not None:
+            code = found.errno
+            where = Path(found.filename) if isinstance(found.filename, str) else path
+            reason = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+            if code == errno.EFBIG and limit is not None:
+                reason += f": the file-size limit (ulimit -f) is {format_bytes(limit)}"
+            return cls(str(where), reason, code in (errno.ENOSPC, errno.EDQUOT))
+        if limit is not None and path.is_file() and path.stat().st_size >= limit:
+            return cls(
+                str(path),
+                f"{os.strerror(errno.EFBIG)} (EFBIG): it reached the file-size limit "
+                f"(ulimit -f) of {format_bytes(limit)}",
+            )
+        if isinstance(failures := getattr(err, "failures", None), dict) and failures:
+            err = next(iter(failures.values()))[0]  # DCP: {rank: (exception, traceback)}
+        first = (str(err).strip().splitlines() or [""])[0]
+        return cls(str(path), f"{type(err).__name__}: {first}")
+
+
+@contextmanager
+def _writing(path: Callable[[BaseException], Path]):
+    """Within the block a failed write ``err`` is a ``WriteFailure`` naming ``path(err)``, the file it wrote."""
+    try:
+        yield
+    except _write_errors() as err:
+        raise WriteFailure.of(err, path(err)) from err
+
+
+def _shard_of(tmp: Path, err: BaseException, rank: int) -> Path:
+    """The shard file a failed DCP write ``err`` was writing: that of the first rank DCP's error names (every
+    rank raises it, holding each failed rank's error), else ``rank``'s; its largest ``__<rank>_<i>.distcp``."""
+    failures = getattr(err, "failures", None)
+    rank = min(failures) if isinstance(failures, dict) and failures else rank
+    shards = sorted(tmp.glob(f"__{rank}_*.distcp"), key=lambda p: p.stat().st_size)
+    return shards[-1] if shards else tmp / f"__{rank}_0.distcp"
 
 
 def save_checkpoint(run_dir: str | Path, **kwargs) -> Path:
@@ -370,34 +444,39 @@ def _progress_meta(progress: Progress, config: dict, stepped: bool, dist: DistIn
 
 def _write(tmp: Path, state: dict, meta: dict | None, dist: DistInfo, *, asynchronous: bool, group) -> Future:
     """Every rank's shards into ``tmp``, then rank 0's progress.pt (``meta``); the future holds this rank's
-    digests of the files it wrote, or a full disk's error. Asynchronous: ``async_save`` returns once ``state``
-    is copied to CPU memory, and a thread writes and hashes. Any other error is raised here."""
+    digests of the files it wrote, or the ``WriteFailure`` of a write that failed (full disk, file-size limit,
+    I/O error), reported by ``PendingCheckpoint.finish`` on every rank. Asynchronous: ``async_save`` returns
+    once ``state`` is copied to CPU memory, and a thread writes and hashes."""
     import torch.distributed.checkpoint as dcp
+
+    def shard(err: BaseException) -> Path:
+        return _shard_of(tmp, err, dist.rank)
 
     def then_progress_and_digests(upload: Future | None = None) -> dict:
         if upload is not None:
-            upload.result()
+            with _writing(shard):
+                upload.result()
         if meta is not None:
-            torch.save(meta, tmp / PROGRESS)
+            with _writing(lambda _: tmp / PROGRESS):
+                torch.save(meta, tmp / PROGRESS)
         return {n: file_digest(tmp / n) for n in _own_files(tmp, dist)}  # from the page cache
 
     done: Future = Future()
+    if dist.is_main:
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    _single_process_ok()
     try:
-        if dist.is_main:
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        _single_process_ok()
         if asynchronous:
             upload = dcp.async_save(
                 state, checkpoint_id=str(tmp), process_group=group, no_dist=not dist.enabled
             )
             return _in_background(then_progress_and_digests, getattr(upload, "upload_completion", upload))
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.enabled)
+        with _writing(shard):
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.enabled)
         done.set_result(then_progress_and_digests())
-    except _write_errors() as err:
-        if not _is_disk_full(err):
-            raise
-        done.set_exception(err)  # PendingCheckpoint.finish reports it on every rank
+    except WriteFailure as failure:
+        done.set_exception(failure)  # PendingCheckpoint.finish reports it on every rank
     return done
 
 
@@ -429,37 +508,50 @@ class PendingCheckpoint:
 
     def finish(self) -> Path:
         """Wait for every rank's write, add the manifest and swap the directory in: from here on the save is the
-        run's checkpoint. A collective. ``CheckpointError`` when the disk filled up on any rank."""
+        run's checkpoint. A collective. ``CheckpointError`` when a write failed on any rank."""
         dist, tmp = self.dist, self.final.with_name(CHECKPOINT + ".tmp")
-        mine = self._unless_full(self.written.result)  # waits for this rank's write
+        mine = self._unless_failed(self.written.result)  # waits for this rank's write
         digests = _gather_dicts(mine, dist)  # past it, every rank's files are on disk
         others = sorted(p.name for p in tmp.iterdir() if p.name not in digests)  # files DCP named otherwise
         digests |= _digest_share(tmp, others, dist)
-        self._unless_full(lambda: _write_manifest(tmp, digests, dist))
+
+        def manifest() -> None:
+            with _writing(lambda _: tmp / MANIFEST):
+                _write_manifest(tmp, digests, dist)
+
+        self._unless_failed(manifest)
         if dist.is_main:
             _swap_in(tmp, self.final, self.previous)
         dist.barrier()
         return self.final
 
-    def _unless_full(self, step: Callable):
-        """``step()``'s result; a full disk on any rank (one reduction, so every rank decides alike) removes
-        ``checkpoint.tmp/`` and is one ``CheckpointError`` naming the free and the needed space."""
-        full = False
+    def _unless_failed(self, step: Callable):
+        """``step()``'s result; a ``WriteFailure`` on any rank (one reduction, so every rank decides alike)
+        removes ``checkpoint.tmp/`` and is one ``CheckpointError`` on every rank, naming the first failed
+        rank's file and reason (and, for a full disk, the free and the needed space)."""
+        failure = None
         try:
             result = step()
-        except _write_errors() as err:
-            if not _is_disk_full(err):
-                raise
-            result, full = None, True
-        if self.dist.reduce_scalars({"full": float(full)}, op="max")["full"] == 0:  # rank 0 alone may hit it
-            return result
+        except WriteFailure as err:
+            result, failure = None, err
+        if self.dist.reduce_scalars({"failed": float(failure is not None)}, op="max")["failed"] == 0:
+            return result  # rank 0 alone may have failed (progress.pt): every rank takes the same branch
+        mine = (failure.path, failure.reason, failure.full) if failure is not None else None
+        path, reason, full = next(
+            f for _, f in sorted(_gather_dicts({self.dist.rank: mine}, self.dist).items()) if f
+        )
         where = self.final.parent
         if self.dist.is_main:
             shutil.rmtree(self.final.with_name(CHECKPOINT + ".tmp"), ignore_errors=True)
-        free = format_bytes(shutil.disk_usage(where).free)
+        if full:
+            free = format_bytes(shutil.disk_usage(where).free)
+            raise CheckpointError(
+                f"disk full while writing checkpoint {self.final}: {path}: {reason}; {free} free on {where}, "
+                f"{format_bytes(self.needed)} needed; free some space and resume with --resume"
+            )
         raise CheckpointError(
-            f"disk full while writing checkpoint {self.final}: {free} free on {where}, "
-            f"{format_bytes(self.needed)} needed; free some space and resume with --resume"
+            f"writing checkpoint {self.final} failed: {path}: {reason}; the previous checkpoint stays; "
+            "resume with --resume once that is fixed"
         )
 
 
@@ -481,17 +573,23 @@ def _swap_in(tmp: Path, final: Path, previous: Path) -> None:
 
 class CheckpointWriter:
     """A run's saves, one at a time. ``asynchronous`` (``log.async_checkpoint``): the newest may still be written
-    in the background until ``finish`` (the next ``save`` finishes it first). Under torchrun an asynchronous
-    writer makes a gloo group of its own for DCP's background collectives (so every rank constructs it)."""
+    in the background; ``poll`` at each iteration boundary finishes it as soon as every rank's write is done (and
+    the next ``save``, or ``finish``, waits for it). Under torchrun an asynchronous writer makes a gloo group of
+    its own for DCP's background collectives (so every rank constructs it), with ``timeout_s`` as its timeout
+    (``train.dist_timeout_s``; torch's default for a gloo group is 30 minutes)."""
 
-    def __init__(self, run_dir: str | Path, dist: DistInfo, *, keep: int, asynchronous: bool) -> None:
+    def __init__(
+        self, run_dir: str | Path, dist: DistInfo, *, keep: int, asynchronous: bool, timeout_s: float = 3600.0
+    ) -> None:
         self.run_dir, self.dist, self.keep, self.asynchronous = Path(run_dir), dist, keep, asynchronous
         self.pending: PendingCheckpoint | None = None
         self.group = None
         if asynchronous and dist.enabled:
+            from datetime import timedelta
+
             import torch.distributed
 
-            self.group = torch.distributed.new_group(backend="gloo")
+            self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def save(self, **state) -> None:
         """Finish the save in flight, then start one of ``state`` (``start_checkpoint``'s model, optimizer,
@@ -507,6 +605,20 @@ class CheckpointWriter:
         )
         if not self.asynchronous:
             self.finish()
+
+    def poll(self) -> Path | None:
+        """At an iteration boundary: finish the save in flight if every rank's write is done, so that it is the
+        run's checkpoint from now on, not only from the next save. Every rank calls it at the same boundaries
+        (a save in flight is the same on every rank): under torchrun one all-reduce of a 0/1 flag while a save
+        is in flight, on the training's group, not the writer's gloo group, whose collectives DCP's writer
+        thread may be running at that moment; nothing on one process. Returns the checkpoint it finished, or
+        None (none in flight, or a rank still writing)."""
+        if self.pending is None:
+            return None
+        writing = not self.pending.written.done()
+        if self.dist.enabled:
+            writing = self.dist.reduce_scalars({"writing": float(writing)}, op="max")["writing"] > 0
+        return None if writing else self.finish()
 
     def finish(self) -> Path | None:
         """Make the save in flight the run's checkpoint (waiting for its write; a collective); None if none is."""
@@ -549,7 +661,8 @@ def _complete_save(tmp: Path) -> int:
 
 def promote_interrupted_save(run_dir: str | Path, *, keep: int = 1) -> int | None:
     """Make a complete save that a killed run left in ``checkpoint.tmp/`` the run's checkpoint (an asynchronous
-    save becomes visible only at the next one, so a preemption may catch it finished but not swapped in): it gets
+    save becomes visible only at the iteration boundary after its write, so a kill may catch it written but not
+    swapped in): it gets
     its manifest and is swapped in as ``PendingCheckpoint.finish`` would have. Returns its iteration, or None
     (nothing there, or incomplete: then the caller removes it as ``jagg.ops.rundir.clean_stale`` does; or not
     newer than the checkpoint in place). One process (rank 0), holding the run directory's lock."""

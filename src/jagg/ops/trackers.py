@@ -8,9 +8,24 @@ and / or Weights & Biases.
                   same scalars and grids, and as its config the run's config plus ``git_sha``, ``hardware`` and
                   ``versions`` (``jagg.common.run_metadata``, as run.json). Mode: ``$WANDB_MODE`` when set; else
                   online when an API key is set up (``WANDB_API_KEY`` or ``wandb login``'s netrc entry), offline
-                  otherwise (``wandb sync <run_dir>/wandb/offline-run-*`` uploads later). A resumed run continues
-                  the same wandb run (its id is kept in ``<run_dir>/wandb_run_id``). An optional extra:
+                  otherwise (``wandb sync <run_dir>/wandb/offline-run-*`` uploads later). An optional extra:
                   ``pip install 'jagg[trackers]'`` (tested with wandb 0.31.0)
+
+A resumed run (``--resume``, or ``--resume auto`` starting again) may redo iterations an earlier attempt logged.
+Each tracker then shows the resumed trajectory, never the discarded one:
+
+    tensorboard   the first event written after the resume is a ``SessionLog.START`` at the first step redone
+                  (the checkpoint's iteration + 1; 0 when starting again), which makes TensorBoard drop the
+                  earlier attempt's events from that step on (what ``SummaryWriter``'s ``purge_step`` does)
+    wandb         a new wandb run linked to the old one: wandb keeps a run's steps increasing and drops any
+                  step below the last one logged ("step X less than current step"), so the same run cannot
+                  take the redone iterations. Each attempt is its own run (same name; the id of the newest in
+                  ``<run_dir>/wandb_run_id``); a resumed one has ``resumed_from`` (the earlier run's id and the
+                  checkpoint's iteration) in its config and notes, and starts by logging the checkpoint's rows
+                  and their sample grids again, so the newest run alone holds the whole trajectory that
+                  metrics.jsonl holds. wandb's own ways were not taken: ``resume_from`` (rewind) and
+                  ``fork_from`` are in private preview on the hosted service, not available on self-managed
+                  servers, and neither works offline, which is this project's default without an API key
 
 Each tracker library is imported only when named (``jagg.ops.preflight`` checks that it is installed before
 anything is written). Only rank 0 opens trackers; ``RunLog`` feeds them where it appends to metrics.jsonl.
@@ -51,16 +66,35 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, config: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        earlier = any((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+        self.purge_from: int | None = 0 if earlier else None  # an earlier attempt logged: drop its steps
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
 
+    def restart(self, rows: list[dict]) -> None:
+        """A resume from the checkpoint whose rows are ``rows``: the steps after its last one are redone."""
+        if self.purge_from is not None:
+            self.purge_from = int(rows[-1]["iteration"]) + 1 if rows else 0
+
+    def _purge(self) -> None:
+        """Before the first event after a resume: TensorBoard drops earlier events from ``purge_from`` on."""
+        if self.purge_from is None:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        start = Event(step=self.purge_from, session_log=SessionLog(status=SessionLog.START))
+        self.writer._get_file_writer().add_event(start)
+        self.purge_from = None
+
     def log_row(self, row: dict, step: int) -> None:
+        self._purge()
         for name, value in scalars(row).items():
             if math.isfinite(value):
                 self.writer.add_scalar(name, value, step)
         self.writer.flush()  # one row per iteration: a crashed run keeps every row it logged
 
     def log_grid(self, grid: np.ndarray, step: int) -> None:
+        self._purge()
         self.writer.add_image("samples", grid, step, dataformats="HWC")
         self.writer.flush()
 
@@ -69,27 +103,53 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """Scalars, grids, the config and the run metadata to a wandb run (offline unless set up, see above)."""
+    """Scalars, grids, the config and the run metadata to a wandb run (offline unless set up, see above); a new
+    run for every attempt, linked to the previous one (module docstring)."""
 
     def __init__(self, run_dir: Path, config: dict) -> None:
         import wandb
 
         from jagg.common import run_metadata
 
-        self.wandb = wandb
-        id_file = run_dir / "wandb_run_id"  # a resumed run appends to the same wandb run
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        self.wandb, self.run_dir = wandb, run_dir
+        id_file = run_dir / "wandb_run_id"  # the newest attempt's run
+        self.previous = id_file.read_text().strip() if id_file.is_file() else None
+        run_id = secrets.token_hex(6)
         id_file.write_text(run_id + "\n")
         meta = run_metadata()
+        linked = {"resumed_from": {"wandb_run": self.previous, "iteration": 0}} if self.previous else {}
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "jagg"),
             name=run_dir.name,
             dir=str(run_dir),
             id=run_id,
-            resume="allow",
             mode=None if os.environ.get("WANDB_MODE") else wandb_default_mode(),
-            config={**config, **{k: meta[k] for k in ("git_sha", "hardware", "versions")}},
+            config={**config, **{k: meta[k] for k in ("git_sha", "hardware", "versions")}, **linked},
+            notes=self._notes(0),
         )
+
+    def _notes(self, iteration: int) -> str | None:
+        if self.previous is None:
+            return None
+        return (
+            f"resumed at iteration {iteration} from wandb run {self.previous}, whose steps after {iteration} "
+            "were redone here; this run holds the whole trajectory"
+        )
+
+    def restart(self, rows: list[dict]) -> None:
+        """A resume from the checkpoint whose rows are ``rows``: link this run to the checkpoint's iteration and
+        log those rows (and the sample grids saved with them) again, so that this run holds them too."""
+        iteration = int(rows[-1]["iteration"]) if rows else 0
+        link = {"wandb_run": self.previous, "iteration": iteration}
+        self.run.config.update({"resumed_from": link}, allow_val_change=True)
+        if self.previous is not None:
+            self.run.notes = self._notes(iteration)
+        for row in rows:
+            step = int(row["iteration"])
+            self.log_row(row, step)
+            grid = self.run_dir / "samples" / f"iter_{step:05d}.png"
+            if grid.is_file():
+                self.run.log({"samples": self.wandb.Image(str(grid))}, step=step)
 
     def log_row(self, row: dict, step: int) -> None:
         self.run.log(scalars(row), step=step)
@@ -130,6 +190,11 @@ class Trackers:
         for tracker in self.trackers:
             tracker.log_row(row, int(row["iteration"]))
 
+    def restart(self, rows: list[dict]) -> None:
+        """A resumed run goes on from the checkpoint whose rows are ``rows`` (each tracker's ``restart``)."""
+        for tracker in self.trackers:
+            tracker.restart(rows)
+
     def log_images(self, images: Tensor, step: int) -> None:
         """(B, 3, H, W) images in [0, 1] as the sample grid of ``save_grid`` (built only when a tracker is on)."""
         if self.trackers:
@@ -163,10 +228,12 @@ class RunLog:
             self.trackers.log_row(row)
 
     def restart(self, rows: list[dict]) -> None:
-        """Continue from ``rows`` (a resumed checkpoint's): metrics.jsonl is rewritten to hold exactly them."""
+        """Continue from ``rows`` (a resumed checkpoint's): metrics.jsonl is rewritten to hold exactly them, and
+        the trackers show them, not the iterations an earlier attempt logged after them (module docstring)."""
         self.rows = rows
         if self.is_main:
             atomic_write_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in rows))
+            self.trackers.restart(rows)
 
     def evaluation(self, it: int, per_sample: dict, images: Tensor) -> None:
         """The per-sample scores of the evaluation at iteration ``it`` and, when due, its sample grid."""
