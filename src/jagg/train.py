@@ -181,14 +181,14 @@ def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
     set_threads(1)
     from jagg.distributed import DistInfo, init_distributed
     from jagg.errors import ConfigError
-    from jagg.ops import preflight, rundir
+    from jagg.ops import rundir
 
     init_distributed(timeout_s=cfg.train.dist_timeout_s)
     info = DistInfo.current()
     try:
         with rundir.hold(cfg.log.run_dir, info):
             promoted = _promote_interrupted_save(cfg, info) if args.resume else None
-            start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+            start = _agreed_start(cfg, args, info)
             start.promoted = promoted
             if info.is_main and start.restarts and not start.resume:
                 log.info(
@@ -199,6 +199,27 @@ def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
             return _run(cfg, start, argv_used, info)
     except ConfigError as err:
         _fail_once(info, str(err))
+
+
+def _agreed_start(cfg, args: argparse.Namespace, info):
+    """``preflight.start_run_dir`` on every rank (each reads the shared run directory), the outcome the same on
+    all: one rank's refusal, or ranks that decided differently, stop every rank before anything is built."""
+    from jagg.errors import ConfigError
+    from jagg.ops import preflight
+
+    start, error = None, None
+    try:
+        start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+    except ConfigError as err:
+        error = str(err)
+    decision = None if start is None else (start.resume, start.wipe, start.metrics_rows)
+    decisions = {d for d in info.gather_objects(decision) if d is not None}
+    if error is None and len(decisions) > 1:
+        error = f"log.run_dir={cfg.log.run_dir}: the ranks read it differently ({sorted(decisions)})"
+    error = info.first_error(error)
+    if error is not None:
+        raise ConfigError(error)
+    return start
 
 
 def _promote_interrupted_save(cfg, info) -> int | None:
@@ -249,14 +270,14 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
         if info.is_main:
             _prepare_run_dir(run_dir, start)
             if not start.resume:
-                _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
+                _write_run_json(cfg, run_dir, start, argv_used, info.world_size, info.nodes)
         info.barrier()
         trainer = Trainer(cfg, comp, run_dir)
         if start.resume:
             trainer.load_checkpoint()
             start.dropped = max(0, start.metrics_rows - len(trainer.metrics))
             if info.is_main:
-                _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
+                _write_run_json(cfg, run_dir, start, argv_used, info.world_size, info.nodes)
                 log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
                 if start.dropped:
                     log.info(
@@ -338,9 +359,9 @@ def _write_error(err: OSError, run_dir: Path) -> str:
     return f"cannot write {where}: {err.strerror or err}"
 
 
-def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int) -> None:
+def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int, nodes: int = 1) -> None:
     """A fresh run writes run.json; a resumed one (after its checkpoint loaded) keeps it and appends what this
-    attempt changed."""
+    attempt changed. ``nodes``: how many machines the ranks ran on (a resume may use another layout)."""
     from jagg.common import atomic_write_text, git_sha, run_metadata
 
     path = run_dir / "run.json"
@@ -351,6 +372,7 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
                 "argv": argv_used,
                 "git_sha": git_sha(),
                 "world_size": world_size,
+                "nodes": nodes,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "config_changes": {k: list(v) for k, v in start.changes.items()},
                 "metrics_rows_dropped": start.dropped,
@@ -359,6 +381,7 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
         )
     else:
         meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=world_size)
+        meta["nodes"] = nodes
         if start.restarts:  # preempted before its first checkpoint: started again, the attempts recorded
             stamp = {"argv": argv_used, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             meta["restarts"] = [*start.restarts[:-1], {**start.restarts[-1], **stamp}]
