@@ -23,7 +23,8 @@
                           git root or the home directory): written beside OUT and renamed into place
 Invalid configs (unknown keys, bad values, YAML syntax, a config file that is not UTF-8 text or cannot be read,
 unknown reward or prompt-set names, train.device=cuda without CUDA, a driver older than torch's CUDA build needs,
-a resume that contradicts run.json or the checkpoint, a corrupt run.json) exit with status
+a rollout larger than the memory it would need (the key named with the largest value that fits), a resume that
+contradicts run.json or the checkpoint, a corrupt run.json) exit with status
 2 and one line naming the key, before the model code is imported and before anything is written. One run writes
 to a run directory at a time: rank 0 locks it (log.run_dir/.lock) before writing, and a second run there exits 2
 naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL
@@ -168,9 +169,20 @@ def _main(argv: list[str] | None) -> int:
         preflight.check_trackers(cfg)
         if args.export:
             return _export(cfg, Path(args.export), find_checkpoint(cfg.log.run_dir), args)
+        _check_sizes(cfg)
     except ConfigError as err:
         _fail(str(err))
     return _train(cfg, args, argv_used)
+
+
+def _check_sizes(cfg) -> None:
+    """One rollout against the memory it would need (``jagg.capacity.memory_model.check_sizes``), before the
+    process group, the build and any write; torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE say how many ranks share
+    a batch and a host."""
+    from jagg.capacity.memory_model import check_sizes
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_sizes(cfg, world, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
 def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from jagg.config import Config
+from jagg.errors import ConfigError
 from jagg.ops.node import expandable_segments
 from jagg.scale.architectures import (
     AUX_MODELS,
@@ -341,3 +342,127 @@ def disk_plan(cfg: Config, model) -> dict[str, float]:
     prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
     cache = prompts * embedding_bytes(cfg, model) if data.embedding_cache else 0
     return {"checkpoint": checkpoint_bytes(cfg, n_train), "embedding cache": float(cache)}
+
+
+# --------------------------------------------------------------------------- sizes checked before the build
+# Latent channels of every real backbone (Flux, Qwen-Image, SD3; the world's are 3): the rollout's terms are
+# upper bounds before the model says its own. The device bound without a GPU to ask: the largest one sold.
+LATENT_CHANNELS = 16
+SIZE_KEYS = (  # the keys a rollout's size grows with, the one over budget named in the error
+    "train.prompts_per_iter",
+    "train.images_per_prompt",
+    "sampling.num_steps",
+    "sampling.eval_num_steps",
+    "sampling.latent_size",
+)
+
+
+def rollout_terms(cfg: Config, world_size: int, gpu: bool | None = None) -> dict[str, tuple[str, float]]:
+    """What one rank holds for one rollout (``jagg.loop.rollout.Sampler``), by term: ``(where, bytes)``, where is
+    ``host`` or ``device`` (a GPU: ``gpu``, default ``train.device`` not cpu). Upper bounds: 16 latent channels,
+    every step trained."""
+    train, sampling = cfg.train, cfg.sampling
+    n = train.prompts_per_iter * train.images_per_prompt
+    local = -(-n // world_size)
+    latent = LATENT_CHANNELS * sampling.latent_size**2
+    wide = 8 if train.precision == "fp64" else 4
+    device = "device" if (train.device != "cpu" if gpu is None else gpu) else "host"
+    drawn = train.prompts_per_iter if cfg.algorithm.init_same_noise else n
+    rewards = len(dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]))
+    steps = sampling.num_steps
+    return {
+        "initial noise of the global batch, drawn on every rank": ("host", float(drawn * latent * 4)),
+        "the global batch's prompts, groups, rewards and trained steps": (
+            "host",
+            float(n * (8 + 8 + 4 * (1 + rewards) + 8 * steps)),
+        ),
+        "schedules and step kinds": ("host", float((max(steps, sampling.eval_num_steps) + 1) * 24)),
+        "this rank's trajectories (latents, log-probs)": (
+            device,
+            float((steps + 1) * local * (latent + 1) * wide),
+        ),
+        "this rank's stored outputs": (
+            device,
+            float(steps * local * latent * wide * cfg.backward.stored_outputs),
+        ),
+    }
+
+
+def host_available() -> float | None:
+    """This machine's available memory (``MemAvailable``, Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _rollout_over(cfg: Config, world_size: int, limits: dict[str, float]) -> str | None:
+    """The first place (host / device) whose rollout terms exceed ``limits`` (a GPU run: a device limit), or
+    None."""
+    totals = {"host": 0.0, "device": 0.0}
+    for where, b in rollout_terms(cfg, world_size, gpu="device" in limits).values():
+        totals[where] += b
+    return next((w for w, b in totals.items() if w in limits and b > limits[w]), None)
+
+
+def _with(cfg: Config, key: str, value: int) -> Config:
+    import copy
+
+    section, name = key.split(".")
+    out = copy.copy(cfg)
+    setattr(out, section, copy.copy(getattr(cfg, section)))
+    setattr(getattr(out, section), name, value)
+    return out
+
+
+def _largest_fitting(cfg: Config, key: str, world_size: int, limits: dict[str, float]) -> int:
+    """The largest value of ``key`` (others as configured) whose rollout fits ``limits`` (0: none does)."""
+    lo, hi = 0, int(_get(cfg, key))
+    while lo < hi:  # every term grows with every key: bisect
+        mid = (lo + hi + 1) // 2
+        if _rollout_over(_with(cfg, key, mid), world_size, limits) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def check_sizes(
+    cfg: Config, world_size: int, ranks_per_node: int = 1, host_bytes: float | None = None
+) -> None:
+    """``ConfigError`` naming the key and its limit when one rollout would not fit in memory, before anything is
+    built or written: the host terms against this machine's available memory shared by ``ranks_per_node``
+    ranks (``host_bytes``: instead of reading it), the device terms against the largest GPU sold
+    (``GPU_SIZES_GB``; the host on ``train.device=cpu``). Named: the key furthest over its limit."""
+    host = host_available() if host_bytes is None else host_bytes
+    limits = {} if host is None else {"host": host / max(1, ranks_per_node)}
+    device = cfg.train.device
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):  # a device count, no context
+        limits["device"] = max(GPU_SIZES_GB) * 1e9
+    where = _rollout_over(cfg, world_size, limits)
+    if where is None:
+        return
+    fits = {k: _largest_fitting(cfg, k, world_size, limits) for k in SIZE_KEYS}
+    key = max(SIZE_KEYS, key=lambda k: _get(cfg, k) / max(fits[k], 0.5))
+    total = sum(b for w, b in rollout_terms(cfg, world_size, "device" in limits).values() if w == where)
+    place = "this machine's available memory" if where == "host" else f"a {max(GPU_SIZES_GB)} GB GPU"
+    if where == "host" and ranks_per_node > 1:
+        place += f" shared by {ranks_per_node} ranks"
+    limit = (
+        f"at most {fits[key]} fits (the rollout alone)"
+        if fits[key]
+        else "no value fits with the other keys as they are"
+    )
+    raise ConfigError(
+        f"{key}={_get(cfg, key)}: one rollout would hold {total / GIB:.3g} GiB per rank on the {where}, more "
+        f"than {place} ({limits[where] / GIB:.3g} GiB); {limit}"
+    )
