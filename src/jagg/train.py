@@ -16,7 +16,8 @@
                           and nothing a run does not write; never the working directory, a repository root or
                           the home directory); not with --resume
     --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
-                          plan (steps, groups, passes, memory); no weights, no writes
+                          plan (steps, groups, passes, memory); no weights, no writes; --world-size N and
+                          --nproc-per-node M plan N ranks on nodes of M (default: torchrun's variables, else 1)
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export); OUT must
                           be absent, empty or an earlier export (never '.', '..', a symlink, the run directory, a
@@ -52,7 +53,7 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("jagg.train")  # not __name__: "__main__" under python -m
-VALUE_OPTIONS = ("--config", "--export", "--world-size")  # options whose value is the next token
+VALUE_OPTIONS = ("--config", "--export", "--world-size", "--nproc-per-node")  # options whose value is the next token
 
 
 class ConsoleHandler(logging.Handler):
@@ -128,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
         default=int(os.environ.get("WORLD_SIZE", 1)),
         help="ranks assumed by --dry-run (default: $WORLD_SIZE or 1)",
     )
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None,
+        help="ranks per node assumed by --dry-run's host memory (default: $LOCAL_WORLD_SIZE, else one node)",
+    )
     return ap
 
 
@@ -164,7 +171,7 @@ def _main(argv: list[str] | None) -> int:
         preflight.check_prompt_sets(cfg)
         prepare_node(cfg, dry_run=args.dry_run)  # report torch / driver / NCCL / GPUs; CUDA env before CUDA
         if args.dry_run:
-            return _dry_run(cfg, args.world_size)
+            return _dry_run(cfg, args.world_size, args.nproc_per_node)
         preflight.check_device(cfg)
         preflight.check_trackers(cfg)
         if args.export:
@@ -460,16 +467,19 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
     return 0
 
 
-def _dry_run(cfg, world_size: int) -> int:
-    """Validate against ``world_size`` and print the plan (``jagg.capacity.dry_run``); no weights read, nothing written."""
+def _dry_run(cfg, world_size: int, ranks_per_node: int | None = None) -> int:
+    """Validate against ``world_size`` and print the plan (``jagg.capacity.dry_run``; ``ranks_per_node``: the
+    host memory per node); no weights read, nothing written."""
     from jagg.capacity.dry_run import build_plan
     from jagg.config import validate_world_size
 
     if world_size < 1:
         _fail(f"--world-size must be >= 1, got {world_size}")
+    if ranks_per_node is not None and not 1 <= ranks_per_node <= world_size:
+        _fail(f"--nproc-per-node must be in [1, --world-size={world_size}], got {ranks_per_node}")
     validate_world_size(cfg, world_size)
     log.info(f"dry run: config valid; plan for world size {world_size}")
-    log.info(build_plan(cfg, world_size))
+    log.info(build_plan(cfg, world_size, ranks_per_node))
     return 0
 
 

@@ -31,7 +31,7 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   peak with expandable_segments, which CUDA runs set by default, 10% without); both assumed
     host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
                   largest other model on the host while loading (the text encoders too when embeddings are
-                  precomputed: loaded, used, freed); the in-memory prompt embeddings (the encoders return CPU
+                  precomputed: loaded, used, freed; HPSv3 only its largest tensor: ``STREAMED_LOAD``); the in-memory prompt embeddings (the encoders return CPU
                   tensors); checkpoints move shards only, but an asynchronous save (``log.async_checkpoint``, on
                   CUDA by default) holds a CPU copy of the rank's share while it is written; export gathers
                   the exported weights on rank 0 once
@@ -54,6 +54,7 @@ from jagg.scale.architectures import (
     KNOWN_CONFIGS,
     TEXT_ENCODERS,
     TRUE_CFG,
+    aux_largest_tensor,
     aux_params,
 )
 
@@ -119,6 +120,23 @@ def text_tokens(model_cfg) -> int:
     }.get(model_cfg.backbone, 64)
 
 
+# rewards built on their device and filled one tensor at a time from a memory-mapped checkpoint
+# (jagg.scale.hpsv3.load_streamed): a rank stages the largest tensor on the host, not the model; the mapped file
+# is the node's page cache, shared by its ranks and reclaimable
+STREAMED_LOAD = ("hpsv3",)
+
+
+def _host_staging(cfg: Config, name: str, resident: float) -> float:
+    """Host bytes one rank holds while loading ``name`` (``resident``: its bytes on the GPU): the whole model
+    (weights read to the host, then moved), HPSv2.1 twice in fp32 (a random-init fp32 model plus the fp32
+    checkpoint it loads), a streamed reward its largest tensor in its dtype."""
+    if name == "hpsv2":
+        return aux_params(name) * 4 * 2
+    if name in STREAMED_LOAD:
+        return aux_largest_tensor(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}), name)
+    return resident
+
+
 # a reward's default dtype where it is not fp32: HPSv3Reward's (jagg.scale.hpsv3.DTYPE, HPSv3's bf16)
 REWARD_DEFAULT_DTYPE = {"hpsv3": "bf16"}
 
@@ -164,6 +182,14 @@ class MemoryPlan:
 
     def fits(self, gpu_gb: int, checkpointing: bool | None = None) -> bool:
         return self.total(checkpointing) <= gpu_gb * 1e9
+
+    def node_host(self, ranks_per_node: int) -> dict[str, float]:
+        """Host bytes of a node of ``ranks_per_node`` ranks: the first (rank 0 among them) and any other."""
+        n = max(1, ranks_per_node)
+        return {
+            "node 0": self.host["rank 0"] + (n - 1) * self.host["other ranks"],
+            "other nodes": n * self.host["other ranks"],
+        }
 
 
 def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, model=None) -> MemoryPlan:
@@ -266,9 +292,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         pretrained
     ):  # precomputed embeddings: every rank still loads (stages) its text encoders once, then frees
         staged.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
-    staging = max(
-        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in staged.items()], default=0
-    )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
+    staging = max([_host_staging(cfg, k, v) for k, v in staged.items()], default=0)
     # log.async_checkpoint: a save's CPU copy of this rank's share, held while it is written; that is during
     # training, after the loading's transients, so the larger of the two counts. The plan is for a GPU node
     # unless train.device=cpu.
