@@ -53,7 +53,12 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("jagg.train")  # not __name__: "__main__" under python -m
-VALUE_OPTIONS = ("--config", "--export", "--world-size", "--nproc-per-node")  # options whose value is the next token
+VALUE_OPTIONS = (
+    "--config",
+    "--export",
+    "--world-size",
+    "--nproc-per-node",
+)  # options whose value is the next token
 
 
 class ConsoleHandler(logging.Handler):

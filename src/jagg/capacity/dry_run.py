@@ -181,7 +181,9 @@ def _per_node(mp, world_size: int, ranks_per_node: int | None, gib) -> str:
     node = mp.node_host(n)
     if nodes == 1:
         return f"node ~{gib(node['node 0'])}"
-    return f"{nodes} nodes of {n} ranks: node 0 ~{gib(node['node 0'])}, each other ~{gib(node['other nodes'])}"
+    return (
+        f"{nodes} nodes of {n} ranks: node 0 ~{gib(node['node 0'])}, each other ~{gib(node['other nodes'])}"
+    )
 
 
 def add_disk_section(p: Report, cfg: Config, model) -> None:

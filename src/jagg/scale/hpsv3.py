@@ -222,7 +222,9 @@ def load_streamed(model: nn.Module, path: str) -> int:
         del tensor  # before the next one is read
     missing = sorted(set(target) - seen)
     if missing or unexpected:
-        raise RuntimeError(f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} (strict load)")
+        raise RuntimeError(
+            f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} (strict load)"
+        )
     return largest
 
 
