@@ -313,3 +313,141 @@ def test_dry_run_plan_counts_hpsv3_in_its_default_bf16():
     assert default[AUX_MODELS["hpsv3"][0]] == 2 * aux_params("hpsv3")
     assert fp32[AUX_MODELS["hpsv3"][0]] == 4 * aux_params("hpsv3")
     assert default[AUX_MODELS["pickscore"][0]] == 4 * aux_params("pickscore")
+
+
+class _CountingSafeOpen:
+    """Stands in for ``safetensors.safe_open``: hands out fresh host copies (as a safetensors that copies out
+    of its mapping would) and counts the bytes alive at once."""
+
+    alive = peak = 0
+
+    def __init__(self, path, framework="pt", device="cpu", **kwargs):
+        self.f = _REAL_SAFE_OPEN(path, framework=framework, device=device)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def keys(self):
+        return self.f.keys()
+
+    def metadata(self):
+        return self.f.metadata()
+
+    def get_tensor(self, key):
+        import weakref
+
+        t = self.f.get_tensor(key).clone()
+        n = t.numel() * t.element_size()
+        cls = type(self)
+        cls.alive += n
+        cls.peak = max(cls.peak, cls.alive)
+        weakref.finalize(t, lambda: setattr(cls, "alive", cls.alive - n))
+        return t
+
+    def get_tensors(self):
+        return {k: self.get_tensor(k) for k in self.keys()}
+
+
+import safetensors  # noqa: E402
+
+_REAL_SAFE_OPEN = safetensors.safe_open
+
+
+def _saved(tmp_path, seed: int, fmt: str = "safetensors", **save_kwargs):
+    from safetensors.torch import save_file
+
+    model, processor, config = tiny(seed=seed)
+    base = tmp_path / "qwen2vl"
+    config.save_pretrained(base)
+    tiny_processor().save_pretrained(base)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    path = tmp_path / f"HPSv3.{fmt}"
+    if fmt == "safetensors":
+        save_file(state, path)
+    else:
+        torch.save({"model": state}, path, **save_kwargs)
+    return model, processor, base, path, state
+
+
+def test_checkpoint_is_read_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The real constructor copies HPSv3.safetensors into the model tensor by tensor (``load_streamed``): at most
+    one checkpoint tensor is held outside the mapping at a time, never the state dict (the old
+    ``load_file`` asked for every tensor at once: 16.6 GB per rank). Scores equal the model saved."""
+    import safetensors.torch
+
+    model, processor, base, path, state = _saved(tmp_path, seed=4)
+    monkeypatch.setattr(_CountingSafeOpen, "alive", 0)
+    monkeypatch.setattr(_CountingSafeOpen, "peak", 0)
+    monkeypatch.setattr(safetensors, "safe_open", _CountingSafeOpen)
+    monkeypatch.setattr(safetensors.torch, "safe_open", _CountingSafeOpen)
+    fn = HPSv3Reward(checkpoint=str(path), base=str(base), dtype=torch.float32)
+    sizes = [v.numel() * v.element_size() for v in state.values()]
+    assert 0 < _CountingSafeOpen.peak <= max(sizes) < sum(sizes) / 4
+    ref = HPSv3Reward.from_model(model, processor, dtype=torch.float32)
+    x = images(seed=8)
+    torch.testing.assert_close(fn(x, PROMPTS), ref(x, PROMPTS))
+
+
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_pt_checkpoint_is_memory_mapped(tmp_path, monkeypatch, zipfile):
+    """A ``.pt`` checkpoint ({"model": state}) is opened with ``torch.load(mmap=True)``; a legacy (non-zip) file,
+    which cannot be mapped, is read whole instead. Either loads strictly to the same scores."""
+    model, processor, base, path, _ = _saved(
+        tmp_path, seed=5, fmt="pt", _use_new_zipfile_serialization=zipfile
+    )
+    calls, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: calls.append(kw.get("mmap")) or real_load(*a, **kw))
+    fn = HPSv3Reward(checkpoint=str(path), base=str(base), dtype=torch.float32)
+    assert calls == ([True] if zipfile else [True, None])
+    ref = HPSv3Reward.from_model(model, processor, dtype=torch.float32)
+    x = images(seed=9)
+    torch.testing.assert_close(fn(x, PROMPTS), ref(x, PROMPTS))
+
+
+def test_streamed_load_is_strict(tmp_path):
+    from safetensors.torch import save_file
+
+    from jagg.scale.hpsv3 import load_streamed
+
+    model, _, _ = tiny(seed=6)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    key = next(k for k in state if k.startswith("rm_head"))
+    save_file({k: v for k, v in state.items() if k != key}, tmp_path / "missing.safetensors")
+    with pytest.raises(RuntimeError, match="missing keys"):
+        load_streamed(model, str(tmp_path / "missing.safetensors"))
+    save_file({**state, key: torch.zeros(3, 3)}, tmp_path / "shape.safetensors")
+    with pytest.raises(RuntimeError, match=r"has shape \(3, 3\)"):
+        load_streamed(model, str(tmp_path / "shape.safetensors"))
+
+
+def test_memory_plan_counts_hpsv3_on_the_gpu_and_its_streamed_load_on_the_host():
+    """Every rank: HPSv3's weights on its GPU (bf16: 2 bytes per parameter), and while loading on the host only its
+    largest tensor (the token embedding), not the model; a node's host total counts its own ranks, not the job's
+    (16 ranks on 2 nodes of 8)."""
+    from jagg.capacity.memory_model import HOST_BASELINE, memory_plan
+    from jagg.capacity.pass_plan import trained_steps_per_sample
+    from jagg.config import load_config
+    from jagg.scale.architectures import AUX_MODELS, aux_largest_tensor, aux_params
+
+    base = ["reward.kwargs={}", "log.async_checkpoint=false", "data.precompute_embeddings=false"]
+    plans = {}
+    for reward in ("hpsv3", "jpeg"):
+        cfg = load_config(
+            "configs/paper/flux_dancegrpo.yaml",
+            [*base, f"reward.weights={{{reward}: 1.0}}", f"reward.eval=[{reward}]"],
+        )
+        cost = cfg.backward.fixed_setting().cost(trained_steps_per_sample(cfg))
+        plans[reward] = memory_plan(cfg, 16, cost.graphs_alive, False)
+    gpu, host = plans["hpsv3"].gpu, plans["hpsv3"].host
+    assert gpu[AUX_MODELS["hpsv3"][0]] == 2 * aux_params("hpsv3")
+    assert AUX_MODELS["hpsv3"][0] not in plans["jpeg"].gpu
+    assert aux_largest_tensor("hpsv3") == (152064 + 1) * 3584  # embed_tokens (lm_head the same)
+    # the largest staged model is Flux's T5-XXL (8.9 GiB in bf16) either way: HPSv3 (15.5 GiB) adds nothing
+    assert host == plans["jpeg"].host
+    assert host["other ranks"] < HOST_BASELINE + 2 * aux_params("hpsv3")  # the old plan: the whole model
+    node = plans["hpsv3"].node_host(8)
+    assert node["node 0"] == host["rank 0"] + 7 * host["other ranks"]
+    assert node["other nodes"] == 8 * host["other ranks"]

@@ -568,6 +568,8 @@ def _coerce(key: str, tp, value):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
     if not isinstance(value, tp):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+    if tp is int and not -(2**63) <= value < 2**63:  # every count ends up in a 64-bit tensor or seed
+        raise ConfigError(f"{key} must be a 64-bit integer (below 2^63 in magnitude), got {value}")
     return value
 
 

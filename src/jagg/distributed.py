@@ -1,7 +1,7 @@
 """The process group and the rank helpers every run uses, one process included.
 
 ``init_distributed`` joins torchrun's process group (nothing without torchrun); ``DistInfo`` is this process's
-place in the job, whose helpers (this rank's share of a global batch, gathers, scalar reductions, a barrier)
+place in the job (its global rank, and its rank on its node: ``local_rank`` of ``local_world_size``), whose helpers (this rank's share of a global batch, gathers, scalar reductions, a barrier)
 are identities on one process; ``full_tensor`` unshards a DTensor (an FSDP2 parameter, gradient or optimizer
 state) and passes a plain tensor through. Sharding a model (FSDP2) is ``jagg.scale.distributed``.
 
@@ -38,20 +38,50 @@ def init_distributed(backend: str | None = None, timeout_s: float = 3600.0) -> t
 
 @dataclass(frozen=True)
 class DistInfo:
-    """This process's place in the job. World size 1 (no process group) makes every helper an identity."""
+    """This process's place in the job. World size 1 (no process group) makes every helper an identity.
+
+    ``rank`` / ``world_size`` are global: they split batches and name shards, and rank 0 alone writes what the
+    job writes once (run.json, metrics, the lock) to ``log.run_dir``, which every node must share.
+    ``local_rank`` / ``local_world_size`` are this process's place on its node (torchrun's ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE``; unset: one node, equal to the global ones): its GPU, and what each node does once
+    (``is_node_main``: the node report, a node-local cache filled per node)."""
 
     rank: int = 0
     world_size: int = 1
+    local_rank: int | None = None  # None: one node (the global rank)
+    local_world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_rank is None:
+            object.__setattr__(self, "local_rank", self.rank)
+        if self.local_world_size is None:
+            object.__setattr__(self, "local_world_size", self.world_size)
 
     @classmethod
     def current(cls) -> DistInfo:
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
+            local, local_world = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+            return cls(
+                dist.get_rank(),
+                dist.get_world_size(),
+                None if local is None else int(local),
+                None if local_world is None else int(local_world),
+            )
         return cls()
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_node_main(self) -> bool:
+        """The first process on its node (what a node does once)."""
+        return self.local_rank == 0
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the job (torchrun gives every node the same number of processes)."""
+        return max(1, self.world_size // max(1, self.local_world_size))
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +113,23 @@ class DistInfo:
         if op == "mean":
             t /= self.world_size
         return dict(zip(values, t.tolist()))
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's picklable ``obj`` in rank order (one ``all_gather_object``); ``[obj]`` on one process."""
+        if not self.enabled:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def first_error(self, error: str | None) -> str | None:
+        """The lowest rank's error of a check every rank made (None: none failed), the same on every rank, so
+        all stop together instead of the others waiting in the next collective until the timeout; another
+        rank's is prefixed with its rank."""
+        for r, err in enumerate(self.gather_objects(error)):
+            if err is not None:
+                return err if r == 0 else f"rank {r}: {err}"
+        return None
 
     def barrier(self) -> None:
         if self.enabled:

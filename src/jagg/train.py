@@ -16,14 +16,16 @@
                           and nothing a run does not write; never the working directory, a repository root or
                           the home directory); not with --resume
     --dry-run             validate the config, report the node (torch's CUDA build, driver, NCCL, GPUs) and print the
-                          plan (steps, groups, passes, memory); no weights, no writes
+                          plan (steps, groups, passes, memory); no weights, no writes; --world-size N and
+                          --nproc-per-node M plan N ranks on nodes of M (default: torchrun's variables, else 1)
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export); OUT must
                           be absent, empty or an earlier export (never '.', '..', a symlink, the run directory, a
                           git root or the home directory): written beside OUT and renamed into place
 Invalid configs (unknown keys, bad values, YAML syntax, a config file that is not UTF-8 text or cannot be read,
 unknown reward or prompt-set names, train.device=cuda without CUDA, a driver older than torch's CUDA build needs,
-a resume that contradicts run.json or the checkpoint, a corrupt run.json) exit with status
+a rollout larger than the memory it would need (the key named with the largest value that fits), a resume that
+contradicts run.json or the checkpoint, a corrupt run.json) exit with status
 2 and one line naming the key, before the model code is imported and before anything is written. One run writes
 to a run directory at a time: rank 0 locks it (log.run_dir/.lock) before writing, and a second run there exits 2
 naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and the NCCL
@@ -51,7 +53,12 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("jagg.train")  # not __name__: "__main__" under python -m
-VALUE_OPTIONS = ("--config", "--export", "--world-size")  # options whose value is the next token
+VALUE_OPTIONS = (
+    "--config",
+    "--export",
+    "--world-size",
+    "--nproc-per-node",
+)  # options whose value is the next token
 
 
 class ConsoleHandler(logging.Handler):
@@ -127,6 +134,12 @@ def _parser() -> argparse.ArgumentParser:
         default=int(os.environ.get("WORLD_SIZE", 1)),
         help="ranks assumed by --dry-run (default: $WORLD_SIZE or 1)",
     )
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None,
+        help="ranks per node assumed by --dry-run's host memory (default: $LOCAL_WORLD_SIZE, else one node)",
+    )
     return ap
 
 
@@ -163,14 +176,25 @@ def _main(argv: list[str] | None) -> int:
         preflight.check_prompt_sets(cfg, fetch=not args.dry_run)
         prepare_node(cfg, dry_run=args.dry_run)  # report torch / driver / NCCL / GPUs; CUDA env before CUDA
         if args.dry_run:
-            return _dry_run(cfg, args.world_size)
+            return _dry_run(cfg, args.world_size, args.nproc_per_node)
         preflight.check_device(cfg)
         preflight.check_trackers(cfg)
         if args.export:
             return _export(cfg, Path(args.export), find_checkpoint(cfg.log.run_dir), args)
+        _check_sizes(cfg)
     except ConfigError as err:
         _fail(str(err))
     return _train(cfg, args, argv_used)
+
+
+def _check_sizes(cfg) -> None:
+    """One rollout against the memory it would need (``jagg.capacity.memory_model.check_sizes``), before the
+    process group, the build and any write; torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE say how many ranks share
+    a batch and a host."""
+    from jagg.capacity.memory_model import check_sizes
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_sizes(cfg, world, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
 def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
@@ -181,14 +205,14 @@ def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
     set_threads(1)
     from jagg.distributed import DistInfo, init_distributed
     from jagg.errors import ConfigError
-    from jagg.ops import preflight, rundir
+    from jagg.ops import rundir
 
     init_distributed(timeout_s=cfg.train.dist_timeout_s)
     info = DistInfo.current()
     try:
         with rundir.hold(cfg.log.run_dir, info):
             promoted = _promote_interrupted_save(cfg, info) if args.resume else None
-            start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+            start = _agreed_start(cfg, args, info)
             start.promoted = promoted
             if info.is_main and start.restarts and not start.resume:
                 log.info(
@@ -199,6 +223,27 @@ def _train(cfg, args: argparse.Namespace, argv_used: list[str]) -> int:
             return _run(cfg, start, argv_used, info)
     except ConfigError as err:
         _fail_once(info, str(err))
+
+
+def _agreed_start(cfg, args: argparse.Namespace, info):
+    """``preflight.start_run_dir`` on every rank (each reads the shared run directory), the outcome the same on
+    all: one rank's refusal, or ranks that decided differently, stop every rank before anything is built."""
+    from jagg.errors import ConfigError
+    from jagg.ops import preflight
+
+    start, error = None, None
+    try:
+        start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+    except ConfigError as err:
+        error = str(err)
+    decision = None if start is None else (start.resume, start.wipe, start.metrics_rows)
+    decisions = {d for d in info.gather_objects(decision) if d is not None}
+    if error is None and len(decisions) > 1:
+        error = f"log.run_dir={cfg.log.run_dir}: the ranks read it differently ({sorted(decisions)})"
+    error = info.first_error(error)
+    if error is not None:
+        raise ConfigError(error)
+    return start
 
 
 def _promote_interrupted_save(cfg, info) -> int | None:
@@ -249,14 +294,14 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
         if info.is_main:
             _prepare_run_dir(run_dir, start)
             if not start.resume:
-                _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
+                _write_run_json(cfg, run_dir, start, argv_used, info.world_size, info.nodes)
         info.barrier()
         trainer = Trainer(cfg, comp, run_dir)
         if start.resume:
             trainer.load_checkpoint()
             start.dropped = max(0, start.metrics_rows - len(trainer.metrics))
             if info.is_main:
-                _write_run_json(cfg, run_dir, start, argv_used, info.world_size)
+                _write_run_json(cfg, run_dir, start, argv_used, info.world_size, info.nodes)
                 log.info(f"resumed {run_dir} at iteration {trainer.iteration}")
                 if start.dropped:
                     log.info(
@@ -341,9 +386,9 @@ def _write_error(err: OSError, run_dir: Path) -> str:
     return f"cannot write {where}: {err.strerror or err}"
 
 
-def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int) -> None:
+def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int, nodes: int = 1) -> None:
     """A fresh run writes run.json; a resumed one (after its checkpoint loaded) keeps it and appends what this
-    attempt changed."""
+    attempt changed. ``nodes``: how many machines the ranks ran on (a resume may use another layout)."""
     from jagg.common import atomic_write_text, git_sha, run_metadata
 
     path = run_dir / "run.json"
@@ -354,6 +399,7 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
                 "argv": argv_used,
                 "git_sha": git_sha(),
                 "world_size": world_size,
+                "nodes": nodes,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "config_changes": {k: list(v) for k, v in start.changes.items()},
                 "metrics_rows_dropped": start.dropped,
@@ -362,6 +408,7 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
         )
     else:
         meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=world_size)
+        meta["nodes"] = nodes
         if start.restarts:  # preempted before its first checkpoint: started again, the attempts recorded
             stamp = {"argv": argv_used, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             meta["restarts"] = [*start.restarts[:-1], {**start.restarts[-1], **stamp}]
@@ -428,16 +475,19 @@ def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> 
     return 0
 
 
-def _dry_run(cfg, world_size: int) -> int:
-    """Validate against ``world_size`` and print the plan (``jagg.capacity.dry_run``); no weights read, nothing written."""
+def _dry_run(cfg, world_size: int, ranks_per_node: int | None = None) -> int:
+    """Validate against ``world_size`` and print the plan (``jagg.capacity.dry_run``; ``ranks_per_node``: the
+    host memory per node); no weights read, nothing written."""
     from jagg.capacity.dry_run import build_plan
     from jagg.config import validate_world_size
 
     if world_size < 1:
         _fail(f"--world-size must be >= 1, got {world_size}")
+    if ranks_per_node is not None and not 1 <= ranks_per_node <= world_size:
+        _fail(f"--nproc-per-node must be in [1, --world-size={world_size}], got {ranks_per_node}")
     validate_world_size(cfg, world_size)
     log.info(f"dry run: config valid; plan for world size {world_size}")
-    log.info(build_plan(cfg, world_size))
+    log.info(build_plan(cfg, world_size, ranks_per_node))
     return 0
 
 

@@ -26,8 +26,9 @@ from jagg.config import Config
 from jagg.scale.architectures import VAE_SCALE
 
 
-def build_plan(cfg: Config, world_size: int = 1) -> Report:
-    """The dry-run report for ``cfg`` on ``world_size`` ranks (see the module docstring)."""
+def build_plan(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> Report:
+    """The dry-run report for ``cfg`` on ``world_size`` ranks, ``ranks_per_node`` of them on each node (None: one
+    node; see the module docstring)."""
     p = Report()
     add_run_section(p, cfg, world_size)
     ours = add_pass_plan(p, cfg, world_size)
@@ -38,6 +39,7 @@ def build_plan(cfg: Config, world_size: int = 1) -> Report:
         graphs=ours.graphs_alive,
         held_grad=cfg.backward.planned_setting().holds_gradients,
         all_gathers=ours.all_gathers,
+        ranks_per_node=ranks_per_node,
     )
     return p
 
@@ -91,7 +93,13 @@ def add_run_section(p: Report, cfg: Config, world_size: int) -> None:
 
 
 def add_memory_section(
-    p: Report, cfg: Config, world_size: int, graphs: int, held_grad: bool, all_gathers: int = 0
+    p: Report,
+    cfg: Config,
+    world_size: int,
+    graphs: int,
+    held_grad: bool,
+    all_gathers: int = 0,
+    ranks_per_node: int | None = None,
 ) -> None:
     """The memory plan per rank (``jagg.capacity.memory_model``), the host, the all-gathers, export, then the disk."""
     model, source = meta_transformer(cfg)
@@ -152,8 +160,8 @@ def add_memory_section(
     p.add(
         "host memory per rank",
         f"rank 0 ~{gib(mp.host['rank 0'])} (loaded transformer once + largest other model + runtime), "
-        f"other ranks ~{gib(mp.host['other ranks'])}; node ~"
-        f"{gib(mp.host['rank 0'] + (world_size - 1) * mp.host['other ranks'])}; checkpoints: shards only"
+        f"other ranks ~{gib(mp.host['other ranks'])}; {_per_node(mp, world_size, ranks_per_node, gib)}; "
+        "checkpoints: shards only"
         + (
             f", written asynchronously from a {gib(mp.checkpoint_copy)} CPU copy per rank (included; "
             "log.async_checkpoint=false: none)"
@@ -176,6 +184,18 @@ def add_memory_section(
     export = n_all * 2 if model_cfg.lora_rank == 0 and train.precision == "bf16" else n_train * 4
     p.add("export (rank 0 host, once)", gib(export))
     add_disk_section(p, cfg, model)
+
+
+def _per_node(mp, world_size: int, ranks_per_node: int | None, gib) -> str:
+    """The host per node: rank 0's node, and each other node when the ranks span several."""
+    n = min(world_size, ranks_per_node or world_size)
+    nodes = -(-world_size // n)
+    node = mp.node_host(n)
+    if nodes == 1:
+        return f"node ~{gib(node['node 0'])}"
+    return (
+        f"{nodes} nodes of {n} ranks: node 0 ~{gib(node['node 0'])}, each other ~{gib(node['other nodes'])}"
+    )
 
 
 def add_disk_section(p: Report, cfg: Config, model) -> None:

@@ -31,7 +31,7 @@ Memory plan, per rank (estimates, GiB = 2^30 bytes; GPU sizes in decimal GB as s
                   peak with expandable_segments, which CUDA runs set by default, 10% without); both assumed
     host          rank 0 holds the loaded transformer once (memory-mapped safetensors); every rank stages its
                   largest other model on the host while loading (the text encoders too when embeddings are
-                  precomputed: loaded, used, freed); the in-memory prompt embeddings (the encoders return CPU
+                  precomputed: loaded, used, freed; HPSv3 only its largest tensor: ``STREAMED_LOAD``); the in-memory prompt embeddings (the encoders return CPU
                   tensors); checkpoints move shards only, but an asynchronous save (``log.async_checkpoint``, on
                   CUDA by default) holds a CPU copy of the rank's share while it is written; export gathers
                   the exported weights on rank 0 once
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from jagg.config import Config
+from jagg.errors import ConfigError
 from jagg.ops.node import expandable_segments
 from jagg.scale.architectures import (
     AUX_MODELS,
@@ -53,6 +54,7 @@ from jagg.scale.architectures import (
     KNOWN_CONFIGS,
     TEXT_ENCODERS,
     TRUE_CFG,
+    aux_largest_tensor,
     aux_params,
 )
 
@@ -118,6 +120,23 @@ def text_tokens(model_cfg) -> int:
     }.get(model_cfg.backbone, 64)
 
 
+# rewards built on their device and filled one tensor at a time from a memory-mapped checkpoint
+# (jagg.scale.hpsv3.load_streamed): a rank stages the largest tensor on the host, not the model; the mapped file
+# is the node's page cache, shared by its ranks and reclaimable
+STREAMED_LOAD = ("hpsv3",)
+
+
+def _host_staging(cfg: Config, name: str, resident: float) -> float:
+    """Host bytes one rank holds while loading ``name`` (``resident``: its bytes on the GPU): the whole model
+    (weights read to the host, then moved), HPSv2.1 twice in fp32 (a random-init fp32 model plus the fp32
+    checkpoint it loads), a streamed reward its largest tensor in its dtype."""
+    if name == "hpsv2":
+        return aux_params(name) * 4 * 2
+    if name in STREAMED_LOAD:
+        return aux_largest_tensor(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}), name)
+    return resident
+
+
 # a reward's default dtype where it is not fp32: HPSv3Reward's (jagg.scale.hpsv3.DTYPE, HPSv3's bf16)
 REWARD_DEFAULT_DTYPE = {"hpsv3": "bf16"}
 
@@ -163,6 +182,14 @@ class MemoryPlan:
 
     def fits(self, gpu_gb: int, checkpointing: bool | None = None) -> bool:
         return self.total(checkpointing) <= gpu_gb * 1e9
+
+    def node_host(self, ranks_per_node: int) -> dict[str, float]:
+        """Host bytes of a node of ``ranks_per_node`` ranks: the first (rank 0 among them) and any other."""
+        n = max(1, ranks_per_node)
+        return {
+            "node 0": self.host["rank 0"] + (n - 1) * self.host["other ranks"],
+            "other nodes": n * self.host["other ranks"],
+        }
 
 
 def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, model=None) -> MemoryPlan:
@@ -268,9 +295,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         pretrained
     ):  # precomputed embeddings: every rank still loads (stages) its text encoders once, then frees
         staged.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
-    staging = max(
-        [aux_params(k) * 4 * 2 if k in ("hpsv2",) else v for k, v in staged.items()], default=0
-    )  # HPSv2.1: a random-init fp32 model plus the fp32 checkpoint it loads
+    staging = max([_host_staging(cfg, k, v) for k, v in staged.items()], default=0)
     # log.async_checkpoint: a save's CPU copy of this rank's share, held while it is written; that is during
     # training, after the loading's transients, so the larger of the two counts. The plan is for a GPU node
     # unless train.device=cpu.
@@ -344,3 +369,127 @@ def disk_plan(cfg: Config, model) -> dict[str, float]:
     prompts = (data.train_limit or HPDV2_TRAIN_PROMPTS) + (data.eval_limit or HPDV2_TRAIN_PROMPTS)
     cache = prompts * embedding_bytes(cfg, model) if data.embedding_cache else 0
     return {"checkpoint": checkpoint_bytes(cfg, n_train), "embedding cache": float(cache)}
+
+
+# --------------------------------------------------------------------------- sizes checked before the build
+# Latent channels of every real backbone (Flux, Qwen-Image, SD3; the world's are 3): the rollout's terms are
+# upper bounds before the model says its own. The device bound without a GPU to ask: the largest one sold.
+LATENT_CHANNELS = 16
+SIZE_KEYS = (  # the keys a rollout's size grows with, the one over budget named in the error
+    "train.prompts_per_iter",
+    "train.images_per_prompt",
+    "sampling.num_steps",
+    "sampling.eval_num_steps",
+    "sampling.latent_size",
+)
+
+
+def rollout_terms(cfg: Config, world_size: int, gpu: bool | None = None) -> dict[str, tuple[str, float]]:
+    """What one rank holds for one rollout (``jagg.loop.rollout.Sampler``), by term: ``(where, bytes)``, where is
+    ``host`` or ``device`` (a GPU: ``gpu``, default ``train.device`` not cpu). Upper bounds: 16 latent channels,
+    every step trained."""
+    train, sampling = cfg.train, cfg.sampling
+    n = train.prompts_per_iter * train.images_per_prompt
+    local = -(-n // world_size)
+    latent = LATENT_CHANNELS * sampling.latent_size**2
+    wide = 8 if train.precision == "fp64" else 4
+    device = "device" if (train.device != "cpu" if gpu is None else gpu) else "host"
+    drawn = train.prompts_per_iter if cfg.algorithm.init_same_noise else n
+    rewards = len(dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]))
+    steps = sampling.num_steps
+    return {
+        "initial noise of the global batch, drawn on every rank": ("host", float(drawn * latent * 4)),
+        "the global batch's prompts, groups, rewards and trained steps": (
+            "host",
+            float(n * (8 + 8 + 4 * (1 + rewards) + 8 * steps)),
+        ),
+        "schedules and step kinds": ("host", float((max(steps, sampling.eval_num_steps) + 1) * 24)),
+        "this rank's trajectories (latents, log-probs)": (
+            device,
+            float((steps + 1) * local * (latent + 1) * wide),
+        ),
+        "this rank's stored outputs": (
+            device,
+            float(steps * local * latent * wide * cfg.backward.stored_outputs),
+        ),
+    }
+
+
+def host_available() -> float | None:
+    """This machine's available memory (``MemAvailable``, Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _rollout_over(cfg: Config, world_size: int, limits: dict[str, float]) -> str | None:
+    """The first place (host / device) whose rollout terms exceed ``limits`` (a GPU run: a device limit), or
+    None."""
+    totals = {"host": 0.0, "device": 0.0}
+    for where, b in rollout_terms(cfg, world_size, gpu="device" in limits).values():
+        totals[where] += b
+    return next((w for w, b in totals.items() if w in limits and b > limits[w]), None)
+
+
+def _with(cfg: Config, key: str, value: int) -> Config:
+    import copy
+
+    section, name = key.split(".")
+    out = copy.copy(cfg)
+    setattr(out, section, copy.copy(getattr(cfg, section)))
+    setattr(getattr(out, section), name, value)
+    return out
+
+
+def _largest_fitting(cfg: Config, key: str, world_size: int, limits: dict[str, float]) -> int:
+    """The largest value of ``key`` (others as configured) whose rollout fits ``limits`` (0: none does)."""
+    lo, hi = 0, int(_get(cfg, key))
+    while lo < hi:  # every term grows with every key: bisect
+        mid = (lo + hi + 1) // 2
+        if _rollout_over(_with(cfg, key, mid), world_size, limits) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def check_sizes(
+    cfg: Config, world_size: int, ranks_per_node: int = 1, host_bytes: float | None = None
+) -> None:
+    """``ConfigError`` naming the key and its limit when one rollout would not fit in memory, before anything is
+    built or written: the host terms against this machine's available memory shared by ``ranks_per_node``
+    ranks (``host_bytes``: instead of reading it), the device terms against the largest GPU sold
+    (``GPU_SIZES_GB``; the host on ``train.device=cpu``). Named: the key furthest over its limit."""
+    host = host_available() if host_bytes is None else host_bytes
+    limits = {} if host is None else {"host": host / max(1, ranks_per_node)}
+    device = cfg.train.device
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):  # a device count, no context
+        limits["device"] = max(GPU_SIZES_GB) * 1e9
+    where = _rollout_over(cfg, world_size, limits)
+    if where is None:
+        return
+    fits = {k: _largest_fitting(cfg, k, world_size, limits) for k in SIZE_KEYS}
+    key = max(SIZE_KEYS, key=lambda k: _get(cfg, k) / max(fits[k], 0.5))
+    total = sum(b for w, b in rollout_terms(cfg, world_size, "device" in limits).values() if w == where)
+    place = "this machine's available memory" if where == "host" else f"a {max(GPU_SIZES_GB)} GB GPU"
+    if where == "host" and ranks_per_node > 1:
+        place += f" shared by {ranks_per_node} ranks"
+    limit = (
+        f"at most {fits[key]} fits (the rollout alone)"
+        if fits[key]
+        else "no value fits with the other keys as they are"
+    )
+    raise ConfigError(
+        f"{key}={_get(cfg, key)}: one rollout would hold {total / GIB:.3g} GiB per rank on the {where}, more "
+        f"than {place} ({limits[where] / GIB:.3g} GiB); {limit}"
+    )

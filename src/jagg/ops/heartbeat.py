@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -93,7 +94,8 @@ class PhaseWatch:
         try:
             self.dump_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.dump_path, "a") as f:
-                f.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {where}\n")
+                # the host: on several nodes the file (global rank, shared run directory) says which machine
+                f.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {socket.gethostname()} {where}\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError as err:  # the run directory is gone or full: the warning above still says where

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -164,7 +165,8 @@ def _is_number(s: str) -> bool:
 
 def node_facts(gpus: bool = True) -> NodeFacts:
     """This machine's facts. ``gpus``: also each GPU's name and memory (this initialises CUDA when it is
-    available: call after ``cuda_run_env``; under torchrun only rank 0 asks, the report's rank)."""
+    available: call after ``cuda_run_env``; under torchrun only each node's LOCAL_RANK 0 asks, the report's
+    rank, on its own device 0)."""
     import torch
 
     available = torch.cuda.is_available()  # a device count, no CUDA context
@@ -270,7 +272,8 @@ def uses_cuda(cfg: Config, facts: NodeFacts | None = None) -> bool:
 
 def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> NodeFacts | None:
     """The CLI's node step: on a run that may use CUDA set its environment defaults (before CUDA starts), then
-    on such a run or a dry run report the node (rank 0) and check it (every rank). ``ConfigError`` on a
+    on such a run or a dry run report the node (each node's LOCAL_RANK 0, its host named when the job spans
+    several nodes) and check it (every rank). ``ConfigError`` on a
     driver / build mismatch. Returns the facts, or None for a CPU run (nothing looked at)."""
     import torch
 
@@ -283,11 +286,15 @@ def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> 
             log.warning("CUDA was initialised before the allocator setting could be applied")
         for key, value in cuda_run_env(cfg.log.run_dir).items():
             log.debug(f"node: set {key}={value}")
-    main = int(os.environ.get("RANK", "0")) == 0
+    # each node's first process (LOCAL_RANK 0) reports its node: on several nodes, global rank 0 would show
+    # only its own node's GPUs and driver
+    main = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
     facts = facts or node_facts(gpus=main)
     if main:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        several = 0 < local < int(os.environ.get("WORLD_SIZE", "1"))
         for line in node_report(facts):
-            log.info(line)
+            log.info(line.replace("node:", f"node {socket.gethostname()}:", 1) if several else line)
     check_node(facts, cfg.train.device)
     if not dry_run:  # the optimizer on this rank's own GPU (a dry run may plan for another machine)
         on_gpu = facts.cuda_available and cfg.train.device != "cpu"

@@ -10,7 +10,8 @@ delete, and the temporaries a killed run leaves behind.
   anything is written and held until the process ends. The kernel drops an ``flock`` when its process dies
   (kill -9 included), so a lock left by a crash is stale by construction; the file also records the holder's
   pid, host and command, which name it in the second writer's error, and are the fallback check (pid alive
-  on this host) on a filesystem without ``flock``. ``hold`` gives every rank rank 0's outcome.
+  on this host) on a filesystem without ``flock``. ``hold`` gives every rank rank 0's outcome, and refuses a
+  node that does not see rank 0's lock (``log.run_dir`` not shared).
 * ``EXPORT_MARKER`` (``.jagg_export``) lists what an export (``--export OUT``) wrote. ``check_export_target``
   accepts an ``OUT`` that is absent, empty, or an earlier export holding nothing its marker does not list;
   ``place_export`` renames a finished export (written into a sibling temporary directory) into place.
@@ -378,25 +379,63 @@ class RunDirLock:
 
 
 @contextmanager
-def hold(run_dir: str | Path, dist):
-    """Rank 0 takes the run directory's lock for the whole block; every rank raises its ``ConfigError``."""
+def hold(run_dir: str | Path, dist, wait_s: float | None = None):
+    """Rank 0 takes the run directory's lock for the whole block; every rank raises the same ``ConfigError``.
+
+    Under several processes each other rank then reads the lock file rank 0 holds (``sees_lock``): a rank that
+    does not find rank 0's holder there is on a node that does not share ``log.run_dir`` (a node-local disk),
+    where its checkpoint shards would be out of the others' reach; every rank refuses, before anything is
+    written."""
     lock = RunDirLock(run_dir) if dist.is_main else None
-    error = None
+    error, holder = None, None
     if lock is not None:
         try:
             lock.acquire()
+            holder = lock.path.read_text()
         except ConfigError as err:
             error = str(err)
     if dist.enabled:
         import torch.distributed
 
-        shared = [error]
+        shared = [error, holder]
         torch.distributed.broadcast_object_list(shared, src=0)
-        error = shared[0]
+        error, holder = shared
+        if error is None and not dist.is_main:
+            error = sees_lock(run_dir, holder, SHARED_WAIT_S if wait_s is None else wait_s)
+        error = dist.first_error(error)
     if error is not None:
+        if lock is not None:
+            lock.release()
         raise ConfigError(error)
     try:
         yield lock
     finally:
         if lock is not None:
             lock.release()
+
+
+SHARED_WAIT_S = 10.0  # how long another node may take to see rank 0's lock file (NFS attribute caches)
+
+
+def sees_lock(run_dir: str | Path, holder: str, wait_s: float = SHARED_WAIT_S) -> str | None:
+    """None when ``run_dir``'s lock file holds ``holder`` (rank 0's, read back after locking), else the error
+    of a node that does not share ``log.run_dir`` with rank 0; retried for ``wait_s`` seconds."""
+    path, deadline = Path(run_dir) / LOCK, time.monotonic() + wait_s
+    while True:
+        try:
+            if path.read_text() == holder:
+                return None
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    try:
+        who = describe(json.loads(holder))
+    except ValueError:
+        who = "rank 0"
+    return (
+        f"log.run_dir={run_dir} on {socket.gethostname()} is not the directory rank 0 locked ({who}): a run on "
+        "several nodes needs log.run_dir on a filesystem every node mounts (each rank writes its checkpoint "
+        "shards there, rank 0 reads them all back)"
+    )

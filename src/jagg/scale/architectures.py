@@ -182,6 +182,20 @@ TRUE_CFG = ("qwenimage", "sd3")  # backbones whose model.true_cfg_scale > 1 doub
 # (SD3Backbone, as StableDiffusion3Pipeline and Flow-GRPO): one all-gather per step, no gradient held between calls
 CFG_TWO_CALLS = ("qwenimage",)
 _aux_cache: dict[str, int] = {}
+_largest_cache: dict[str, int] = {}
+
+
+def aux_largest_tensor(name: str) -> int:
+    """Elements of ``AUX_MODELS[name]``'s largest parameter, counted on the meta device (a model loaded one tensor
+    at a time stages no more than this on the host; 0 when the library cannot build it)."""
+    if name not in _largest_cache:
+        try:
+            with torch.device("meta"):
+                model = _build_aux(name)
+            _largest_cache[name] = max(p.numel() for p in model.parameters())
+        except Exception:  # a library too old / missing
+            _largest_cache[name] = 0
+    return _largest_cache[name]
 
 
 def aux_params(name: str) -> int:

@@ -18,7 +18,9 @@ Not the ``hpsv3`` package: it pins trl / deepspeed / flash-attn era dependencies
 (``HPSv3.safetensors``) or a local file, over ``Qwen/Qwen2-VL-7B-Instruct``'s config and processor (hub id or
 local folder); offline without them: ``WeightsUnavailableError`` (``jagg.scale.hub``). The model is built from
 the config directly on the reward's device and in its dtype (bf16 by default, as ``HPSv3_7B.yaml``'s
-``torch_dtype: bfloat16`` / ``bf16: True``; the head in float32), then the checkpoint is loaded strictly.
+``torch_dtype: bfloat16`` / ``bf16: True``; the head in float32), then the checkpoint is copied in strictly, one
+tensor at a time from the memory-mapped file (``load_streamed``): every rank of a node reads the same page cache,
+none holds the 16.6 GB state dict in its own memory.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import math
 import os
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -160,17 +163,69 @@ def hpsv3_model(config, special_token_id: int, vocab_size: int, dtype: torch.dty
     return model
 
 
+def hpsv3_key(key: str) -> str:
+    """One HPSv3.safetensors key -> transformers 5's ``Qwen2VLForConditionalGeneration`` (+ ``rm_head``): a
+    checkpoint saved before transformers 4.52 has ``model.layers`` / ``model.embed_tokens`` / ``model.norm`` /
+    ``visual``, later ones ``model.language_model.*`` / ``model.visual.*``; both map to the latter."""
+    key = key.removeprefix("module.")
+    key = re.sub(r"^visual\.", "model.visual.", key)
+    return re.sub(r"^model\.(layers|embed_tokens|norm)\b", r"model.language_model.\1", key)
+
+
 def convert_hpsv3_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """HPSv3.safetensors' keys -> transformers 5's ``Qwen2VLForConditionalGeneration`` (+ ``rm_head``): a checkpoint
-    saved before transformers 4.52 has ``model.layers`` / ``model.embed_tokens`` / ``model.norm`` / ``visual``,
-    later ones ``model.language_model.*`` / ``model.visual.*``; both map to the latter."""
-    out = {}
-    for key, value in state_dict.items():
-        key = key.removeprefix("module.")
-        key = re.sub(r"^visual\.", "model.visual.", key)
-        key = re.sub(r"^model\.(layers|embed_tokens|norm)\b", r"model.language_model.\1", key)
-        out[key] = value
-    return out
+    """``hpsv3_key`` on every key of ``state_dict``."""
+    return {hpsv3_key(k): v for k, v in state_dict.items()}
+
+
+def checkpoint_tensors(path: str) -> Iterator[tuple[str, Tensor]]:
+    """``(key, tensor)`` of a checkpoint file, one at a time, memory-mapped: a ``.safetensors`` file through
+    ``safe_open`` (a tensor is read from the mapping when asked for), a ``.pt`` file through
+    ``torch.load(mmap=True)`` (a legacy, non-zip file cannot be mapped: read whole); ``{"model": ...}`` unwrapped.
+    The mapped pages are the kernel's page cache: one copy per node whatever the number of ranks reading."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open  # looked up at call time (tests count what it hands out)
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                yield key, f.get_tensor(key)
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # saved with _use_new_zipfile_serialization=False
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    state = state.get("model", state)
+    while state:  # handed out and forgotten one by one
+        yield state.popitem()
+
+
+def load_streamed(model: nn.Module, path: str) -> int:
+    """Copy the checkpoint at ``path`` (``checkpoint_tensors``) into ``model``'s parameters and buffers where they
+    already are (the reward's device, its dtype), one tensor at a time, strictly: a missing or unexpected key or a
+    shape that differs is a ``RuntimeError`` as ``load_state_dict`` raises it. So a rank holds at most one
+    checkpoint tensor outside the mapping (the largest: the token embedding, 1.1 GB in bf16), never the 16.6 GB
+    state dict. Returns the largest tensor's bytes."""
+    target = model.state_dict()
+    seen, unexpected, largest = set(), [], 0
+    for key, tensor in checkpoint_tensors(path):
+        name = hpsv3_key(key)
+        if name not in target:
+            unexpected.append(key)
+        elif target[name].shape != tensor.shape:
+            raise RuntimeError(
+                f"{path}: {key} has shape {tuple(tensor.shape)}, the model's {name} {tuple(target[name].shape)}"
+            )
+        else:
+            with torch.no_grad():
+                target[name].copy_(tensor)
+            seen.add(name)
+            largest = max(largest, tensor.numel() * tensor.element_size())
+        del tensor  # before the next one is read
+    missing = sorted(set(target) - seen)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} (strict load)"
+        )
+    return largest
 
 
 @torch.no_grad()
@@ -239,14 +294,7 @@ class HPSv3Reward:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         with torch.device(dev):  # 8B parameters: built where and in the dtype they run, then overwritten
             model = hpsv3_with_processor(config, processor, dtype=dtype)
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state = load_file(path, device="cpu")
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        state = state.get("model", state)
-        model.load_state_dict(convert_hpsv3_state_dict(state))
+        load_streamed(model, path)
         self._init_from(model, processor, device=dev, dtype=dtype, **kwargs)
 
     @classmethod

@@ -246,6 +246,20 @@ def load_dtype(cfg: Config, part: str = "text_encoder") -> torch.dtype:
     return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
 
 
+def precompute_embeddings(text, prompts: list[str], info: DistInfo) -> int:
+    """Every prompt's embedding in ``text``'s cache before the encoders are freed; returns how many this rank
+    encoded. Rank r of the job encodes every world_size-th prompt; then, on several nodes, rank l of each node
+    encodes every local_world_size-th prompt its node's cache still lacks: nothing when ``data.embedding_cache``
+    is shared by every node, the other nodes' shares when it is a node-local disk (there each node holds every
+    prompt, else a rank that needs another node's prompt would find the encoders released)."""
+    done = text.precompute(prompts, info.rank, info.world_size)
+    info.barrier()
+    if text.cache_dir is not None and info.nodes > 1:
+        done += text.precompute(prompts, info.local_rank, info.local_world_size)
+        info.barrier()
+    return done
+
+
 def build_pretrained_components(cfg: Config) -> Components:
     """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
 
@@ -275,8 +289,7 @@ def build_pretrained_components(cfg: Config) -> Components:
     train = load_prompts(d.train_prompts, limit=d.train_limit)
     evals = load_prompts(d.eval_prompts, limit=d.eval_limit)
     if d.precompute_embeddings:
-        text.precompute(list(train.prompts) + list(evals.prompts), info.rank, info.world_size)
-        info.barrier()
+        precompute_embeddings(text, list(train.prompts) + list(evals.prompts), info)
         text.release()
     sigmas, eval_sigmas = pretrained_schedules(cfg)
     return Components(
