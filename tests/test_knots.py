@@ -18,6 +18,7 @@ from helpers import (
     grads_of,
     make_grpo_step_loss,
     make_model,
+    model_tol,
     rel_err,
     straight_path_latents,
 )
@@ -72,7 +73,7 @@ def oracle_grad(module, velocity, latents, sigmas, loss, knots):
     return torch.cat([g.flatten() for g in total])
 
 
-@pytest.mark.parametrize("name", ["mlp", "flux", "qwenimage"])
+@pytest.mark.parametrize("name", ["mlp", "flux", "qwenimage", "wan"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("count", [3, 5])
 def test_knots_gradient_equals_the_oracle(name, placement, count):
@@ -82,7 +83,7 @@ def test_knots_gradient_equals_the_oracle(name, placement, count):
     g, stats = run(module, velocity, latents, sigmas, loss, plan)
     g_oracle = oracle_grad(module, velocity, latents, sigmas, loss, plan.knots)
     assert g_oracle.norm() > 0
-    assert rel_err(g, g_oracle) < 1e-12
+    assert rel_err(g, g_oracle) < model_tol(name, 1e-12)
     assert stats.backward_passes == count and stats.backward_calls == 1
     # a nonlinear model is not exact with fewer knots than steps: the test can tell
     assert rel_err(g, exact_grad(module, velocity, latents, sigmas, loss)) > 1e-6
@@ -100,7 +101,7 @@ def test_every_step_a_knot_is_exact(name, graph_mode, stored):
         with torch.no_grad():
             outputs = torch.stack([velocity(latents[j], sigmas[j]) for j in range(T)])
     g, stats = run(module, velocity, latents, sigmas, loss, plan, graph_mode=graph_mode, outputs=outputs)
-    assert rel_err(g, exact_grad(module, velocity, latents, sigmas, loss)) < 1e-12
+    assert rel_err(g, exact_grad(module, velocity, latents, sigmas, loss)) < model_tol(name, 1e-12)
     assert stats.backward_passes == T
 
 

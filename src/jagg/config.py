@@ -39,7 +39,7 @@ from jagg.rewards import EVAL_ONLY
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
-BACKBONE_NAMES = ("flux", "qwenimage", "sd3")
+BACKBONE_NAMES = ("flux", "qwenimage", "sd3", "wan")
 # log.report_to: the experiment trackers of ``jagg.ops.trackers`` (imported there only when named).
 TRACKER_NAMES = ("tensorboard", "wandb")
 # train.seed's largest value: jagg.common.generator seeds with seed * 1_000_003 + offsets, which must stay
@@ -696,8 +696,9 @@ def _validate_model(model: ModelConfig) -> None:
         "model.path is required when model.source=pretrained",
     )
     _require(
-        model.backbone != "sd3" or model.source == "pretrained",
-        f"model.backbone=sd3 needs model.source=pretrained (the embedded world has no SD3 backbone), "
+        model.backbone not in ("sd3", "wan") or model.source == "pretrained",
+        f"model.backbone={model.backbone} needs model.source=pretrained (the embedded world has no "
+        f"{model.backbone} backbone), "
         f"got {model.source!r}",
     )
     _require(model.lora_rank >= 0, f"model.lora_rank must be >= 0, got {model.lora_rank}")
