@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import grads_of, make_grpo_step_loss, rel_err, straight_path_latents
+from jagg.engine.knots import Knots
+from jagg.engine.routing import BackwardSetting
 from jagg.engine.sampling import sample_trajectory
 from jagg.models import TextCond, build_tiny_backbone
 from jagg.models.wan import WanBackbone, tiny_wan_config
@@ -200,3 +203,45 @@ def test_two_experts_need_a_boundary():
         WanBackbone(t, transformer_2=t)
     with pytest.raises(ValueError, match="boundary_ratio must lie in"):
         WanBackbone(t, transformer_2=t, boundary_ratio=1.5)
+
+
+def test_knots_give_each_expert_the_gradient_of_its_own_plan():
+    """Nine trained steps, the switch after step 1 (sigma 0.9 >= 0.875 > 0.81). Five knots through the bound
+    two-expert velocity: each expert's gradient equals the knots plan of its own steps alone (2 and 3 knots,
+    ``split_count``) run on that expert alone. Without the declared boundary, a knot interval straddles the
+    switch and the gradients differ: the test can tell."""
+    sigmas = torch.tensor([0.97, 0.9, 0.81, 0.71, 0.6, 0.47, 0.33, 0.19, 0.08, 0.02], dtype=torch.float64)
+    bb = _experts(seed=4)
+    cond = _cond(2, dtype=torch.float64)
+    velocity = bb.bind(cond)
+    latents = straight_path_latents((2, 4, 2, 4, 4), sigmas[:9], seed=7)
+    loss = make_grpo_step_loss(velocity, latents, sigmas[:9], sigmas[1:], seed=3)
+    setting = BackwardSetting(routing=Knots(count=5, placement="low_noise"), stored_outputs=False)
+    assert setting.plan(velocity, sigmas[:9]).knots == (0, 1, 2, 6, 8)
+
+    bb.zero_grad(set_to_none=True)
+    setting.backward(velocity, loss)
+    joint_high, joint_low = grads_of(bb.transformer), grads_of(bb.transformer_2)
+
+    for expert, steps, count in ((bb.transformer, range(0, 2), 2), (bb.transformer_2, range(2, 9), 3)):
+        alone = WanBackbone(expert).bind(cond)
+        bb.zero_grad(set_to_none=True)
+        knots = Knots(count=count, placement="low_noise")
+        plan = knots.interpolation(sigmas[steps.start : steps.stop])
+        setting.run_plan(
+            plan,
+            alone,
+            latents[steps.start : steps.stop],
+            sigmas[steps.start : steps.stop],
+            lambda j, v, off=steps.start: loss(j + off, v),
+        )
+        separate = grads_of(expert)
+        joint = joint_high if expert is bb.transformer else joint_low
+        assert separate.norm() > 0
+        assert rel_err(joint, separate) < 1e-8  # the float32 norms of diffusers' Wan (tests/helpers.py)
+
+    bb.zero_grad(set_to_none=True)
+    blind = BackwardSetting(routing=Knots(count=5, placement="low_noise"), stored_outputs=False)
+    blind.backward(lambda z, t: bb.velocity(z, t, cond), loss)  # a velocity that does not declare the switch
+    assert blind.plan(lambda z, t: None, sigmas[:9]).knots == (0, 4, 6, 7, 8)  # 0..4 spans the switch
+    assert rel_err(grads_of(bb.transformer_2), joint_low) > 1e-3
