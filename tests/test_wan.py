@@ -245,3 +245,77 @@ def test_knots_give_each_expert_the_gradient_of_its_own_plan():
     blind.backward(lambda z, t: bb.velocity(z, t, cond), loss)  # a velocity that does not declare the switch
     assert blind.plan(lambda z, t: None, sigmas[:9]).knots == (0, 4, 6, 7, 8)  # 0..4 spans the switch
     assert rel_err(grads_of(bb.transformer_2), joint_low) > 1e-3
+
+
+# --------------------------------------------------------------------------- the real path on a tiny pipeline folder
+def test_pretrained_components_load_a_wan_pipeline_folder(tmp_path):
+    """``model.source=pretrained`` on a tiny Wan2.2-A14B-layout folder: both experts and the boundary from
+    model_index.json, the UMT5 embeddings as ``WanPipeline.encode_prompt`` gives them, video latents (C, F, H, W)
+    and the Wan VAE decoding them to frames."""
+    from diffusers import WanPipeline
+
+    from jagg.config import TINY_PIPELINE, load_config
+    from jagg.scale.pretrained import build_pretrained_components
+    from jagg.scale.tiny_pipeline import save_tiny_wan_pipeline
+
+    prompts = ["a red ball rolls left", "a blue cube spins"]
+    save_tiny_wan_pipeline(tmp_path / "wan", prompts, boundary_ratio=BOUNDARY)
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    cfg = load_config(
+        None,
+        [
+            *TINY_PIPELINE,
+            "model.backbone=wan",
+            "model.source=pretrained",
+            f"model.path={tmp_path / 'wan'}",
+            "model.true_cfg_scale=4.0",
+            "model.true_cfg_scale_2=3.0",
+            f"data.train_prompts={tmp_path / 'p.txt'}",
+            f"data.eval_prompts={tmp_path / 'p.txt'}",
+            "sampling.latent_size=8",
+            "sampling.latent_frames=3",
+            "train.precision=fp32",
+        ],
+    )
+    comp = build_pretrained_components(cfg)
+    bb = comp.backbone
+    assert isinstance(bb, WanBackbone) and bb.expert_boundaries == (BOUNDARY,)
+    assert (bb.guidance_scale, bb.guidance_scale_2) == (4.0, 3.0)
+    assert comp.latent_shape == (4, 3, 8, 8)
+    cond = comp.text_encoder.encode_prompts(prompts)
+    ref = WanPipeline.from_pretrained(tmp_path / "wan")
+    embeds, neg = ref.encode_prompt(prompts, negative_prompt=[" "] * 2, max_sequence_length=16, device="cpu")
+    # float32 rounding only (measured 7e-7 of values up to 3): UMT5 runs on other batch shapes there
+    torch.testing.assert_close(cond.embeds, embeds.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(cond.neg_embeds, neg.detach(), rtol=0, atol=1e-5)
+    z = torch.randn(2, *comp.latent_shape)
+    video = comp.decode(z)
+    # the tiny VAE halves height and width once and keeps the frames (one level, no temporal downsampling)
+    assert video.shape == (2, 3, 3, 16, 16) and float(video.min()) >= 0 and float(video.max()) <= 1
+    assert comp.decode(z[:, :, 0]).shape == (2, 3, 16, 16)  # one frame: an image
+
+
+def test_the_real_path_fails_fast_offline(tmp_path, monkeypatch):
+    from jagg.errors import WeightsUnavailableError
+    from jagg.scale.pretrained import load_backbone
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(WeightsUnavailableError, match="local path does not exist"):
+        load_backbone("wan", str(tmp_path / "missing"))
+    with pytest.raises(WeightsUnavailableError, match="HF_HUB_OFFLINE is set"):
+        load_backbone("wan", "Wan-AI/Wan2.2-T2V-A14B-Diffusers-not-cached")
+
+
+def test_wan_config_keys_are_checked():
+    from jagg.config import load_config
+    from jagg.errors import ConfigError
+
+    base = ["model.backbone=wan", "model.source=pretrained", "model.path=x"]
+    with pytest.raises(ConfigError, match="model.backbone=wan needs model.source=pretrained"):
+        load_config(None, ["model.backbone=wan"])
+    with pytest.raises(ConfigError, match="sampling.latent_frames must be >= 1 for model.backbone=wan"):
+        load_config(None, ["sampling.latent_frames=3"])
+    with pytest.raises(ConfigError, match="sampling.schedule must be shift for model.backbone=wan"):
+        load_config(None, [*base, "sampling.schedule=scheduler"])
+    with pytest.raises(ConfigError, match="model.true_cfg_scale_2 must be null or >= 1"):
+        load_config(None, [*base, "model.true_cfg_scale_2=0.5"])

@@ -155,6 +155,6 @@ class Components:
     decode: Callable[[Tensor], Tensor]  # latents -> images (B, 3, H, W) in [0, 1]
     train_prompts: list[str]
     eval_prompts: list[str]
-    latent_shape: tuple[int, int, int]  # (C, H, W)
+    latent_shape: tuple[int, ...]  # (C, H, W); Wan's video (C, F, H, W)
     sigmas: Tensor | None = None  # (S + 1,) schedule; None = shifted linear from the config
     eval_sigmas: Tensor | None = None
