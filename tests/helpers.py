@@ -45,11 +45,23 @@ class LinearVelocity(nn.Module):
         return (z.flatten(1) @ self.A.T + t[:, None] * self.b + self.c).view(z.shape)
 
 
-MODEL_NAMES = ("mlp", "linear", "flux", "qwenimage")
+MODEL_NAMES = ("mlp", "linear", "flux", "qwenimage", "wan")
+
+
+# diffusers' Wan runs its norms in float32 even in a float64 model (``FP32LayerNorm`` and ``hidden_states.float()``
+# in WanTransformerBlock / the output norm), so two float64 computations of the same gradient that group their
+# rows differently (a stacked knot forward against one forward per knot) agree to ~1e-9 rather than to 1e-12.
+FLOAT32_NORMS = {"wan": 1e-8}
+
+
+def model_tol(name: str, tol: float) -> float:
+    """``tol``, or the floor of a model whose float64 forward rounds through float32 (``FLOAT32_NORMS``)."""
+    return max(tol, FLOAT32_NORMS.get(name, 0.0))
 
 
 def make_model(name: str, batch: int = 2, seed: int = 0):
-    """(module, velocity(z, t), latent shape (B, C, H, W)) in float64 for a named test model."""
+    """(module, velocity(z, t), latent shape (B, C, H, W); Wan's (B, C, F, H, W)) in float64 for a named test
+    model."""
     torch.manual_seed(seed)
     if name in ("mlp", "linear"):
         module = (MLPVelocity if name == "mlp" else LinearVelocity)().double()
@@ -61,7 +73,7 @@ def make_model(name: str, batch: int = 2, seed: int = 0):
         mask=torch.ones(batch, 5, dtype=torch.long),
         pooled=torch.randn(batch, 32, generator=g, dtype=torch.float64),
     )
-    return backbone, backbone.bind(cond), (batch, 4, 4, 4)
+    return backbone, backbone.bind(cond), (batch, 4, 3, 4, 4) if name == "wan" else (batch, 4, 4, 4)
 
 
 def straight_path_latents(shape, sigmas, seed=0):

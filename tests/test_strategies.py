@@ -17,6 +17,7 @@ from helpers import (
     grads_of,
     make_grpo_step_loss,
     make_model,
+    model_tol,
     one_group,
     rel_err,
     straight_path_latents,
@@ -88,7 +89,7 @@ def test_two_step_group_is_exact_for_any_model(name, strategy, graph_mode):
     module, velocity, latents, sigmas, step_loss = setup_group(name, 2)
     g_exact, _ = run("exact", module, velocity, latents, sigmas, step_loss)
     g_jagg, _ = run(strategy, module, velocity, latents, sigmas, step_loss, graph_mode=graph_mode)
-    assert rel_err(g_jagg, g_exact) < 1e-10
+    assert rel_err(g_jagg, g_exact) < model_tol(name, 1e-10)
 
 
 @pytest.mark.parametrize("w", [3, 4, 6, 9])
@@ -120,7 +121,7 @@ def test_theorem1_needs_the_chord():
     assert rel_err(g_jagg, g_exact) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["mlp", "flux", "qwenimage"])
+@pytest.mark.parametrize("name", ["mlp", "flux", "qwenimage", "wan"])
 @pytest.mark.parametrize("w", [3, 5])
 def test_jagg_is_approximate_for_nonlinear_models(name, w):
     module, velocity, latents, sigmas, step_loss = setup_group(name, w)
@@ -156,8 +157,8 @@ def test_graph_modes_and_stored_outputs_give_the_same_gradient(name, strategy, g
         endpoint_signals=signals,
     )
     assert g_ref.norm() > 0
-    assert rel_err(g, g_ref) <= 1e-12
-    assert stats.step_losses == pytest.approx(ref.step_losses, rel=1e-12)
+    assert rel_err(g, g_ref) <= model_tol(name, 1e-12)
+    assert stats.step_losses == pytest.approx(ref.step_losses, rel=model_tol(name, 1e-12))
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

@@ -39,7 +39,7 @@ from jagg.rewards import EVAL_ONLY
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
-BACKBONE_NAMES = ("flux", "qwenimage", "sd3")
+BACKBONE_NAMES = ("flux", "qwenimage", "sd3", "wan")
 # log.report_to: the experiment trackers of ``jagg.ops.trackers`` (imported there only when named).
 TRACKER_NAMES = ("tensorboard", "wandb")
 # train.seed's largest value: jagg.common.generator seeds with seed * 1_000_003 + offsets, which must stay
@@ -103,8 +103,10 @@ class ModelConfig:
     path: str | None = None  # hub id or local directory for source=pretrained
     guidance_scale: float = 3.5  # Flux embedded guidance
     true_cfg_scale: float = (
-        1.0  # Qwen-Image / SD3 true CFG (> 1 needs a negative prompt; SD3.5 in Flow-GRPO: 4.5)
+        1.0  # Qwen-Image / SD3 / Wan true CFG (> 1 needs a negative prompt; SD3.5 in Flow-GRPO: 4.5)
     )
+    # Wan2.2-A14B's low-noise expert's CFG scale (WanPipeline's guidance_scale_2); null = true_cfg_scale
+    true_cfg_scale_2: float | None = None
     gradient_checkpointing: bool = False
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 0.0
@@ -128,6 +130,7 @@ class SamplingConfig:
     num_steps: int = 16
     shift: float = 3.0  # shifted-linear schedule (DanceGRPO); real models use their scheduler
     latent_size: int = 16  # latent height = width (must be even: 2x2 packing)
+    latent_frames: int = 1  # Wan: latent frames F of a video, (frames - 1) / 4 + 1 (81 frames: 21); else 1
     eval_num_steps: int = 16
     schedule: str = "shift"  # shift (shifted linear, DanceGRPO) | scheduler (the model's diffusers scheduler)
 
@@ -721,9 +724,14 @@ def _validate_model(model: ModelConfig) -> None:
         "model.path is required when model.source=pretrained",
     )
     _require(
-        model.backbone != "sd3" or model.source == "pretrained",
-        f"model.backbone=sd3 needs model.source=pretrained (the embedded world has no SD3 backbone), "
+        model.backbone not in ("sd3", "wan") or model.source == "pretrained",
+        f"model.backbone={model.backbone} needs model.source=pretrained (the embedded world has no "
+        f"{model.backbone} backbone), "
         f"got {model.source!r}",
+    )
+    _require(
+        model.true_cfg_scale_2 is None or model.true_cfg_scale_2 >= 1,
+        f"model.true_cfg_scale_2 must be null or >= 1, got {model.true_cfg_scale_2}",
     )
     _require(model.lora_rank >= 0, f"model.lora_rank must be >= 0, got {model.lora_rank}")
     _require(
@@ -763,6 +771,16 @@ def _validate_sampling(sampling: SamplingConfig, model: ModelConfig) -> None:
     _require(
         sampling.latent_size >= 2 and sampling.latent_size % 2 == 0,
         f"sampling.latent_size must be even and >= 2, got {sampling.latent_size}",
+    )
+    _require(
+        sampling.latent_frames >= 1 and (model.backbone == "wan" or sampling.latent_frames == 1),
+        f"sampling.latent_frames must be >= 1 for model.backbone=wan and 1 otherwise, got {sampling.latent_frames}",
+    )
+    # Wan's hub scheduler is a UniPC multistep one, which the Euler / SDE steps here do not run: the shifted
+    # linear schedule (sampling.shift) is the one Wan GRPO recipes sample with
+    _require(
+        model.backbone != "wan" or sampling.schedule == "shift",
+        f"sampling.schedule must be shift for model.backbone=wan (its scheduler is UniPC), got {sampling.schedule!r}",
     )
 
 

@@ -285,7 +285,11 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     # no-grad forwards (rollout at train_batch_size, evaluation in chunks of up to 32 per rank): one block's
     # intermediates at a time, ~20 x hidden per token (qkv, attention output, 4x MLP) in the compute dtype
     log = cfg.log
-    eval_batch = min(32, -(-log.eval_prompts * log.eval_images_per_prompt // r)) if log.eval_every or log.eval_at else 0
+    eval_batch = (
+        min(32, -(-log.eval_prompts * log.eval_images_per_prompt // r))
+        if log.eval_every or log.eval_at
+        else 0
+    )
     no_grad = max(train.train_batch_size, eval_batch) * cfg_mult * tokens * hidden * 20 * compute
     # host: rank 0 holds the loaded transformer once (memory-mapped safetensors, load dtype), every rank the
     # largest other model while it loads it (weights are read to the host, then moved to the GPU).

@@ -17,11 +17,18 @@ Where the knots sit is a rule (``PLACEMENTS``): evenly in step index, evenly in 
 where the Jacobian bends most in the world backbones (docs/method.md, "Knots"). ``Knots`` is the routing that
 applies a rule; ``backward.placement: auto`` measures the rules on the rollout and keeps the best
 (``jagg.engine.routing.calibrate_knots``).
+
+A velocity made of several networks that switch at fixed times (Wan2.2-A14B's high- and low-noise experts)
+declares the switches as ``expert_boundaries`` (sigmas b: a step at sigma >= b is on the noisier side). No knot
+interval may straddle one, or it would interpolate the Jacobians of two different models: ``expert_segments``
+cuts the T steps where any sample's step changes side, and each stretch gets its own knots
+(``Knots.positions``: both ends of every stretch, the rest of K shared by the stretches' steps).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +78,37 @@ PLACEMENTS: dict[str, Callable[[Tensor, int], tuple[int, ...]]] = {
 }
 
 
+def expert_segments(sigma: Tensor, boundaries: Sequence[float]) -> list[range]:
+    """The T time-sorted steps cut into maximal stretches in which no sample crosses an expert boundary (a
+    step is on the noisier side of b when sigma >= b); one stretch without boundaries. ``sigma`` (T,) or per
+    sample (T, B): a cut wherever any sample's step j and step j + 1 lie on different sides."""
+    t = sigma.shape[0]
+    if not boundaries:
+        return [range(t)]
+    sig = sigma.double()
+    side = sum((sig >= b).long() for b in boundaries)  # (T[, B]): how many boundaries lie at or below sigma
+    changes = (side[1:] != side[:-1]).reshape(t - 1, -1).any(dim=1)
+    cuts = [0, *(j + 1 for j in range(t - 1) if bool(changes[j])), t]
+    return [range(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def split_count(count: int, lengths: Sequence[int]) -> list[int]:
+    """K knots over stretches of ``lengths`` steps: each gets its two ends (one for a one-step stretch), so K is
+    raised to that where it is smaller; the knots left go to the stretches in proportion to their steps that are
+    not yet knots (largest remainder, ties to the earlier, noisier stretch), never more than a stretch has."""
+    base = [min(2, n) for n in lengths]
+    room = [n - b for n, b in zip(lengths, base)]
+    extra = min(max(count - sum(base), 0), sum(room))
+    if extra == 0:
+        return base
+    quotas = [extra * r / sum(room) for r in room]
+    share = [math.floor(q) for q in quotas]
+    order = sorted(range(len(lengths)), key=lambda i: (-(quotas[i] - share[i]), i))
+    for i in order[: extra - sum(share)]:
+        share[i] += 1
+    return [b + s for b, s in zip(base, share)]
+
+
 def hat_weights(sigma: Tensor, knots: tuple[int, ...]) -> Tensor:
     """(T, K[, B]) piecewise-linear interpolation weights in t: a knot step gives its own knot weight 1; a step
     between knots a and c gives 1 - alpha to a and alpha = (t_a - t_j) / (t_a - t_c) to c (per sample where
@@ -90,7 +128,9 @@ def hat_weights(sigma: Tensor, knots: tuple[int, ...]) -> Tensor:
 @dataclass(frozen=True, kw_only=True)
 class Knots:
     """The routing of ``backward.strategy: knots``: ``count`` shared knots placed by ``placement`` (a key of
-    ``PLACEMENTS``), all back-propagated in one block. With T <= ``count`` every step is a knot (exact)."""
+    ``PLACEMENTS``), all back-propagated in one block. With T <= ``count`` every step is a knot (exact). Given
+    ``boundaries`` (a velocity's ``expert_boundaries``), each stretch between them gets its own knots
+    (``expert_segments``, ``split_count``): no interval between two knots spans a switch of network."""
 
     count: int
     placement: str
@@ -104,20 +144,26 @@ class Knots:
                 f"backward.placement must be one of {(*PLACEMENTS, 'auto')}, got {self.placement!r}"
             )
 
-    def positions(self, sigma: Tensor) -> tuple[int, ...]:
-        """The knot positions among the T steps; per-sample times (T, B) are placed by their mean over B."""
-        t = sigma.shape[0]
-        if t <= self.count:
-            return tuple(range(t))
+    def positions(self, sigma: Tensor, boundaries: Sequence[float] = ()) -> tuple[int, ...]:
+        """The knot positions among the T steps; per-sample times (T, B) are placed by their mean over B. With
+        ``boundaries``, the rule places each stretch's share of the knots within that stretch."""
+        segments = expert_segments(sigma, boundaries)
         ref = sigma.double().mean(dim=1) if sigma.ndim == 2 else sigma.double()
-        return PLACEMENTS[self.placement](ref, self.count)
+        counts = split_count(self.count, [len(seg) for seg in segments])
+        knots: list[int] = []
+        for seg, k in zip(segments, counts):
+            if len(seg) <= k:
+                knots += list(seg)
+            else:
+                knots += [seg.start + i for i in PLACEMENTS[self.placement](ref[seg.start : seg.stop], k)]
+        return tuple(knots)
 
-    def interpolation(self, sigma: Tensor) -> Interpolation:
+    def interpolation(self, sigma: Tensor, boundaries: Sequence[float] = ()) -> Interpolation:
         """The (T, K[, B]) hat weights over the placed knots, one block (a single step is a plain step)."""
         sigma = torch.as_tensor(sigma)
         if sigma.shape[0] == 1:
             return Interpolation.identity(1, self.strategy)
-        knots = self.positions(sigma)
+        knots = self.positions(sigma, boundaries)
         return Interpolation(knots, hat_weights(sigma, knots), (tuple(range(len(knots))),), self.strategy)
 
     @property

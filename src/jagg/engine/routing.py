@@ -33,7 +33,7 @@ from jagg.engine.diagnostics import (
     plan_gradient_cosines,
     route_by_cosine,
 )
-from jagg.engine.knots import PLACEMENTS, Knots
+from jagg.engine.knots import PLACEMENTS, Knots, expert_segments
 from jagg.engine.strategies import (
     GRAPH_MODES,
     STRATEGIES,
@@ -42,6 +42,7 @@ from jagg.engine.strategies import (
     Interpolation,
     StepLoss,
     Velocity,
+    expert_boundaries,
     group_interpolation,
 )
 
@@ -122,9 +123,12 @@ class Routing:
         """The groups of ``num_steps`` trained steps and the strategy of each (``plan_groups``)."""
         return plan_groups(num_steps, self.group_size, self.jagg_frac, self.strategy, self.measured)
 
-    def interpolation(self, sigma: Tensor) -> Interpolation:
-        """The plan of T steps at times ``sigma`` (T,) or (T, B): the groups' blocks, stacked."""
-        return plans_interpolation(self.plans(sigma.shape[0]), torch.as_tensor(sigma))
+    def interpolation(self, sigma: Tensor, boundaries: Sequence[float] = ()) -> Interpolation:
+        """The plan of T steps at times ``sigma`` (T,) or (T, B): the groups' blocks, stacked. A group that
+        ``boundaries`` (a velocity's expert switches) cut is split there (``split_at_experts``)."""
+        sigma = torch.as_tensor(sigma)
+        plans = split_at_experts(self.plans(sigma.shape[0]), expert_segments(sigma, boundaries))
+        return plans_interpolation(plans, sigma)
 
     @property
     def frac_label(self) -> str:
@@ -155,7 +159,7 @@ class WindowRouting:
         chosen = dict(self.routed).get(start, False)
         return Routing(strategy=self.strategy, group_size=self.group_size, measured=(chosen,))
 
-    def interpolation(self, sigma: Tensor) -> Interpolation:
+    def interpolation(self, sigma: Tensor, boundaries: Sequence[float] = ()) -> Interpolation:
         raise TypeError(
             "a WindowRouting routes one window at a time: bind it first (BackwardSetting.at_window)"
         )
@@ -164,6 +168,18 @@ class WindowRouting:
     def label(self) -> str:
         """e.g. ``jagg/W4/fwindow``."""
         return f"{self.strategy}/W{self.group_size}/fwindow"
+
+
+def split_at_experts(plans: Sequence[GroupPlan], segments: Sequence[range]) -> list[GroupPlan]:
+    """``plans`` with every group cut where a stretch of ``segments`` ends (``jagg.engine.knots.expert_segments``),
+    so no group interpolates across a switch of network; a part of one step runs exact."""
+    out = []
+    for plan in plans:
+        for seg in segments:
+            part = tuple(i for i in plan.steps if i in seg)
+            if part:
+                out.append(GroupPlan(steps=part, strategy=plan.strategy if len(part) > 1 else "exact"))
+    return out
 
 
 def plans_interpolation(plans: Sequence[GroupPlan], sigma: Tensor) -> Interpolation:
@@ -206,7 +222,12 @@ class BackwardSetting(GraphRun):
         """ADD the micro-batch's gradient to ``.grad``: ``loss`` is the per-step loss of its T trained steps
         (``loss.x`` (T, B, ...), ``loss.sigma`` (T,) or (T, B), ``loss(i, v)``; e.g. ``GRPOStepLoss``);
         ``outputs`` (T, B, ...) the stored outputs at the current weights, read when ``stored_outputs``."""
-        return self.run(self.routing.interpolation(loss.sigma), velocity, loss, outputs)
+        return self.run(self.plan(velocity, loss.sigma), velocity, loss, outputs)
+
+    def plan(self, velocity: Velocity, sigma: Tensor) -> Interpolation:
+        """The plan of the T trained steps at times ``sigma`` for ``velocity``: the routing's, with no knot
+        interval or group across a switch of network the velocity declares (``expert_boundaries``)."""
+        return self.routing.interpolation(sigma, expert_boundaries(velocity))
 
     def run(
         self, plan: Interpolation, velocity: Velocity, loss: StepLoss, outputs: Tensor | None = None
@@ -545,7 +566,7 @@ def calibrate_knots(
     was."""
     sigmas = torch.as_tensor(sigmas)
     rules = {name: Knots(count=count, placement=name) for name in PLACEMENTS}
-    plans = {name: k.interpolation(sigmas) for name, k in rules.items()}
+    plans = {name: k.interpolation(sigmas, expert_boundaries(velocity)) for name, k in rules.items()}
     measured = plan_gradient_cosines(
         velocity, latents, sigmas, step_loss, params, plans, run=GraphRun(graph_mode=graph_mode)
     )

@@ -30,7 +30,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-# velocity(z, t) -> v : z (B, ...), t scalar tensor or (B,) ; v (B, ...)
+# velocity(z, t) -> v : z (B, ...), t scalar tensor or (B,) ; v (B, ...). A velocity made of several networks
+# that switch at fixed times says so with an ``expert_boundaries`` attribute (``expert_boundaries`` below).
 Velocity = Callable[[Tensor, Tensor], Tensor]
 # step_loss(j, v_j) -> scalar loss of step j of the group
 StepLoss = Callable[[int, Tensor], Tensor]
@@ -121,6 +122,12 @@ class _Timer:
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def expert_boundaries(velocity: Velocity) -> tuple[float, ...]:
+    """The sigmas at which ``velocity`` switches network (Wan2.2-A14B's two experts: ``Backbone.bind`` carries
+    them); () for one network. Knots and groups are kept from straddling them (``jagg.engine.knots``)."""
+    return tuple(getattr(velocity, "expert_boundaries", ()))
 
 
 # --------------------------------------------------------------------------- aggregation weights

@@ -116,12 +116,34 @@ class Backbone(nn.Module):
             )
         return cond.tile(rows // cond.batch_size)
 
-    def bind(self, cond: TextCond):
+    @property
+    def expert_boundaries(self) -> tuple[float, ...]:
+        """The sigmas at which the velocity switches network (a step at sigma >= b is on the noisier side): ()
+        for one network; Wan2.2-A14B's two experts override it."""
+        return ()
+
+    def bind(self, cond: TextCond) -> BoundVelocity:
         """``velocity(z, t)`` with the conditioning fixed: the callable the backward strategies take."""
-        return lambda z, t: self.velocity(z, t, cond)
+        return BoundVelocity(self, cond)
 
     def _forward_tokens(self, tokens: Tensor, timestep: Tensor, cond: TextCond, h: int, w: int) -> Tensor:
         raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class BoundVelocity:
+    """``backbone.velocity(z, t, cond)`` as ``velocity(z, t)``, carrying the backbone's ``expert_boundaries`` so
+    the engine keeps knots and groups from straddling a switch of network (``jagg.engine.knots``)."""
+
+    backbone: Backbone
+    cond: TextCond
+
+    def __call__(self, z: Tensor, t: Tensor | float) -> Tensor:
+        return self.backbone.velocity(z, t, self.cond)
+
+    @property
+    def expert_boundaries(self) -> tuple[float, ...]:
+        return self.backbone.expert_boundaries
 
 
 @dataclass
@@ -133,6 +155,6 @@ class Components:
     decode: Callable[[Tensor], Tensor]  # latents -> images (B, 3, H, W) in [0, 1]
     train_prompts: list[str]
     eval_prompts: list[str]
-    latent_shape: tuple[int, int, int]  # (C, H, W)
+    latent_shape: tuple[int, ...]  # (C, H, W); Wan's video (C, F, H, W)
     sigmas: Tensor | None = None  # (S + 1,) schedule; None = shifted linear from the config
     eval_sigmas: Tensor | None = None

@@ -88,7 +88,7 @@ def block_cosines(
     saved = [p.grad for p in params]
     out = {}
     try:
-        for span, alone, exact in block_parts(setting.routing.interpolation(loss.sigma)):
+        for span, alone, exact in block_parts(setting.plan(velocity, loss.sigma)):
             for p in params:
                 p.grad = None
             setting.run(alone, velocity, loss, outputs)

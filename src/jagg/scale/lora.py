@@ -47,6 +47,8 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "flux": ATTENTION_TARGETS + FLUX_FF_TARGETS,
     "qwenimage": ATTENTION_TARGETS + QWENIMAGE_MLP_TARGETS,
     "sd3": ATTENTION_TARGETS,  # scripts/train_sd3.py (ac4c86e): the eight attention projections, r 32, alpha 64
+    # Wan's self- and cross-attention projections (WanAttention: attn1 / attn2 .to_q/k/v/out.0) and its FFN
+    "wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
 }
 _CLASS_TO_BACKBONE = {
     "FluxTransformer2DModel": "flux",

@@ -1,4 +1,4 @@
-"""Real text encoders, VAE decoders and a prompt-embedding cache for FLUX.1-dev, Qwen-Image and SD3.5.
+"""Real text encoders, VAE decoders and a prompt-embedding cache for FLUX.1-dev, Qwen-Image, SD3.5 and Wan.
 
 They implement the two interfaces the trainer needs (``jagg.models.Components``):
     text_encoder.encode_prompts(list[str]) -> TextCond
@@ -162,12 +162,53 @@ class SD3TextEncoder:
         return cond
 
 
+class WanTextEncoder:
+    """UMT5-XXL through ``WanPipeline.encode_prompt``: the last hidden state cut at each prompt's length and
+    zero-padded to ``max_sequence_length`` (the transformer takes no mask); the negative prompt (true CFG) is
+    encoded once and attached to every row."""
+
+    def __init__(
+        self,
+        umt5,
+        tokenizer,
+        *,
+        max_sequence_length: int = 512,
+        negative_prompt: str | None = None,
+        device=None,
+    ):
+        from diffusers import WanPipeline
+
+        self.device = torch.device(device or "cpu")
+        self.max_sequence_length = max_sequence_length
+        umt5 = umt5.to(self.device).eval().requires_grad_(False)
+        self.pipe = WanPipeline(tokenizer=tokenizer, text_encoder=umt5, vae=None, scheduler=None)
+        self.negative = self._encode([negative_prompt]) if negative_prompt is not None else None
+
+    def _encode(self, prompts: list[str]) -> Tensor:
+        embeds, _ = self.pipe.encode_prompt(
+            prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        return embeds.cpu()  # (B, max_sequence_length, 4096)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> TextCond:
+        cond = TextCond(embeds=self._encode(list(prompts)))
+        if self.negative is not None:
+            cond.neg_embeds = self.negative.expand(len(prompts), -1, -1)
+        return cond
+
+
 # --------------------------------------------------------------------------- VAE decoders
 class VaeDecoder:
     """``decode(latents (B, 16, h, w)) -> (B, 3, H, W) in [0, 1]``, in chunks, without grad.
 
     ``frame_axis``: Qwen-Image's video VAE takes (B, C, 1, h, w) and normalises with per-channel
-    ``latents_mean`` / ``latents_std``; Flux's AutoencoderKL uses ``scaling_factor`` / ``shift_factor``.
+    ``latents_mean`` / ``latents_std``; Flux's AutoencoderKL uses ``scaling_factor`` / ``shift_factor``. Wan's
+    video VAE (the same normalisation, ``WanPipeline.__call__``'s last lines) decodes (B, C, F, h, w) video
+    latents to (B, 3, 4 (F - 1) + 1, H, W) frames; a 4-D latent is one frame there too.
     """
 
     def __init__(self, vae: nn.Module, *, device=None, batch_size: int = 4) -> None:
@@ -179,6 +220,8 @@ class VaeDecoder:
     @property
     def scale_factor(self) -> int:
         """Pixels per latent cell (8 for both real VAEs), as the pipelines compute ``vae_scale_factor``."""
+        if self.vae.config.get("scale_factor_spatial"):  # Wan (16 for Wan2.2's patchified VAE)
+            return self.vae.config.scale_factor_spatial
         if self.frame_axis:
             return 2 ** len(self.vae.temperal_downsample)
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -189,7 +232,7 @@ class VaeDecoder:
             shape = (1, cfg.z_dim, 1, 1, 1)
             mean = torch.tensor(cfg.latents_mean, dtype=z.dtype, device=z.device).view(shape)
             std = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(shape)
-            return z[:, :, None] * std + mean  # (B, C, 1, h, w)
+            return (z if z.ndim == 5 else z[:, :, None]) * std + mean  # (B, C, F, h, w)
         return z / cfg.scaling_factor + (cfg.shift_factor or 0.0)
 
     @torch.no_grad()
@@ -199,7 +242,7 @@ class VaeDecoder:
         for i in range(0, latents.shape[0], self.batch_size):
             z = self._unscale(latents[i : i + self.batch_size].to(self.device, torch.float32))
             img = self.vae.decode(z.to(dtype), return_dict=False)[0]
-            if self.frame_axis:
+            if self.frame_axis and latents.ndim == 4:
                 img = img[:, :, 0]
             out.append((img.float() / 2 + 0.5).clamp(0, 1).cpu())  # [-1, 1] -> [0, 1]
         return torch.cat(out)

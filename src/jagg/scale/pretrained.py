@@ -1,4 +1,4 @@
-"""Real FLUX.1-dev / Qwen-Image / SD3.5 transformers (and their scheduler configs) in the adapter classes.
+"""Real FLUX.1-dev / Qwen-Image / SD3.5 / Wan transformers (and their scheduler configs) in the adapter classes.
 
 A diffusers pipeline repo stores the DiT under ``transformer/`` and the schedule under ``scheduler/``:
     transformer = FluxTransformer2DModel.from_pretrained(repo, subfolder="transformer", torch_dtype=bf16)
@@ -28,6 +28,7 @@ from jagg.scale.pipelines import (
     QwenImageTextEncoder,
     SD3TextEncoder,
     VaeDecoder,
+    WanTextEncoder,
 )
 from jagg.scale.placement import weights_dtype
 from jagg.scale.prompts import load_prompts
@@ -37,6 +38,8 @@ PRETRAINED_IDS = {
     "flux": "black-forest-labs/FLUX.1-dev",
     "qwenimage": "Qwen/Qwen-Image",
     "sd3": "stabilityai/stable-diffusion-3.5-medium",  # Flow-GRPO's SD3.5-M
+    # Wan2.1-T2V-1.3B; Wan-AI/Wan2.2-TI2V-5B-Diffusers and Wan-AI/Wan2.2-T2V-A14B-Diffusers by model.path
+    "wan": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
 }
 _HOW = {
     "flux": "FLUX.1-dev is gated: accept its licence on the hub before downloading.",
@@ -52,9 +55,15 @@ def _subfolder(path: str, sub: str) -> str | None:
 
 
 def load_transformer(
-    name: str, name_or_path: str | None = None, *, dtype: torch.dtype = torch.bfloat16, meta: bool = False
+    name: str,
+    name_or_path: str | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    meta: bool = False,
+    subfolder: str = "transformer",
 ):
-    """The real diffusers transformer class of backbone ``name`` with pretrained weights in ``dtype``.
+    """The real diffusers transformer class of backbone ``name`` with pretrained weights in ``dtype`` (from the
+    pipeline's ``subfolder``: ``transformer_2`` is Wan2.2-A14B's low-noise expert).
 
     ``meta=True``: the same architecture (its ``config.json`` only) on the meta device, no weights read: what
     ranks other than 0 build under FSDP2 (``jagg.scale.distributed.shard_from_rank0`` sends them their
@@ -66,7 +75,7 @@ def load_transformer(
     repo = name_or_path or PRETRAINED_IDS[name]
 
     def load(p: str, local: bool):
-        sub = _subfolder(p, "transformer")
+        sub = _subfolder(p, subfolder)
         if meta:
             config = cls.load_config(p, subfolder=sub, local_files_only=local)
             with torch.device("meta"):
@@ -75,7 +84,7 @@ def load_transformer(
             p, subfolder=sub, torch_dtype=dtype, local_files_only=local, low_cpu_mem_usage=True
         )
 
-    what = f"{name} transformer " + ("config" if meta else "weights")
+    what = f"{name} {subfolder} " + ("config" if meta else "weights")
     return load_or_explain(load, repo, what=what, how=_HOW.get(name, ""))
 
 
@@ -96,10 +105,32 @@ def load_backbone(
     Gradient checkpointing is diffusers' own (per transformer block); it gives bit-identical gradients.
     """
     transformer = load_transformer(name, name_or_path, dtype=dtype, meta=meta)
-    if gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+    if name == "wan":  # the pipeline's model_index.json says whether there is a second expert and where
+        adapter_kwargs = {**adapter_kwargs, **wan_pipeline_kwargs(name_or_path or PRETRAINED_IDS[name])}
+        if adapter_kwargs["boundary_ratio"] is not None:
+            expert = load_transformer(name, name_or_path, dtype=dtype, meta=meta, subfolder="transformer_2")
+            adapter_kwargs["transformer_2"] = expert
     backbone = BACKBONES[name](transformer, **adapter_kwargs)
+    if gradient_checkpointing:
+        set_gradient_checkpointing(backbone)
     return backbone.to(device) if device is not None else backbone
+
+
+def wan_pipeline_kwargs(name_or_path: str) -> dict:
+    """``boundary_ratio`` (Wan2.2-A14B: 0.875, its two experts; else None) and ``expand_timesteps`` (Wan2.2-TI2V-5B)
+    from a Wan pipeline's ``model_index.json``, where ``WanPipeline`` reads them. A bare transformer folder has
+    none: one expert."""
+    from diffusers import DiffusionPipeline
+
+    def load(p: str, local: bool) -> dict:
+        if os.path.isdir(p) and not os.path.isfile(os.path.join(p, "model_index.json")):
+            return {}
+        return dict(DiffusionPipeline.load_config(p, local_files_only=local))
+
+    index = load_or_explain(load, name_or_path, what="wan pipeline model_index.json")
+    has_second = (index.get("transformer_2") or [None])[0] is not None
+    ratio = index.get("boundary_ratio") if has_second else None
+    return {"boundary_ratio": ratio, "expand_timesteps": bool(index.get("expand_timesteps", False))}
 
 
 def load_scheduler_config(name_or_path: str) -> dict:
@@ -121,10 +152,13 @@ def load_scheduler_config(name_or_path: str) -> dict:
 
 def set_gradient_checkpointing(backbone: Backbone, enabled: bool = True) -> None:
     """Switch diffusers' per-block gradient checkpointing of the backbone's transformer on or off."""
-    if enabled:
-        backbone.transformer.enable_gradient_checkpointing()
-    else:
-        backbone.transformer.disable_gradient_checkpointing()
+    for transformer in (backbone.transformer, getattr(backbone, "transformer_2", None)):
+        if transformer is None:
+            continue
+        if enabled:
+            transformer.enable_gradient_checkpointing()
+        else:
+            transformer.disable_gradient_checkpointing()
 
 
 # --------------------------------------------------------------------------- whole pipelines
@@ -151,6 +185,11 @@ PIPELINE_PARTS = {
         "text_encoder_3": ("transformers", "T5EncoderModel"),
         "tokenizer_3": ("transformers", "AutoTokenizer"),
         "vae": ("diffusers", "AutoencoderKL"),
+    },
+    "wan": {  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers' (and Wan2.2's) model_index.json
+        "text_encoder": ("transformers", "UMT5EncoderModel"),
+        "tokenizer": ("transformers", "AutoTokenizer"),
+        "vae": ("diffusers", "AutoencoderKLWan"),
     },
 }
 
@@ -195,6 +234,14 @@ def load_text_encoder(cfg: Config, device: torch.device, dtype: torch.dtype):
             negative_prompt=m.negative_prompt if m.true_cfg_scale > 1 else None,
             device=device,
         )
+    if m.backbone == "wan":
+        return WanTextEncoder(
+            part("text_encoder"),
+            part("tokenizer"),
+            max_sequence_length=m.max_sequence_length,
+            negative_prompt=m.negative_prompt if m.true_cfg_scale > 1 else None,
+            device=device,
+        )
     return QwenImageTextEncoder(
         part("text_encoder"),
         part("tokenizer"),
@@ -234,6 +281,8 @@ def adapter_kwargs(m: ModelConfig) -> dict:
         "flux": {"guidance_scale": m.guidance_scale},  # embedded guidance
         "qwenimage": {"true_cfg_scale": m.true_cfg_scale},
         "sd3": {"guidance_scale": m.true_cfg_scale},  # true CFG (SD3Backbone)
+        # true CFG; Wan2.2-A14B's low-noise expert has its own scale (WanPipeline's guidance_scale_2)
+        "wan": {"guidance_scale": m.true_cfg_scale, "guidance_scale_2": m.true_cfg_scale_2},
     }[m.backbone]
 
 
@@ -260,6 +309,14 @@ def precompute_embeddings(text, prompts: list[str], info: DistInfo) -> int:
     return done
 
 
+def latent_shape(cfg: Config, channels: int) -> tuple[int, ...]:
+    """(C, H, W) of one sample's latent, Wan's video (C, F, H, W) with F = ``sampling.latent_frames``."""
+    s = cfg.sampling
+    if cfg.model.backbone == "wan":
+        return (channels, s.latent_frames, s.latent_size, s.latent_size)
+    return (channels, s.latent_size, s.latent_size)
+
+
 def build_pretrained_components(cfg: Config) -> Components:
     """Components of a real FLUX.1-dev / Qwen-Image run (``model.source=pretrained``).
 
@@ -271,7 +328,7 @@ def build_pretrained_components(cfg: Config) -> Components:
     ``data.precompute_embeddings`` every train/eval prompt is encoded first (rank-strided into
     ``data.embedding_cache`` when set) and the text encoders are freed.
     """
-    m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.train
+    m, d, t = cfg.model, cfg.data, cfg.train
     device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else t.device)
     dtype = load_dtype(cfg)  # the text encoders'
     weights = load_dtype(cfg, "transformer")  # and the VAE's: fp32 with model.base_dtype=fp32
@@ -298,7 +355,7 @@ def build_pretrained_components(cfg: Config) -> Components:
         decode=decoder,
         train_prompts=list(train.prompts),
         eval_prompts=list(evals.prompts),
-        latent_shape=(backbone.latent_channels, s.latent_size, s.latent_size),
+        latent_shape=latent_shape(cfg, backbone.latent_channels),
         sigmas=sigmas,
         eval_sigmas=eval_sigmas,
     )

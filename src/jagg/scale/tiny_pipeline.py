@@ -1,5 +1,6 @@
 """Tiny random-init pipeline folders of the real classes, for ``model.source=pretrained`` without the hub.
 
+``save_tiny_wan_pipeline`` writes a Wan-AI ``-Diffusers`` layout (one expert, or Wan2.2-A14B's two).
 ``save_tiny_sd3_pipeline`` writes SD3.5-M's layout (transformer, scheduler, VAE, CLIP-L / CLIP-G / T5 text encoders
 and tokenizers), each part saved with ``save_pretrained`` and loaded back through the real code path
 (``jagg.scale.pretrained.build_pretrained_components``): the SD3 tests and Table 1's SD3 section
@@ -78,6 +79,48 @@ def save_tiny_sd3_pipeline(root: str | Path, prompts: Sequence[str]) -> None:
         t5 = T5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
         T5EncoderModel(t5).save_pretrained(root / "text_encoder_3")
         tiny_bpe(prompts).save_pretrained(root / "tokenizer_3")
+
+
+def save_tiny_wan_pipeline(
+    root: str | Path, prompts: Sequence[str], *, boundary_ratio: float | None = None, expand_timesteps=False
+) -> None:
+    """A tiny Wan pipeline folder in the Wan-AI ``-Diffusers`` layout at ``root``, written by ``WanPipeline``'s own
+    ``save_pretrained`` (model_index.json included), deterministic (the global RNG is left as it was): the tiny
+    transformer (``tiny_wan_config``: 4 latent channels, text width 32), with ``boundary_ratio`` a second expert
+    as Wan2.2-A14B, a one-level Wan VAE (4 channels, 8x spatial / 4x temporal factors as configured), a UMT5 of
+    d_model 32 and a tokenizer trained on ``prompts``. The scheduler saved is Euler with shift 3 (the hub's is
+    UniPC; the loader does not read it for Wan)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from jagg.models import WanBackbone, tiny_wan_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        bb = WanBackbone.from_config(tiny_wan_config(), seed=1, boundary_ratio=boundary_ratio)
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.1, -0.1, 0.2, 0.0],
+            latents_std=[1.5, 0.8, 1.2, 1.0],
+        )
+        torch.manual_seed(10)
+        umt5 = UMT5EncoderModel(
+            UMT5Config(vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
+        )
+        WanPipeline(
+            tokenizer=tiny_bpe(prompts),
+            text_encoder=umt5,
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            transformer=bb.transformer,
+            transformer_2=bb.transformer_2,
+            boundary_ratio=boundary_ratio,
+            expand_timesteps=expand_timesteps,
+        ).save_pretrained(root)
 
 
 def write_tiny_sd3_run(root: str | Path, prompts: Sequence[str]) -> tuple[Path, Path]:
