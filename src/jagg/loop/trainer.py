@@ -367,7 +367,7 @@ class Trainer:
     # ------------------------------------------------------------------ main loop
     def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
         """Train from ``self.iteration`` to ``train.iterations``; evaluates, logs and checkpoints on the way."""
-        log, train = self.cfg.log, self.cfg.train
+        train = self.cfg.train
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.watch.start()
