@@ -119,10 +119,64 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
 def recipe_protocol(proto: dict, name: str) -> dict:
     """The protocol as one recipe sees it: its own ``arms``, ``control_arms``, ``contrast``, ``note`` and
     ``seeds`` where it names them (a recipe whose reference, arms or sizing differ from the others'), the
-    protocol's otherwise."""
+    protocol's otherwise. An ``equal_cost`` recipe's arms carry their length and evaluations
+    (``equal_cost_overrides``), except while its timing is measured (``proto["timing"]``)."""
     spec = proto["recipes"].get(name, {})
-    own = ("arms", "control_arms", "contrast", "note", "seeds", "reference", "baselines", "staged_arms")
-    return {**proto, **{k: spec[k] for k in own if k in spec}}
+    own = ("arms", "control_arms", "contrast", "contrasts", "note", "seeds", "reference", "baselines")
+    own += ("staged_arms",)
+    view = {**proto, **{k: spec[k] for k in own if k in spec}}
+    if (spec.get("equal_cost") or {}).get("seconds_per_iteration") and not proto.get("timing"):
+        view["arms"] = {
+            a: [*o, *equal_cost_overrides(spec["equal_cost"], a)] for a, o in view["arms"].items()
+        }
+    return view
+
+
+def equal_cost_overrides(ec: dict, arm: str) -> list[str]:
+    """An arm's share of an equal budget (issue 39): the budget is ``budget_iterations`` of the ``budget_arm``
+    at its measured seconds per training iteration (``seconds_per_iteration``: the timing run's medians,
+    recorded in the protocol before the runs); each arm trains as many whole iterations as fit in it and is
+    evaluated after the same ``evaluations`` fractions of it (rounded to iterations), checkpointed at each."""
+    secs = ec["seconds_per_iteration"]
+    n = int(ec["budget_iterations"] * secs[ec["budget_arm"]] // secs[arm])
+    at = sorted({round(n * k / ec["evaluations"]) for k in range(ec["evaluations"] + 1)})
+    return [
+        f"train.iterations={n}",
+        "log.eval_every=0",
+        f"log.eval_at=[{','.join(map(str, at))}]",
+        f"log.checkpoint_every={max(1, round(n / ec['evaluations']))}",
+    ]
+
+
+# the timing run of an equal-cost recipe: training only, as the analysis runs train (no evaluation, no
+# instrument, no checkpoint: each would add its own time to the iterations it measures)
+TIMING = [
+    "log.eval_every=0",
+    "log.eval_at=[]",
+    "log.fidelity_every=0",
+    "log.landing=false",
+    "log.checkpoint_every=0",
+    "log.save_eval_state=false",
+]
+
+
+def iteration_timing(runs: dict[str, Path], skip: int) -> list[dict]:
+    """Per arm: the median (and spread) of its training iterations' wall-clock in its timing run, the first
+    ``skip`` left out (warm-up), and its backward passes per iteration."""
+    import numpy as np
+
+    out = []
+    for arm, run_dir in runs.items():
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        t = np.array(
+            [r["time_iteration_s"] for r in rows if r["iteration"] > skip and "time_iteration_s" in r]
+        )
+        passes = float(np.median([r["backward_passes"] for r in rows if "backward_passes" in r]))
+        q1, med, q3 = np.percentile(t, [25, 50, 75])
+        out.append(
+            {"arm": arm, "n": len(t), "median_s": med, "q1_s": q1, "q3_s": q3, "backward_passes": passes}
+        )
+    return out
 
 
 def reference(proto: dict) -> str:
@@ -131,16 +185,31 @@ def reference(proto: dict) -> str:
     return proto.get("reference", "exact")
 
 
+def contrasts(view: dict) -> list[dict]:
+    """The recipe's pre-registered contrasts: its ``contrasts`` list, or its one ``contrast``."""
+    return list(view.get("contrasts") or ([view["contrast"]] if view.get("contrast") else []))
+
+
 def arm_seeds(proto: dict, name: str) -> dict[str, list[int]]:
-    """The seeds each arm of a recipe trains: every arm the recipe's ``seeds``; the reference, the two arms of
-    the pre-registered contrast and the ``staged_arms`` also its ``contrast: seeds`` (the contrast needs more
-    seeds than the dose-response and fidelity, which are measured on every arm). ``first_seeds: N`` (--seeds,
-    --quick) keeps the first N of ``seeds`` and no extra ones; a pilot has none."""
+    """The seeds each arm of a recipe trains: every arm the recipe's ``seeds``; the two arms of each
+    pre-registered contrast also its ``seeds``, and the reference and the ``staged_arms`` those of every
+    contrast (a contrast needs more seeds than the dose-response and fidelity, which are measured on every
+    arm). ``first_seeds: N`` (--seeds, --quick) keeps the first N of ``seeds`` and no extra ones; a pilot has
+    none."""
     view = recipe_protocol(proto, name)
-    contrast, first = view.get("contrast") or {}, proto.get("first_seeds")
-    extra = list(contrast.get("seeds", [])) if first is None and not proto.get("is_pilot") else []
-    staged = {reference(view), contrast.get("better"), contrast.get("worse"), *view.get("staged_arms", [])}
-    return {arm: list(view["seeds"][:first]) + (extra if arm in staged else []) for arm in view["arms"]}
+    first = proto.get("first_seeds")
+    extra_of: dict[str, list[int]] = {}
+    if first is None and not proto.get("is_pilot"):
+        every = [k for c in contrasts(view) for k in c.get("seeds", [])]
+        for arm in (reference(view), *view.get("staged_arms", [])):
+            extra_of[arm] = every
+        for c in contrasts(view):
+            for arm in (c["better"], c["worse"]):
+                extra_of[arm] = [*extra_of.get(arm, []), *c.get("seeds", [])]
+    return {
+        arm: list(view["seeds"][:first]) + sorted(set(extra_of.get(arm, [])) - set(view["seeds"]))
+        for arm in view["arms"]
+    }
 
 
 def recipe_jobs(proto: dict, name: str) -> list[tuple[str, int]]:
@@ -725,11 +794,16 @@ def _p(p: float) -> str:
 
 
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
-    """The pre-registered contrast (``contrast``: better - worse, one-sided, paired by seed) and its power."""
+    """Each pre-registered contrast (``contrast`` or ``contrasts``: better - worse, one-sided, paired by seed)
+    and its power."""
+    return [line for c in contrasts(proto) for line in one_contrast_lines(stats, proto, c)]
+
+
+def one_contrast_lines(stats: dict, proto: dict, c: dict) -> list[str]:
+    """The contrast ``c``'s interval, its two one-sided tests (both must pass) and their power."""
     import numpy as np
 
-    c = proto.get("contrast")
-    if not c or c["metric"] not in stats["metrics"]:
+    if c["metric"] not in stats["metrics"]:
         return []
     d = paired_diffs(stats["runs"], c["better"], c["metric"], SUMMARIES[c["summary"]], c["worse"])
     if len(d) < 2:
@@ -767,10 +841,11 @@ def sizing_lines(stats: dict, proto: dict, specs: list[dict]) -> list[str]:
 
     alpha, power = proto["alpha"], proto["power"]
     lines = [f"### Sizing (pilot), power {power} at one-sided alpha {alpha}, paired t-test", ""]
-    runs, c = stats["runs"], proto.get("contrast")
-    ok = c and c["metric"] in stats["metrics"]
-    d = paired_diffs(runs, c["better"], c["metric"], SUMMARIES[c["summary"]], c["worse"]) if ok else []
-    if len(d) >= 2:
+    runs = stats["runs"]
+    for c in (c for c in contrasts(proto) if c["metric"] in stats["metrics"]):
+        d = paired_diffs(runs, c["better"], c["metric"], SUMMARIES[c["summary"]], c["worse"])
+        if len(d) < 2:
+            continue
         sd = float(np.std(d, ddof=1))
         effects = sorted({abs(float(np.mean(d))), 0.05, 0.1} - {0.0})
         lines.append(
@@ -1123,6 +1198,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--pilot", action="store_true", help="the protocol's pilot (its seeds and arms) + sizing")
     ap.add_argument(
+        "--timing", action="store_true", help="measure the equal-cost recipes' seconds per iteration, exit"
+    )
+    ap.add_argument(
         "--allow-dirty",
         action="store_true",
         help="run from a tree with uncommitted changes; each run's diff is stored beside its CSV",
@@ -1156,6 +1234,21 @@ def main(argv: list[str] | None = None) -> None:
         min(args.seeds or 99, 2 if args.quick else 99) if args.seeds or args.quick else None
     )
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
+    if args.timing:  # before the seeds exist: the timing sizes the runs they will be drawn for
+        print(measure_timing(proto, proto_path, recipes, Path(args.runs + suffix), args.jobs, argv))
+        return
+    untimed = [
+        r
+        for r, spec in recipes.items()
+        if "equal_cost" in spec and not spec["equal_cost"].get("seconds_per_iteration")
+    ]
+    if untimed:  # exit 2: a protocol not ready for its runs, nothing written
+        print(
+            f"{proto_path.name}: recipe {untimed[0]}: equal_cost.seconds_per_iteration is not recorded; run "
+            "--timing first and commit its medians to the protocol before any run it sizes",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     for r in recipes:
         if len(arm_seeds(proto, r)[reference(recipe_protocol(proto, r))]) < 2:
             raise SystemExit(
@@ -1191,6 +1284,56 @@ def main(argv: list[str] | None = None) -> None:
     render(out, figures, proto_path, args.long, args.pilot)
     print((out / "summary.md").read_text())
     print(f"wrote {out}/<recipe>/*.csv, {out}/summary.md, {figures}/reward_curves_<recipe>.png")
+
+
+def measure_timing(proto: dict, proto_path: Path, recipes: dict, runs: Path, n_parallel: int, argv) -> str:
+    """An equal-cost recipe's timing run (``equal_cost: timing``: seed, iterations, warm-up left out): every
+    arm trains only, ``n_parallel`` at a time as the analysis runs do; writes ``results/<results>_timing/
+    timing.{csv,md}`` with each arm's median seconds per iteration, which the protocol then records (its
+    ``seconds_per_iteration``) before any run it sizes. Returns the markdown."""
+    proto["timing"] = True
+    out = Path(f"results/{proto['results']}_timing")
+    rows, lines = [], []
+    for r, spec in recipes.items():
+        ec = spec.get("equal_cost")
+        if not ec:
+            continue
+        t, view = ec["timing"], recipe_protocol(proto, r)
+        common = [*spec.get("overrides", []), *TIMING, f"train.iterations={t['iterations']}"]
+        jobs = [
+            ((r, a, t["seed"]), spec["config"], o, t["seed"], runs / "timing" / r / a, common)
+            for a, o in view["arms"].items()
+        ]
+        dirs = run_all(jobs, n_parallel)
+        mine = iteration_timing({a: dirs[(r, a, t["seed"])] for a in view["arms"]}, t["skip"])
+        ref = next(x for x in mine if x["arm"] == ec["budget_arm"])
+        budget = ec["budget_iterations"] * ref["median_s"]
+        lines += [
+            f"## {r}",
+            "",
+            f"`{spec['config']}` {' '.join(common)}, seed {t['seed']}, iterations {t['skip'] + 1}-{t['iterations']}"
+            f" ({n_parallel} runs at a time). Budget: {ec['budget_iterations']} iterations of "
+            f"{ec['budget_arm']} = {budget:.0f} s of training.",
+            "",
+            "| arm | median s / iteration [IQR] | backward passes / iteration | iterations in the budget |",
+            "|---|---|---|---|",
+            *(
+                f"| {x['arm']} | {x['median_s']:.2f} [{x['q1_s']:.2f}, {x['q3_s']:.2f}] | "
+                f"{x['backward_passes']:.0f} | {int(budget // x['median_s'])} |"
+                for x in mine
+            ),
+            "",
+        ]
+        rows += [{"recipe": r, **x} for x in mine]
+    meta = run_metadata(
+        command=command_line("experiments/curves.py", argv),
+        protocol=f"{proto_path.name} @ {protocol_sha(proto_path)}",
+        world_build=world_build(),
+    )
+    write_table(rows, out / "timing.csv", meta)
+    text = "\n".join([f"# Timing of {proto_path.name}'s equal-cost recipes", "", *lines])
+    atomic_write_text(out / "timing.md", text)
+    return text
 
 
 def default_out(proto_path: Path, pilot: bool) -> str:

@@ -1,0 +1,102 @@
+"""The equal-cost protocol's arithmetic (issue 39): each arm's length and evaluations from one budget, the
+timing table, several pre-registered contrasts, and the refusal to run before the timing is recorded."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jagg.config import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import curves  # noqa: E402
+
+PROTOCOL = Path("experiments/curves_protocol_equal_cost.yaml")
+SECONDS = {"exact": 14.0, "knots4": 8.0, "window2": 4.5}
+EC = {"budget_arm": "exact", "budget_iterations": 24, "evaluations": 6, "seconds_per_iteration": SECONDS}
+
+
+def iterations_of(overrides: list[str]) -> int:
+    return int(next(o for o in overrides if o.startswith("train.iterations=")).split("=")[1])
+
+
+@pytest.mark.parametrize("arm", list(SECONDS))
+def test_each_arm_trains_the_whole_iterations_that_fit_in_the_budget(arm):
+    budget = 24 * SECONDS["exact"]
+    o = curves.equal_cost_overrides(EC, arm)
+    n = iterations_of(o)
+    assert n * SECONDS[arm] <= budget < (n + 1) * SECONDS[arm]
+    at = yaml.safe_load(next(x for x in o if x.startswith("log.eval_at=")).split("=", 1)[1])
+    # evaluations after the same fractions of every arm's budget: the base model, 1/6, ..., the end
+    assert at[0] == 0 and at[-1] == n and len(at) == 7
+    assert all(abs(i / n - k / 6) <= 0.5 / n for k, i in enumerate(at))
+    assert "log.eval_every=0" in o
+
+
+def test_the_reference_runs_its_own_budget_and_a_cheaper_arm_more_iterations():
+    assert iterations_of(curves.equal_cost_overrides(EC, "exact")) == 24
+    assert iterations_of(curves.equal_cost_overrides(EC, "knots4")) == 42  # 336 s / 8 s
+    assert iterations_of(curves.equal_cost_overrides(EC, "window2")) == 74  # 336 / 4.5 = 74.7
+
+
+def test_every_arm_of_the_protocol_loads_with_its_budget():
+    """The committed protocol's arms, given seconds per iteration, are valid configs whose evaluations fall
+    inside their runs, and its arms train what it declares (the replay of tests/test_protocol_steps.py)."""
+    proto = curves.load_protocol(PROTOCOL)
+    spec = proto["recipes"]["every_step"]
+    spec["equal_cost"]["seconds_per_iteration"] = {a: 5.0 + i for i, a in enumerate(spec["arms"])}
+    view = curves.recipe_protocol(proto, "every_step")
+    for arm, overrides in view["arms"].items():
+        cfg = load_config(spec["config"], [*spec["overrides"], *overrides])
+        assert cfg.log.eval_at[-1] == cfg.train.iterations, arm
+    assert curves.step_mismatches(proto, "every_step", iterations=3) == {}
+    # while timing, the arms are the protocol's own (no budget yet)
+    proto["timing"] = True
+    assert curves.recipe_protocol(proto, "every_step")["arms"] == spec["arms"]
+
+
+def test_runs_are_refused_until_the_timing_is_recorded(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        curves.main(
+            ["--protocol", str(PROTOCOL), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "r")]
+        )
+    assert e.value.code == 2
+    assert "seconds_per_iteration is not recorded" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r").exists()
+
+
+def test_iteration_timing_is_the_median_after_the_warm_up(tmp_path):
+    rows = [
+        {"iteration": i, "time_iteration_s": t, "backward_passes": 16}
+        for i, t in enumerate([9, 30, 5, 6, 7, 100], 1)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (x,) = curves.iteration_timing({"knots4": tmp_path}, skip=2)
+    assert x["n"] == 4 and x["median_s"] == 6.5 and x["backward_passes"] == 16
+
+
+def test_several_contrasts_each_get_their_seeds_and_the_reference_all():
+    proto = {
+        "seeds": [1, 2],
+        "arms": {"exact": [], "knots4": [], "window2": [], "dancegrpo12": [], "knots3": []},
+        "recipes": {
+            "r": {
+                "contrasts": [
+                    {"better": "knots4", "worse": "window2", "seeds": [3, 4]},
+                    {"better": "knots4", "worse": "dancegrpo12", "seeds": [5]},
+                ]
+            }
+        },
+    }
+    seeds = curves.arm_seeds(proto, "r")
+    assert seeds == {
+        "exact": [1, 2, 3, 4, 5],
+        "knots4": [1, 2, 3, 4, 5],
+        "window2": [1, 2, 3, 4],
+        "dancegrpo12": [1, 2, 5],
+        "knots3": [1, 2],
+    }
