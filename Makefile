@@ -16,7 +16,7 @@ export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
 SCALE ?= world
 
-.PHONY: help venv smoke test test-dist lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-v3 curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv smoke test test-dist lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-v3 curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -106,6 +106,9 @@ curves-pilot: $(STAMP) pretrain ## Protocol v4's pilot (seeds 900-902, exact / j
 
 curves-practitioners: $(STAMP) pretrain ## Protocol v4's instruments on MixGRPO's window (exact / jagg / measured routing) and on every step trained (exact 20 of 20 / knots K=4, 6 / DanceGRPO's 12 exact), controls 0.95 / 0.8 / 0.5; resumes from results/curves_practitioners/ (hours; PILOT=1: its pilot) -> results/curves_practitioners{,_pilot}/
 	$(PY) experiments/curves.py --protocol experiments/curves_protocol_practitioners.yaml $(if $(PILOT),--pilot,)
+
+curves-equal-cost: $(STAMP) pretrain ## Equal cost (experiments/curves_protocol_equal_cost.yaml): every step (exact / knots 3, 4 / JAGG W=4) against DanceGRPO 12, Flow-GRPO-Fast's window of 2, one step, MixGRPO's window of 4 (exact / JAGG), each for exact's 24-iteration wall-clock; TIMING=1: the timing run that sizes the arms, PILOT=1: its pilot -> results/curves_equal_cost{,_timing,_pilot}/
+	$(PY) experiments/curves.py --protocol experiments/curves_protocol_equal_cost.yaml $(if $(TIMING),--timing,) $(if $(PILOT),--pilot,)
 
 curves-v3: $(STAMP) pretrain ## Protocol v3 as analysed (experiments/curves_protocol.yaml): DanceGRPO x exact / jagg / auto / endpoints / uniform / jagg_index / control 0.2 x 7 seeds (~45 min) -> results/curves/
 	$(PY) experiments/curves.py
