@@ -1273,7 +1273,9 @@ def test_kill_9_after_an_async_save_was_finished_at_a_boundary(tmp_path, case):
     run, marker = tmp_path / "run", tmp_path / "hanging"
     iterations = 6 if case == "write_in_flight" else 4
     every = [f"train.iterations={iterations}", "log.checkpoint_every=2", "log.async_checkpoint=true"]
-    hang = ["2", "-1"] if case == "write_in_flight" else ["0", "3"]
+    # the rollout after the last logged iteration stalls too, so the kill finds exactly `logged_at_kill` (else
+    # a fast iteration 6 can be logged between two polls, and the condition never holds)
+    hang = ["2", "5"] if case == "write_in_flight" else ["0", "3"]
     logged_at_kill = [1, 2, 3, 4, 5] if case == "write_in_flight" else [1, 2, 3]
     _kill_9_when(
         tmp_path,
