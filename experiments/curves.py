@@ -1240,11 +1240,12 @@ def main(argv: list[str] | None = None) -> None:
     untimed = [
         r
         for r, spec in recipes.items()
-        if "equal_cost" in spec and not spec["equal_cost"].get("seconds_per_iteration")
+        if "equal_cost" in spec
+        and not set(spec["arms"]) <= set(spec["equal_cost"].get("seconds_per_iteration") or {})
     ]
     if untimed:  # exit 2: a protocol not ready for its runs, nothing written
         print(
-            f"{proto_path.name}: recipe {untimed[0]}: equal_cost.seconds_per_iteration is not recorded; run "
+            f"{proto_path.name}: recipe {untimed[0]}: equal_cost.seconds_per_iteration does not record every arm; run "
             "--timing first and commit its medians to the protocol before any run it sizes",
             file=sys.stderr,
         )

@@ -65,7 +65,7 @@ def test_runs_are_refused_until_the_timing_is_recorded(tmp_path, capsys):
             ["--protocol", str(PROTOCOL), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "r")]
         )
     assert e.value.code == 2
-    assert "seconds_per_iteration is not recorded" in capsys.readouterr().err
+    assert "seconds_per_iteration does not record every arm" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "r").exists()
 
 
