@@ -284,3 +284,16 @@ def paper_tiny_argv(config, pipeline, prompts, run_dir, *extra: str) -> list[str
         f"log.run_dir={run_dir}",
         *extra,
     ]
+
+
+class CountingEncoder:
+    """Stands in for the text encoders: one random row per prompt, counting the prompts it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def encode_prompts(self, prompts):
+        from jagg.models import TextCond
+
+        self.encoded += len(prompts)
+        return TextCond(embeds=torch.randn(len(prompts), 3, 4), pooled=torch.randn(len(prompts), 4))

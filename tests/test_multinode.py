@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import paper_tiny_argv
+from helpers import CountingEncoder, paper_tiny_argv
 from jagg.distributed import DistInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,17 +190,6 @@ class _Node(DistInfo):
         pass
 
 
-class _CountingEncoder:
-    def __init__(self) -> None:
-        self.encoded = 0
-
-    def encode_prompts(self, prompts):
-        from jagg.models import TextCond
-
-        self.encoded += len(prompts)
-        return TextCond(embeds=torch.randn(len(prompts), 3, 4), pooled=torch.randn(len(prompts), 4))
-
-
 @pytest.mark.parametrize("shared", [True, False])
 def test_embedding_cache_is_complete_on_every_node(tmp_path, shared):
     """Two nodes of two ranks. A shared ``data.embedding_cache``: every prompt encoded once in all. A node-local
@@ -213,7 +202,7 @@ def test_embedding_cache_is_complete_on_every_node(tmp_path, shared):
     ranks = [_Node(rank=r, world_size=4, local_rank=r % 2, local_world_size=2) for r in range(4)]
     caches = {
         r.rank: CachedTextEncoder(
-            _CountingEncoder(), cache_dir=tmp_path / ("all" if shared else f"node{r.rank // 2}")
+            CountingEncoder(), cache_dir=tmp_path / ("all" if shared else f"node{r.rank // 2}")
         )
         for r in ranks
     }

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import CountingEncoder
 from jagg.config import TINY_OVERRIDES, load_config
 from jagg.errors import ConfigError
 from jagg.ops.rundir import REPO_ROOT as ROOT
@@ -90,29 +91,16 @@ def test_one_checkpoint_per_iteration_at_most(tmp_path, monkeypatch, every, expe
 
 
 # --------------------------------------------------------------------------- embedding cache on resume
-class _CountingEncoder:
-    """Stands in for the text encoders: one random row per prompt, counting the prompts it encodes."""
-
-    def __init__(self) -> None:
-        self.encoded = 0
-
-    def encode_prompts(self, prompts):
-        from jagg.models import TextCond
-
-        self.encoded += len(prompts)
-        return TextCond(embeds=torch.randn(len(prompts), 3, 4), pooled=torch.randn(len(prompts), 4))
-
-
 def test_precompute_checks_the_cache_by_existence(tmp_path, monkeypatch):
     from jagg.scale.pipelines import CachedTextEncoder
 
     prompts = [f"prompt {i}" for i in range(5)]
-    first = CachedTextEncoder(_CountingEncoder(), cache_dir=tmp_path)
+    first = CachedTextEncoder(CountingEncoder(), cache_dir=tmp_path)
     assert first.precompute(prompts) == 5 and len(list(tmp_path.glob("*.pt"))) == 5
     loads = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **kw: loads.append(a) or real_load(*a, **kw))
-    again = CachedTextEncoder(_CountingEncoder(), cache_dir=tmp_path)  # what a resumed run builds
+    again = CachedTextEncoder(CountingEncoder(), cache_dir=tmp_path)  # what a resumed run builds
     assert again.precompute([*prompts, "a new one"]) == 1 and again.encoder.encoded == 1
     assert loads == []  # nothing read back to see that it is there
     again.release()
@@ -126,7 +114,7 @@ def test_precompute_shares_do_not_depend_on_timing(tmp_path):
 
     prompts = [f"prompt {i}" for i in range(5)]
     done = [
-        CachedTextEncoder(_CountingEncoder(), cache_dir=tmp_path).precompute(prompts, r, 2) for r in (0, 1)
+        CachedTextEncoder(CountingEncoder(), cache_dir=tmp_path).precompute(prompts, r, 2) for r in (0, 1)
     ]
     assert done == [3, 2] and len(list(tmp_path.glob("*.pt"))) == 5
 
