@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import equal_cost
 from jagg.common import (
     SeedStream,
     atomic_write_text,
@@ -758,8 +759,10 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             *judge,
             "",
         ]
+    ec = proto["recipes"].get(name, {}).get("equal_cost")
     lines += (
-        contrast_lines(stats, proto)
+        (equal_cost.section_lines(df, stats, proto, ec) if ec else [])
+        + contrast_lines(stats, proto)
         + sizing_lines(stats, proto, specs)
         + fidelity_lines(df, arms)
         + dose_lines(df, stats, proto, arms, specs)
@@ -1123,6 +1126,8 @@ def render(
         recipes_named = seen[r]["recipes"]
         stats = recipe_stats(df, metric_specs(recipes_named[r.name]) if r.name in recipes_named else [])
         plot_dose(r.name, df, stats, seen[r], figures / f"dose_response_{r.name}.png", meta)
+        if recipes_named.get(r.name, {}).get("equal_cost"):
+            equal_cost.plot(r.name, df, seen[r], figures / f"equal_cost_{r.name}.png", meta)
 
 
 def pilot_report(

@@ -100,3 +100,81 @@ def test_several_contrasts_each_get_their_seeds_and_the_reference_all():
         "dancegrpo12": [1, 2, 5],
         "knots3": [1, 2],
     }
+
+
+def curve_rows(arm: str, seed: int, secs: float, passes: int, evals: dict[int, float]) -> list[dict]:
+    """A run as curves.collect writes it: a training row per iteration (its seconds cumulated, its backward
+    passes) and an evaluation row at each key of ``evals`` (iteration: held-out pref)."""
+    rows = [{"strategy": arm, "seed": seed, "iteration": 0, "wall_clock_s": 0.0, "eval_pref_mean": evals[0]}]
+    for i in range(1, max(evals) + 1):
+        rows.append(
+            {
+                "strategy": arm,
+                "seed": seed,
+                "iteration": i,
+                "wall_clock_s": i * secs,
+                "backward_passes": passes,
+            }
+        )
+        if i in evals:
+            rows.append(
+                {
+                    "strategy": arm,
+                    "seed": seed,
+                    "iteration": i,
+                    "wall_clock_s": i * secs,
+                    "eval_pref_mean": evals[i],
+                }
+            )
+    return rows
+
+
+def equal_cost_frame():
+    import pandas as pd
+
+    import equal_cost
+
+    rows = [
+        *curve_rows("exact", 1, 10.0, 20, {0: 10.0, 2: 10.4, 4: 11.0}),
+        *curve_rows("knots4", 1, 5.0, 8, {0: 10.0, 4: 10.9, 8: 11.1}),
+        *curve_rows("window2", 1, 2.5, 2, {0: 10.0, 8: 10.2, 16: 10.3}),
+        # seed 2: the reference gained nothing, so no arm has a target on it
+        *curve_rows("exact", 2, 10.0, 20, {0: 10.0, 2: 9.9, 4: 9.8}),
+        *curve_rows("knots4", 2, 5.0, 8, {0: 10.0, 4: 10.5, 8: 10.6}),
+    ]
+    df = pd.DataFrame(rows)
+    return df, curves.per_run(df, ["eval_pref_mean"]), equal_cost
+
+
+def test_time_to_eighty_percent_of_the_reference_gain_is_interpolated_in_training_seconds():
+    df, stats, ec = equal_cost_frame()
+    m = "eval_pref_mean"
+    # exact: target 10.8 between 10.4 at 20 s and 11.0 at 40 s
+    assert ec.time_to_share(df, stats, "exact", m, "exact") == {1: pytest.approx(20 + 0.4 / 0.6 * 20)}
+    # knots4 crosses it between the base (0 s) and its evaluation after 20 s at 10.9
+    assert ec.time_to_share(df, stats, "knots4", m, "exact") == {1: pytest.approx(0.8 / 0.9 * 20)}
+    assert ec.time_to_share(df, stats, "window2", m, "exact") == {1: float("inf")}
+    assert ec.median_time({1: float("inf")}) == "not reached (0/1)"
+    assert ec.crossing([(0, 1.0), (5, 2.0)], 0.5) == 0  # reached at the start
+
+
+def test_evaluations_carry_the_seconds_and_backward_passes_spent_before_them():
+    df, _, ec = equal_cost_frame()
+    e = ec.evaluations(df, "knots4", "eval_pref_mean")
+    s1 = e[e.seed == 1]
+    assert list(s1.iteration) == [0, 4, 8]
+    assert list(s1.seconds) == [0.0, 20.0, 40.0] and list(s1.passes) == [0, 32, 64]
+
+
+def test_the_summary_of_an_equal_cost_recipe_has_its_table_and_figure(tmp_path):
+    df, stats, ec = equal_cost_frame()
+    spec = {"budget_arm": "exact", "budget_iterations": 4, "evaluations": 2}
+    spec["seconds_per_iteration"] = {"exact": 10.0, "knots4": 5.0, "window2": 2.5}
+    view = {"arms": {"exact": [], "knots4": [], "window2": []}, "reference": "exact"}
+    lines = ec.section_lines(df, stats, view, spec)
+    row = next(x for x in lines if x.startswith("| knots4 |"))
+    # 8 iterations, 5 s recorded, 40 s measured (median over seeds), 64 passes, gain (0.9+0.6)/2, 18 s (1/1)
+    assert row.startswith("| knots4 | 8 | 5.00 | 40 | 64 | +0.850 (n 2) | 18 s (1/1) |")
+    assert "40 s of training per run" in "\n".join(lines)
+    ec.plot("every_step", df, view, tmp_path / "f.png", {"git_sha": "abc", "hardware": "cpu"})
+    assert (tmp_path / "f.png").stat().st_size > 0

@@ -1,0 +1,155 @@
+"""The equal-cost view of a recipe (issue 39: is every step worth training?): held-out reward against the
+training wall-clock and against the backward passes spent, and the time each arm takes to reach a share of the
+reference's final gain. Called by curves.py's summary for a recipe with an ``equal_cost`` block; reads the
+CSVs that curves.py collects (``wall_clock_s``: cumulative training seconds; ``backward_passes``: per
+iteration; ``eval_*``: the evaluations)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from plotting import figure_footer, save_figure
+
+# the metrics drawn and tabled: the primary (held-out pref) and the renderer's own geometry judge (no weights,
+# never trained on): a gain both show is not the policy reading its own reward back
+METRICS = ("eval_pref_mean", "eval_attr_geom_mean")
+SHARE = 0.8  # time to reach this share of the reference's final gain (the issue's 80%)
+
+
+def budget_seconds(ec: dict) -> float:
+    """The recipe's budget: ``budget_iterations`` of the budget arm at its recorded seconds per iteration."""
+    return ec["budget_iterations"] * ec["seconds_per_iteration"][ec["budget_arm"]]
+
+
+def evaluations(df, arm: str, metric: str):
+    """One row per (seed, evaluation) of ``arm``: the metric, the training seconds and the backward passes
+    spent up to it (the evaluation after iteration k has seen iterations 1..k)."""
+    runs = df[df.strategy == arm].sort_values(["seed", "iteration"])
+    train = runs.dropna(subset=["backward_passes"]) if "backward_passes" in runs else runs.iloc[:0]
+    passes = train.groupby("seed").backward_passes.cumsum()
+    out = runs.dropna(subset=[metric])[["seed", "iteration", metric]].copy()
+    spent = {(int(s), int(i)): p for s, i, p in zip(train.seed, train.iteration, passes, strict=True)}
+    clock = {
+        (int(s), int(i)): c for s, i, c in zip(train.seed, train.iteration, train.wall_clock_s, strict=True)
+    }
+    out["passes"] = [spent.get((int(s), int(i)), 0.0) for s, i in zip(out.seed, out.iteration, strict=True)]
+    out["seconds"] = [clock.get((int(s), int(i)), 0.0) for s, i in zip(out.seed, out.iteration, strict=True)]
+    return out
+
+
+def crossing(points: list[tuple[float, float]], target: float) -> float:
+    """The first x at which the piecewise-linear curve of (x, y) points reaches ``target`` (y >= target),
+    interpolated between evaluations; ``inf`` if it never does."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if y0 >= target:
+            return x0
+        if y1 >= target:
+            return x0 + (target - y0) / (y1 - y0) * (x1 - x0)
+    return points[-1][0] if points and points[-1][1] >= target else math.inf
+
+
+def time_to_share(df, stats: dict, arm: str, metric: str, ref: str, share: float = SHARE) -> dict[int, float]:
+    """Per seed: the training seconds after which ``arm`` first reaches ``share`` of the reference's final gain
+    over the base model on that seed (``inf``: not within its budget). Seeds where the reference gained
+    nothing (no target) are left out."""
+    ev, out = evaluations(df, arm, metric), {}
+    for seed, e in ev.groupby("seed"):
+        base, final = stats["base"].get(int(seed), {}).get(metric), stats["runs"].get((ref, int(seed)))
+        if base is None or final is None or final[metric][0] <= base:
+            continue
+        target = base + share * (final[metric][0] - base)
+        out[int(seed)] = crossing(list(zip(e.seconds, e[metric], strict=True)), target)
+    return out
+
+
+def median_time(times: dict[int, float]) -> str:
+    """The median over seeds, in seconds, with how many seeds reached the target ("not reached" where the
+    median did not)."""
+    import numpy as np
+
+    if not times:
+        return "no target"
+    med, hit = float(np.median(list(times.values()))), sum(math.isfinite(t) for t in times.values())
+    return f"{med:.0f} s ({hit}/{len(times)})" if math.isfinite(med) else f"not reached ({hit}/{len(times)})"
+
+
+def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
+    """The equal-cost table: per arm its iterations and recorded seconds per iteration (the design), the
+    training seconds and backward passes it measured, its gain at the end of the budget and its time to
+    ``SHARE`` of the reference's final gain, on each metric of ``METRICS``."""
+    import numpy as np
+
+    ref, secs = view.get("reference", "exact"), ec.get("seconds_per_iteration") or {}
+    metrics = [m for m in METRICS if m in stats["metrics"]]
+    arms = [a for a in view["arms"] if a in set(df.strategy)]
+    if not metrics or not arms or not secs:
+        return []
+    head = " | ".join(
+        f"{m[5:-5]} gain at the end | {m[5:-5]}: time to {SHARE:.0%} of {ref}'s gain" for m in metrics
+    )
+    lines = [
+        "### Equal cost: what each arm bought with the budget",
+        "",
+        f"Budget: {ec['budget_iterations']} iterations of {ref} at its recorded {secs[ref]:.2f} s = "
+        f"{budget_seconds(ec):.0f} s of training per run. Each arm trains the whole iterations that fit at its own "
+        "recorded seconds per iteration (the timing run's median, in the protocol). Measured: the training "
+        "seconds the runs logged (median over seeds; two runs share the 2 cores, so they differ from the "
+        f"recorded ones) and the backward passes they spent. Time to {SHARE:.0%}: the training seconds after "
+        f"which the arm's held-out value first reaches {SHARE:.0%} of {ref}'s final gain over the base model on "
+        "the same seed (linear between evaluations), median over seeds (seeds that reached it / seeds).",
+        "",
+        f"| arm | iterations | s/iteration recorded | training s measured | backward passes | {head} |",
+        "|---|---|---|---|---|" + "---|---|" * len(metrics),
+    ]
+    for arm in arms:
+        ev = evaluations(df, arm, metrics[0])
+        last = ev.sort_values("iteration").groupby("seed").tail(1)
+        cells = []
+        for m in metrics:
+            g = [v[m][0] - stats["base"][s][m] for (a, s), v in stats["runs"].items() if a == arm]
+            cells += [
+                f"{np.mean(g):+.3f} (n {len(g)})" if g else "-",
+                median_time(time_to_share(df, stats, arm, m, ref)),
+            ]
+        lines.append(
+            f"| {arm} | {int(last.iteration.median())} | {secs.get(arm, float('nan')):.2f} | "
+            f"{last.seconds.median():.0f} | {last.passes.median():.0f} | " + " | ".join(cells) + " |"
+        )
+    return lines + [""]
+
+
+def plot(name: str, df, view: dict, png: Path, meta: dict) -> None:
+    """Held-out reward against training seconds and against backward passes, one curve per arm: the mean
+    over seeds at each evaluation, the band +- one standard error across seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in METRICS if m in df]
+    arms = [a for a in view["arms"] if a in set(df.strategy)]
+    if not metrics or not arms:
+        return
+    fig, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.6 * len(metrics)), squeeze=False)
+    colour = dict(zip(arms, plt.get_cmap("tab10" if len(arms) <= 10 else "tab20").colors, strict=False))
+    for row, m in enumerate(metrics):
+        for arm in arms:
+            g = evaluations(df, arm, m).groupby("iteration")
+            mean, se = g[m].mean(), g[m].sem().fillna(0)
+            for col, x in enumerate((g.seconds.mean(), g.passes.mean())):
+                ax = axes[row][col]
+                ax.plot(x.values, mean.values, marker="o", ms=3, color=colour[arm], label=arm)
+                ax.fill_between(
+                    x.values, (mean - se).values, (mean + se).values, alpha=0.15, color=colour[arm]
+                )
+        label = m.replace("_mean", "").replace("eval_", "held-out ")
+        axes[row][0].set(ylabel=label, xlabel="training seconds (mean over seeds)")
+        axes[row][1].set(ylabel=label, xlabel="backward passes spent (mean over seeds)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{name}: equal cost, mean over seeds +- 1 SE", fontsize=10)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    figure_footer(fig, meta, f"world, seeds {sorted(int(k) for k in df.seed.unique())}")
+    save_figure(fig, png, 75)
