@@ -11,10 +11,12 @@ import torch
 from torch import Tensor
 
 import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
+import jagg.rewards.video  # noqa: F401  (registers temporal, per_frame)
 import jagg.scale.hpsv3  # noqa: F401  (registers hpsv3)
 import jagg.scale.imagereward  # noqa: F401  (registers imagereward)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
+import jagg.world.video_rewards  # noqa: F401  (registers video_pref, frames_*, motion_geom, video_geom)
 from jagg.config import Config
 from jagg.engine.grpo import group_advantages, per_reward_advantages
 from jagg.ops import preflight
