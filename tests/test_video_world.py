@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from jagg.config import load_config
 from jagg.loop.rewards import REWARDS  # fills the registry
 from jagg.rewards import EVAL_ONLY, build_reward
 from jagg.rewards.jpeg import JpegReward
@@ -269,3 +270,26 @@ def test_video_world_config_checks(tiny_cfg):
         build_trainer(tiny_cfg("sampling.latent_frames=2", config="configs/world/wan_video.yaml"))
     with pytest.raises(ConfigError, match="reward.weights"):
         tiny_cfg("reward.weights={motion_geom: 1.0}", config="configs/world/wan_video.yaml")
+
+
+def test_the_weights_check_follows_per_frame_to_the_image_reward_it_wraps():
+    from jagg.scale.weights_check import reward_specs
+
+    cfg = load_config(
+        "configs/world/wan_video.yaml",
+        [
+            "reward.eval=[per_frame, temporal, motion_geom]",
+            "reward.kwargs={per_frame: {reward: hpsv2, reward_kwargs: {checkpoint: /x}}}",
+        ],
+    )
+    specs = {s.what: s for s in reward_specs(cfg)}
+    hps = specs["per_frame (hpsv2) reward"]
+    assert (hps.library, hps.source, hps.key) == (
+        "open_clip",
+        "/x",
+        "reward.kwargs.per_frame.reward_kwargs.checkpoint",
+    )
+    assert specs["temporal reward"].skip.startswith("no weights")
+    cfg.reward.kwargs = {}
+    (jpeg,) = [s for s in reward_specs(cfg) if s.what.startswith("per_frame")]
+    assert jpeg.what == "per_frame (jpeg) reward" and jpeg.skip.startswith("no weights")
