@@ -229,14 +229,17 @@ def test_video_artefacts_have_their_own_seeds_and_architectures(vw):
 
 
 # --------------------------------------------------------------------------- GRPO on the tiny Wan
+# TINY_OVERRIDES' JPEG reward scores images: a tiny video run is scored by the weight-free video rewards instead
+VIDEO_TINY = ("reward.weights={temporal: 1.0}", "reward.eval=[temporal, motion_geom, video_geom]")
+
+
 def test_grpo_smoke_on_the_video_world(tmp_path, tiny_cfg):
     """Two GRPO iterations of configs/world/wan_video.yaml on a random-init tiny Wan (model.source=tiny), the
     temporal term as the reward, the geometric judges evaluated; clips in the sample grid."""
     from helpers import build_trainer
 
     cfg = tiny_cfg(
-        "reward.weights={temporal: 1.0}",
-        "reward.eval=[temporal, motion_geom, video_geom]",
+        *VIDEO_TINY,
         "log.eval_every=2",
         "log.eval_prompts=2",
         "log.eval_images_per_prompt=2",
@@ -267,7 +270,9 @@ def test_video_world_config_checks(tiny_cfg):
     from jagg.errors import ConfigError
 
     with pytest.raises(ConfigError, match="sampling.latent_frames must equal the video world's 4 frames"):
-        build_trainer(tiny_cfg("sampling.latent_frames=2", config="configs/world/wan_video.yaml"))
+        build_trainer(
+            tiny_cfg(*VIDEO_TINY, "sampling.latent_frames=2", config="configs/world/wan_video.yaml")
+        )
     with pytest.raises(ConfigError, match="reward.weights"):
         tiny_cfg("reward.weights={motion_geom: 1.0}", config="configs/world/wan_video.yaml")
 
@@ -293,3 +298,18 @@ def test_the_weights_check_follows_per_frame_to_the_image_reward_it_wraps():
     cfg.reward.kwargs = {}
     (jpeg,) = [s for s in reward_specs(cfg) if s.what.startswith("per_frame")]
     assert jpeg.what == "per_frame (jpeg) reward" and jpeg.skip.startswith("no weights")
+
+
+def test_the_video_config_names_video_rewards_only_and_image_runs_image_rewards_only():
+    """A Wan run's samples are clips: an image reward would fail at the first scoring, so the config is refused
+    before anything is written (and a video reward in an image run likewise)."""
+    from jagg.errors import ConfigError
+    from jagg.loop.components import check_config
+
+    cfg = load_config("configs/world/wan_video.yaml")
+    check_config(cfg)
+    assert set(cfg.reward.weights) == {"video_pref"}  # nothing merged in from base.yaml's image rewards
+    with pytest.raises(ConfigError, match=r"reward.eval: 'pref' scores images and model.backbone=wan"):
+        check_config(load_config("configs/world/wan_video.yaml", ["reward.eval=[temporal, pref]"]))
+    with pytest.raises(ConfigError, match=r"reward.weights: 'temporal' scores videos"):
+        check_config(load_config("configs/world/flux_dancegrpo.yaml", ["reward.weights={temporal: 1.0}"]))

@@ -15,7 +15,7 @@ import torch
 
 from jagg.config import Config
 from jagg.errors import ConfigError
-from jagg.loop.rewards import check_reward_names
+from jagg.loop.rewards import check_reward_names, check_sample_kind
 from jagg.models import Components
 from jagg.scale.pretrained import build_pretrained_components
 from jagg.world import World, load_pretrained
@@ -24,8 +24,10 @@ from jagg.world.video import VideoWorld
 
 
 def check_config(cfg: Config) -> None:
-    """The checks ``jagg.config.validate`` leaves to this layer (reward names); ``ConfigError`` naming the key."""
+    """The checks ``jagg.config.validate`` leaves to this layer (reward names, image rewards for images and video
+    rewards for videos); ``ConfigError`` naming the key."""
     check_reward_names(cfg)
+    check_sample_kind(cfg)
 
 
 def _world_components(cfg: Config, pretrained: bool) -> Components:
