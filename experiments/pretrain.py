@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+import jagg.loop.rewards  # noqa: F401  (fills the reward registry)
 from jagg.common import command_line, git_sha
+from jagg.rewards import build_reward
 from jagg.world import World, default_cache_dir, load_pretrained
 from jagg.world.build import (
     EVAL_SEED,
@@ -36,6 +38,8 @@ from jagg.world.pretrained import (
     read_manifest,
 )
 from jagg.world.train import sample_images
+from jagg.world.video import VideoWorld
+from jagg.world.video_train import motion_probe
 
 GRID_SAMPLES = 8  # samples per held-out prompt in the figure
 SCALE = 4  # nearest-neighbour upscaling of the 16x16 images in the figure
@@ -266,17 +270,22 @@ def judge_section(world: World, m: dict) -> list[str]:
     return lines
 
 
+PROBED = ("video_pref", "frames_pref", "frames_clip", "frames_attr")  # with temporal: the motion probe
+
+
 def write_video_report(cache: Path, results: Path, build_seconds: float | None) -> None:
     """results/world_video.json (the video artefacts' manifests) and results/world_video.md (their numbers)."""
     m = {n: read_manifest(n, cache) for n in VIDEO_ARTEFACTS}
     previous = results / "world_video.json"
     if build_seconds is None and previous.exists():
         build_seconds = json.loads(previous.read_text()).get("make_pretrain_seconds_this_run")
+    probe = {n: build_reward(n, cache_dir=cache) for n in PROBED} | {"temporal": build_reward("temporal")}
     data = {
         "git_sha": git_sha(),
         "command": command_line("experiments/pretrain.py"),
         "environment": environment(),
         "make_pretrain_seconds_this_run": build_seconds,
+        "motion_probe": motion_probe(VideoWorld(), probe, seed=EVAL_SEED),
         "train_seconds_total": sum(a["train_seconds"] for a in m.values()),
         "artefacts": {n: {k: v for k, v in a.items() if k != "config"} for n, a in m.items()},
         "world": m["wan"]["config"]["world"],
@@ -322,6 +331,17 @@ def write_video_report(cache: Path, results: Path, build_seconds: float | None) 
             f"| {key.replace('_', ' ')} | {r['n_samples']} | {_fmt(r['motion_geom'])} | {_fmt(r['video_geom'])} | "
             f"{_fmt(r['temporal'])} | {_fmt(r.get('video_pref', float('nan')))} |"
         )
+    names = [*PROBED, "temporal"]
+    lines += [
+        "",
+        "Which rewards see the motion (every prompt x 2; mean reward on clean clips, on the same clips moving the "
+        "opposite way, and with the object standing still at its start):",
+        "",
+        "| clips | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for v, r in data["motion_probe"].items():
+        lines.append(f"| {v.replace('_', ' ')} | " + " | ".join(_fmt(r[n]) for n in names) + " |")
     lines += ["", "Seeds: " + ", ".join(f"{n} {m[n]['seed']}" for n in VIDEO_ARTEFACTS) + "."]
     (results / "world_video.md").write_text("\n".join(lines) + "\n")
 

@@ -125,3 +125,22 @@ def score_clips(clips: Tensor, prompts: list[str], world: VideoWorld, pref: Pref
         ids, mask = WordTokenizer(world.words)(prompts)
         out["video_pref"] = pref(clips, ids, mask).mean().item()
     return out
+
+
+@torch.no_grad()
+def motion_probe(world: VideoWorld, rewards: dict, seed: int, per_prompt: int = 2) -> dict:
+    """Mean of each reward (name -> ``reward(clips, prompts)``) on clean clips of every prompt, on the same clips
+    moving the opposite way, and with the object standing still at its start: which rewards see the motion."""
+    prompts = [p for p in world.prompts for _ in range(per_prompt)]
+    attrs = [world.parse(p) for p in prompts]
+    opposite = {"right": "left", "left": "right", "up": "down", "down": "up"}
+    variants = {
+        "clean": world.render(prompts, seed),
+        "opposite_direction": world.render_attributes(
+            [a._replace(motion=opposite[a.motion]) for a in attrs], np.random.default_rng(seed)
+        )[0],
+        "standing_still": world.render_attributes(attrs, np.random.default_rng(seed), still=True)[0],
+    }
+    return {
+        v: {n: r(x, prompts).float().mean().item() for n, r in rewards.items()} for v, x in variants.items()
+    }
