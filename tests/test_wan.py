@@ -311,8 +311,7 @@ def test_wan_config_keys_are_checked():
     from jagg.errors import ConfigError
 
     base = ["model.backbone=wan", "model.source=pretrained", "model.path=x"]
-    with pytest.raises(ConfigError, match="model.backbone=wan needs model.source=pretrained"):
-        load_config(None, ["model.backbone=wan"])
+    assert load_config(None, ["model.backbone=wan"]).model.source == "world"  # the video world's tiny Wan
     with pytest.raises(ConfigError, match="sampling.latent_frames must be >= 1 for model.backbone=wan"):
         load_config(None, ["sampling.latent_frames=3"])
     with pytest.raises(ConfigError, match="sampling.schedule must be shift for model.backbone=wan"):

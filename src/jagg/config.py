@@ -96,7 +96,8 @@ def tiny_pipeline_overrides(pipeline: str | Path, prompts: str | Path) -> list[s
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    backbone: str = "flux"  # flux | qwenimage | sd3 (SD3 / SD3.5: model.source=pretrained only)
+    backbone: str = "flux"  # flux | qwenimage | sd3 | wan (SD3 / SD3.5: model.source=pretrained only; wan on
+    # model.source=world|tiny is the video world's tiny Wan)
     source: str = (
         "world"  # world (embedded default, `make pretrain`) | tiny (random init) | pretrained (hub/path)
     )
@@ -724,7 +725,7 @@ def _validate_model(model: ModelConfig) -> None:
         "model.path is required when model.source=pretrained",
     )
     _require(
-        model.backbone not in ("sd3", "wan") or model.source == "pretrained",
+        model.backbone != "sd3" or model.source == "pretrained",
         f"model.backbone={model.backbone} needs model.source=pretrained (the embedded world has no "
         f"{model.backbone} backbone), "
         f"got {model.source!r}",

@@ -413,9 +413,11 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
             stamp = {"argv": argv_used, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             meta["restarts"] = [*start.restarts[:-1], {**start.restarts[-1], **stamp}]
         if cfg.model.source == "world":  # which build: runs on different builds do not compare exactly
-            from jagg.world.pretrained import world_build
+            from jagg.world.pretrained import VIDEO_ARTEFACTS, VIDEO_BACKBONE_NAMES, world_build
 
-            meta["world_build"] = world_build()
+            meta["world_build"] = world_build()  # the image world's artefacts, whatever the run
+            if cfg.model.backbone in VIDEO_BACKBONE_NAMES:  # a video run also names the video world's
+                meta["video_build"] = world_build(artefacts=VIDEO_ARTEFACTS)
     atomic_write_text(path, json.dumps(meta, indent=2, default=str) + "\n")
 
 

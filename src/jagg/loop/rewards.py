@@ -11,14 +11,19 @@ import torch
 from torch import Tensor
 
 import jagg.rewards.jpeg  # noqa: F401  (registers jpeg, jpeg_incompressibility)
+import jagg.rewards.video  # noqa: F401  (registers temporal, per_frame)
 import jagg.scale.hpsv3  # noqa: F401  (registers hpsv3)
 import jagg.scale.imagereward  # noqa: F401  (registers imagereward)
 import jagg.scale.rewards  # noqa: F401  (registers hpsv2, pickscore, clipscore)
 import jagg.world.rewards  # noqa: F401  (registers clip, pref, attr, attr_soft)
+import jagg.world.video_rewards  # noqa: F401  (registers video_pref, frames_*, motion_geom, video_geom)
 from jagg.config import Config
 from jagg.engine.grpo import group_advantages, per_reward_advantages
+from jagg.errors import ConfigError
 from jagg.ops import preflight
-from jagg.rewards import REWARDS, Reward, WeightedRewards, build_reward
+from jagg.rewards import REWARDS, VIDEO_REWARDS, Reward, WeightedRewards, build_reward
+
+VIDEO_BACKBONES = ("wan",)  # backbones whose samples are videos (B, 3, F, H, W)
 
 REWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -28,6 +33,27 @@ def check_reward_names(cfg: Config) -> None:
     filled registry (also one registered after import), or a ``reward.kwargs.<name>.dtype`` is not a dtype name
     (``jagg.ops.preflight.check_reward_names`` against the registry)."""
     preflight.check_reward_names(cfg, known=REWARDS)
+
+
+def check_sample_kind(cfg: Config) -> None:
+    """``ConfigError`` naming the key when a Wan run (its samples are videos) names a reward that scores images,
+    or an image run a video reward: caught before anything is written, not at the first scoring."""
+    named = list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]))
+    video = cfg.model.backbone in VIDEO_BACKBONES
+    wrong = [n for n in named if (n in VIDEO_REWARDS) != video]
+    if not wrong:
+        return
+    key = "reward.weights" if wrong[0] in cfg.reward.weights else "reward.eval"
+    if video:
+        raise ConfigError(
+            f"{key}: {wrong[0]!r} scores images and model.backbone={cfg.model.backbone} makes videos; "
+            f"allowed: {sorted(VIDEO_REWARDS)} (an image reward per frame: per_frame with "
+            f"reward.kwargs.per_frame.reward={wrong[0]})"
+        )
+    raise ConfigError(
+        f"{key}: {wrong[0]!r} scores videos and model.backbone={cfg.model.backbone} makes images; "
+        f"allowed: any reward but {sorted(VIDEO_REWARDS)}"
+    )
 
 
 def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:

@@ -23,7 +23,8 @@ def grid_cell(i: int, h: int, w: int, ncol: int = GRID_COLS) -> tuple[int, int]:
 
 
 def save_grid(images: Tensor, path: Path, nrow: int = GRID_COLS) -> None:
-    """Save (B, 3, H, W) images in [0, 1] as one PNG grid (GRID_PAD px padding, GRID_ZOOM x nearest zoom)."""
+    """Save (B, 3, H, W) images (or (B, 3, F, H, W) videos, frames side by side) in [0, 1] as one PNG grid
+    (GRID_PAD px padding, GRID_ZOOM x nearest zoom)."""
     from PIL import Image
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -32,9 +33,12 @@ def save_grid(images: Tensor, path: Path, nrow: int = GRID_COLS) -> None:
 
 def grid_array(images: Tensor, nrow: int = GRID_COLS) -> np.ndarray:
     """The ``save_grid`` picture of (B, 3, H, W) images in [0, 1] as an (H', W', 3) uint8 array (the trackers
-    log it as the sample grid)."""
+    log it as the sample grid). A video (B, 3, F, H, W) is one cell per video, its frames side by side."""
     from PIL import Image
 
+    if images.ndim == 5:
+        b, c, f, h, w = images.shape
+        images = images.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w)
     b, c, h, w = images.shape
     ncol = min(nrow, b)
     nrows = math.ceil(b / ncol)

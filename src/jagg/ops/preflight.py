@@ -39,13 +39,22 @@ REWARD_NAMES = (
     "attr_soft",
     "clip",
     "clipscore",
+    "frames_attr",
+    "frames_attr_soft",
+    "frames_clip",
+    "frames_pref",
     "hpsv2",
     "hpsv3",
     "imagereward",
     "jpeg",
     "jpeg_incompressibility",
+    "motion_geom",
+    "per_frame",
     "pickscore",
     "pref",
+    "temporal",
+    "video_geom",
+    "video_pref",
 )
 REWARD_DTYPE_NAMES = ("bf16", "fp16", "fp32")  # reward.kwargs.<name>.dtype (jagg.loop.rewards.REWARD_DTYPES)
 # Keys a resumed run may change without --allow-config-change: iteration `it` depends only on (seed, it) and

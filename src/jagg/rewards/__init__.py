@@ -9,7 +9,8 @@ the CPU);
 ``build_rewards({"a": 1.0, "b": 0.5})`` returns a weighted sum that also reports each component.
 
 Layer: beside the engine and the model adapters; from the package it may import only ``jagg.errors`` and
-``jagg.common``. Registered in this package: ``jpeg`` (``jagg.rewards.jpeg``). The embedded world's rewards
+``jagg.common``. Registered in this package: ``jpeg`` (``jagg.rewards.jpeg``), the video rewards ``temporal`` and
+``per_frame`` (``jagg.rewards.video``: videos are (B, 3, F, H, W)). The embedded world's rewards
 (``jagg.world.rewards``) and the real ones (``jagg.scale.rewards``) live in the layers above and register
 when imported; the loop's composition root (``jagg.loop.rewards``) imports all three.
 """
@@ -32,7 +33,13 @@ class Reward(Protocol):
 REWARDS: dict[str, Callable[..., Reward]] = {}
 # Held-out judges: allowed in ``reward.eval``, refused in ``reward.weights`` (a metric the policy trains on is
 # no longer independent evidence of quality).
-EVAL_ONLY = frozenset({"attr_judge", "attr_geom"})
+EVAL_ONLY = frozenset({"attr_judge", "attr_geom", "motion_geom", "video_geom"})
+# The rewards that score videos (B, 3, F, H, W) (``jagg.rewards.video``, ``jagg.world.video_rewards``): the only
+# ones a Wan run may name (its samples are videos); an image reward scores a video through ``per_frame``.
+VIDEO_REWARDS = frozenset(
+    {"temporal", "per_frame", "video_pref", "frames_pref", "frames_clip", "frames_attr", "frames_attr_soft"}
+    | {"motion_geom", "video_geom"}
+)
 
 
 def register_reward(name: str):

@@ -36,6 +36,7 @@ line).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -65,8 +66,11 @@ NOT_CHECKED = {
     "jpeg": "no weights: the JPEG size of the image",
     "jpeg_incompressibility": "no weights: the JPEG size of the image",
     "attr_geom": "no weights: read from the embedded world's render geometry",
+    "temporal": "no weights: differences of consecutive frames",
+    **dict.fromkeys(("motion_geom", "video_geom"), "no weights: read from the video world's clip geometry"),
     **dict.fromkeys(
-        ("clip", "pref", "attr", "attr_soft", "attr_judge"),
+        ("clip", "pref", "attr", "attr_soft", "attr_judge", "video_pref")
+        + ("frames_pref", "frames_clip", "frames_attr", "frames_attr_soft"),
         "the embedded world's own model (its artefact cache, make pretrain), not a checkpoint of files",
     ),
 }
@@ -320,6 +324,22 @@ def _hpsv3_spec(name: str, kw: dict) -> Spec:
     )
 
 
+def _per_frame_spec(name: str, kw: dict) -> Spec:
+    """``per_frame`` loads the image reward it wraps (``reward``, with ``reward_kwargs``): that reward's files,
+    its config keys under ``reward.kwargs.per_frame.reward_kwargs``."""
+    from jagg.rewards.video import per_frame_reward
+
+    inner = kw.get("reward", _default(per_frame_reward, "reward"))
+    what = f"{name} ({inner}) reward"
+    rule = REWARD_RULES.get(inner)
+    if rule is None:
+        why = NOT_CHECKED.get(inner, "the weights check has no rule for this reward's files")
+        return Spec(what, "", None, "", skip=why)
+    spec = rule(inner, kw.get("reward_kwargs") or {})
+    key = spec.key.replace(f"reward.kwargs.{inner}.", f"reward.kwargs.{name}.reward_kwargs.")
+    return dataclasses.replace(spec, what=what, key=key)
+
+
 # reward name -> its Spec from reward.kwargs.<name> (defaults read from the reward's own signature)
 REWARD_RULES: dict[str, Callable[[str, dict], Spec]] = {
     "hpsv2": _hpsv2_spec,
@@ -327,6 +347,7 @@ REWARD_RULES: dict[str, Callable[[str, dict], Spec]] = {
     "clipscore": _clip_spec,
     "imagereward": _imagereward_spec,
     "hpsv3": _hpsv3_spec,
+    "per_frame": _per_frame_spec,
 }
 FP32_HEADS = {"imagereward": ("mlp.",), "hpsv3": ("rm_head.",)}  # the rewards' heads stay float32
 

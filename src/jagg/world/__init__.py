@@ -2,10 +2,14 @@
 
     World / WorldConfig     colours x shapes x positions, prompts, deterministic PIL renders, pixel latents
     WorldTextEncoder        frozen prompt encoder: encode_prompts(list[str]) -> jagg.models.TextCond
-    load_pretrained(name)   (backbone, text_encoder) for "flux" | "qwenimage" from cache/world/
+    load_pretrained(name)   (backbone, text_encoder) for "flux" | "qwenimage" | "wan" from cache/world/
     jagg.world.rewards      the "clip", "pref", "attr", "attr_soft" rewards and the eval-only "attr_judge" and
                             "attr_geom" (registered in jagg.rewards)
     jagg.world.geometry     the non-learned attribute reading behind "attr_geom" (palette, centroid, harmonics)
+    VideoWorld              the moving-shapes video world (jagg.world.video): clips (B, 3, F, H, W) of the same
+                            objects moving right / left / up / down; its tiny Wan is load_pretrained("wan")
+    jagg.world.video_rewards  "video_pref", "frames_*" and the eval-only "motion_geom" / "video_geom"
+                            (jagg.world.motion: the motion read from the clip's geometry)
     ArtefactError           raised when the cache is missing ("run `make pretrain`") or stale (jagg.errors)
 
 Everything is trained by ``make pretrain`` (``experiments/pretrain.py`` -> ``jagg.world.build``) in pixel
@@ -24,11 +28,14 @@ from jagg.world.pretrained import (
 )
 from jagg.world.scene import Attributes, World, WorldConfig, prompt_of
 from jagg.world.text import WordTokenizer, WorldTextEncoder
+from jagg.world.video import VideoWorld, VideoWorldConfig
 
 __all__ = [
     "ArtefactError",
     "Attributes",
     "WordTokenizer",
+    "VideoWorld",
+    "VideoWorldConfig",
     "World",
     "WorldConfig",
     "WorldTextEncoder",

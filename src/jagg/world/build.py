@@ -1,7 +1,9 @@
 """Build (train + evaluate + cache) every world artefact that is missing or stale: what ``make pretrain`` runs.
 
 Evaluation always uses fresh seeds never seen in training ("held-out renders"); backbone sample quality is
-measured on the held-out *prompts* (compositions never seen by the generator).
+measured on the held-out *prompts* (compositions never seen by the generator). The image world's artefacts
+(``ARTEFACTS``) are built first, exactly as before the video world existed; the video world's
+(``VIDEO_ARTEFACTS``) after them, from their own seeds (``build_video_artefact``).
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from jagg.world.pretrained import (
     JUDGES,
     SAMPLE_SHIFT,
     SAMPLE_STEPS,
+    VIDEO_ARTEFACTS,
+    VIDEO_FLOW_TRAIN,
+    VIDEO_JUDGE_TRAIN,
     default_cache_dir,
     dependencies,
     environment,
     expected_config,
     is_up_to_date,
+    load_module,
     load_pretrained,
     load_text_encoder,
     new_module,
@@ -54,6 +60,8 @@ from jagg.world.train import (
     train_flow,
     train_preference,
 )
+from jagg.world.video import VideoWorld
+from jagg.world.video_train import evaluate_video_pref, score_clips, video_preference_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +181,8 @@ def evaluate_eval_judge(judge, attr, backbones: dict, text_encoder, world: World
 
 
 def _manifest(name: str, stats: dict, metrics: dict) -> dict:
-    seed = (JUDGE_TRAIN.get(name) or FLOW_TRAIN.get(name) or EVAL_JUDGE_TRAIN[name]).seed
+    trains = (JUDGE_TRAIN, FLOW_TRAIN, EVAL_JUDGE_TRAIN, VIDEO_JUDGE_TRAIN, VIDEO_FLOW_TRAIN)
+    seed = next(t[name] for t in trains if name in t).seed
     return {"name": name, "config": expected_config(name), "seed": seed, "git_sha": git_sha()} | (
         environment() | stats | {"metrics": metrics}
     )
@@ -220,16 +229,66 @@ def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = logg
     return manifest
 
 
+VIDEO_SAMPLES_PER_PROMPT = 16  # the video backbone: samples per held-out prompt
+VIDEO_SAMPLES_PER_TRAIN_PROMPT = 4
+
+
+def build_video_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = logger.info) -> dict:
+    """Train, evaluate and cache one video-world artefact (its dependencies must already be cached): the text
+    encoder and the preference model by the image world's trainers on clips, the Wan by rectified flow."""
+    world = VideoWorld()
+    tok = WordTokenizer(world.words)
+    log(f"[pretrain] training {name} ...")
+    if name == "video_text_encoder":
+        model, stats = train_clip(world, tok, VIDEO_JUDGE_TRAIN[name])
+        images, labels = render_pool(world, world.prompts, EVAL_PER_PROMPT, seed=EVAL_SEED)
+        held = _heldout_split(world, labels)
+        metrics = {
+            "top1_retrieval": clip_retrieval_accuracy(model, tok, world, images, labels),
+            "top1_retrieval_heldout_prompts": clip_retrieval_accuracy(
+                model, tok, world, images[held], labels[held]
+            ),
+        }
+    elif name == "video_pref":
+        model, stats = train_preference(world, tok, VIDEO_JUDGE_TRAIN[name], pairs=video_preference_pairs)
+        metrics = evaluate_video_pref(model, world, seed=EVAL_SEED)
+    else:
+        text_encoder = load_text_encoder(cache_dir, video=True)
+        model = new_module(name, world)
+        stats = train_flow(model, text_encoder, world, VIDEO_FLOW_TRAIN[name], log=log)
+        pref = load_module("video_pref", cache_dir) if is_up_to_date("video_pref", cache_dir) else None
+        metrics = {"sampler": {"steps": SAMPLE_STEPS, "shift": SAMPLE_SHIFT, "kinds": "ode"}}
+        for split, prompts, per in (
+            ("heldout_prompts", world.heldout_prompts, VIDEO_SAMPLES_PER_PROMPT),
+            ("train_prompts", world.train_prompts, VIDEO_SAMPLES_PER_TRAIN_PROMPT),
+        ):
+            reps = [p for p in prompts for _ in range(per)]
+            clips = sample_images(model, text_encoder, world, reps, EVAL_SEED, SAMPLE_STEPS, SAMPLE_SHIFT)
+            metrics[split] = score_clips(clips, reps, world, pref)
+        metrics["clean_renders_heldout"] = score_clips(
+            world.render(world.heldout_prompts * VIDEO_SAMPLES_PER_PROMPT, EVAL_SEED),
+            world.heldout_prompts * VIDEO_SAMPLES_PER_PROMPT,
+            world,
+            pref,
+        )
+    manifest = _manifest(name, stats, metrics)
+    manifest["depends_on"] = {d: read_manifest(d, cache_dir)["sha256"] for d in dependencies(name)}
+    manifest = save_artefact(name, model, manifest, cache_dir)
+    log(f"[pretrain] {name}: {stats['train_seconds']:.0f} s, final loss {stats['final_loss']:.4f}, {metrics}")
+    return manifest
+
+
 def pretrain_all(cache_dir: Path | None = None, log: Callable[[str], None] = logger.info) -> list[str]:
-    """Build every stale or missing artefact in dependency order; returns the names rebuilt ([] = no-op)."""
+    """Build every stale or missing artefact in dependency order, the image world's then the video world's;
+    returns the names rebuilt ([] = no-op)."""
     cache_dir = Path(cache_dir or default_cache_dir())
     rebuilt = []
-    for name in ARTEFACTS:
+    for name in ARTEFACTS + VIDEO_ARTEFACTS:
         # A rebuilt text encoder invalidates the backbones through their recorded sha256.
         if is_up_to_date(name, cache_dir):
             log(f"[pretrain] {name}: up to date ({cache_dir / name}.safetensors)")
             continue
-        build_artefact(name, cache_dir, log)
+        (build_video_artefact if name in VIDEO_ARTEFACTS else build_artefact)(name, cache_dir, log)
         rebuilt.append(name)
     return rebuilt
 
@@ -237,6 +296,7 @@ def pretrain_all(cache_dir: Path | None = None, log: Callable[[str], None] = log
 __all__ = [
     "BACKBONE_NAMES",
     "build_artefact",
+    "build_video_artefact",
     "hack_probe",
     "pretrain_all",
     "reference_rewards",

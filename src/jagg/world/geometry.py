@@ -53,6 +53,18 @@ def harmonics(alpha: Tensor) -> tuple[float, float, float, float]:
     return float(cx), float(cy), hk[0], hk[1]
 
 
+def palette_coverage(pixels: Tensor, ref: Tensor) -> tuple[Tensor, Tensor]:
+    """Pixels (P, 3) against palette colours ``ref`` (K, 3), the background being the pixels' median: each
+    colour's best alpha per pixel on the segment background -> colour (P, K), and the pixel energy each colour
+    explains (K,) (the module docstring's colour rule; ``jagg.world.motion`` reads a clip's pixels with it)."""
+    bg = pixels.median(0).values
+    d = ref - bg  # (K, 3): background -> each colour
+    alphas = ((pixels - bg) @ d.T / (d * d).sum(1).clamp_min(1e-8)).clamp(0, 1)  # (P, K)
+    resid = ((pixels[:, None, :] - bg - alphas[..., None] * d) ** 2).sum(-1)  # (P, K)
+    explained = (((pixels - bg) ** 2).sum(-1, keepdim=True) - resid).sum(0)  # (K,)
+    return alphas, explained
+
+
 def read_attributes(images: Tensor, world: World) -> list[Attributes | None]:
     """Per image (B, 3, H, W) in [0, 1]: the attributes its pixels show (None where no object is found).
 
@@ -68,12 +80,7 @@ def read_attributes(images: Tensor, world: World) -> list[Attributes | None]:
     _, _, h, w = x.shape
     out: list[Attributes | None] = []
     for img in x:
-        pixels = img.permute(1, 2, 0).reshape(-1, 3)  # (P, 3)
-        bg = pixels.median(0).values
-        d = ref - bg  # (K, 3): background -> each colour
-        alphas = ((pixels - bg) @ d.T / (d * d).sum(1).clamp_min(1e-8)).clamp(0, 1)  # (P, K)
-        resid = ((pixels[:, None, :] - bg - alphas[..., None] * d) ** 2).sum(-1)  # (P, K)
-        explained = (((pixels - bg) ** 2).sum(-1, keepdim=True) - resid).sum(0)  # (K,)
+        alphas, explained = palette_coverage(img.permute(1, 2, 0).reshape(-1, 3), ref)
         k = int(explained.argmax())
         if explained[k] <= 0:  # no pixel departs from the background towards any colour
             out.append(None)

@@ -22,11 +22,11 @@ from jagg.world.text import TextTower
 class ConvTower(nn.Module):
     """Three 3x3 convs (two stride-2), 4x4 adaptive pool, linear head. Keeps *where* things are (no global pool)."""
 
-    def __init__(self, out_dim: int, channels: tuple[int, int, int] = (32, 48, 64)) -> None:
+    def __init__(self, out_dim: int, channels: tuple[int, int, int] = (32, 48, 64), frames: int = 1) -> None:
         super().__init__()
         c0, c1, c2 = channels
         self.net = nn.Sequential(
-            nn.Conv2d(3, c0, 3, padding=1),
+            nn.Conv2d(3 * frames, c0, 3, padding=1),
             nn.GELU(),
             nn.Conv2d(c0, c1, 3, stride=2, padding=1),
             nn.GELU(),
@@ -38,15 +38,20 @@ class ConvTower(nn.Module):
         )
 
     def forward(self, images: Tensor) -> Tensor:
+        if images.ndim == 5:  # a clip (B, 3, F, H, W): its frames stacked as channels (early fusion)
+            images = images.flatten(1, 2)
         return self.net(images * 2 - 1)  # (B, out_dim)
 
 
 class TinyCLIP(nn.Module):
-    """Dual encoder with a learned temperature; ``forward`` returns unit image and text embeddings."""
+    """Dual encoder with a learned temperature; ``forward`` returns unit image and text embeddings. With
+    ``frames`` > 1 the visual side reads a clip (B, 3, F, H, W), its frames stacked as channels."""
 
-    def __init__(self, vocab_size: int, width: int = 32, embed_dim: int = 64, max_len: int = 8) -> None:
+    def __init__(
+        self, vocab_size: int, width: int = 32, embed_dim: int = 64, max_len: int = 8, frames: int = 1
+    ) -> None:
         super().__init__()
-        self.visual = ConvTower(embed_dim)
+        self.visual = ConvTower(embed_dim, frames=frames)
         self.text = TextTower(vocab_size, width, max_len=max_len)
         self.text_proj = nn.Linear(width, embed_dim, bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
@@ -60,13 +65,20 @@ class TinyCLIP(nn.Module):
 
 class PreferenceModel(nn.Module):
     """score(image, prompt) = scale * cos(image, prompt) + quality(image): a CLIP-style aligner plus a
-    prompt-free quality term, as HPSv2 / PickScore are CLIP models fine-tuned on human preference pairs."""
+    prompt-free quality term, as HPSv2 / PickScore are CLIP models fine-tuned on human preference pairs. With
+    ``frames`` > 1 it scores a clip (B, 3, F, H, W) (the video world's ``video_pref``)."""
 
     def __init__(
-        self, vocab_size: int, width: int = 32, hidden: int = 96, embed_dim: int = 64, max_len: int = 8
+        self,
+        vocab_size: int,
+        width: int = 32,
+        hidden: int = 96,
+        embed_dim: int = 64,
+        max_len: int = 8,
+        frames: int = 1,
     ):
         super().__init__()
-        self.visual = ConvTower(hidden)
+        self.visual = ConvTower(hidden, frames=frames)
         self.image_proj = nn.Linear(hidden, embed_dim, bias=False)
         self.quality = nn.Linear(hidden, 1)
         self.text = TextTower(vocab_size, width, layers=1, max_len=max_len)

@@ -137,6 +137,11 @@ class World:
         self.prompt_index = {p: i for i, p in enumerate(self.prompts)}
         self.words = sorted({w for p in self.prompts for w in p.split()})
 
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of one sample's latent (pixel space)."""
+        return (self.latent_channels, self.size, self.size)
+
     # ------------------------------------------------------------------ attributes
     @property
     def num_classes(self) -> tuple[int, int, int]:

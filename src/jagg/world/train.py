@@ -26,11 +26,20 @@ from jagg.models import Backbone
 from jagg.world.models import AttrClassifier, AttrJudge, PreferenceModel, TinyCLIP
 from jagg.world.scene import Attributes, World
 from jagg.world.text import WordTokenizer, WorldTextEncoder
+from jagg.world.video import VideoWorld
+
+
+def frames_of(world: World | VideoWorld) -> int:
+    """Frames of a world's samples: 1 for the image world (its judges read images)."""
+    return world.frames if isinstance(world, VideoWorld) else 1
 
 
 # --------------------------------------------------------------------------- data
-def render_pool(world: World, prompts: list[str], per_prompt: int, seed: int) -> tuple[Tensor, Tensor]:
-    """``per_prompt`` renders of every prompt -> images (N, 3, H, W) and world prompt indices (N,)."""
+def render_pool(
+    world: World | VideoWorld, prompts: list[str], per_prompt: int, seed: int
+) -> tuple[Tensor, Tensor]:
+    """``per_prompt`` renders of every prompt -> images (N, 3, H, W) (clips (N, 3, F, H, W)) and world prompt
+    indices (N,)."""
     reps = [p for p in prompts for _ in range(per_prompt)]
     idx = torch.tensor([world.prompt_index[p] for p in reps])
     return world.render(reps, seed), idx
@@ -42,7 +51,10 @@ def box_blur(images: Tensor) -> Tensor:
 
 
 def augment(images: Tensor, gen: torch.Generator, max_noise: float = 0.06, p_blur: float = 0.3) -> Tensor:
-    """Mild robustness augmentation for the judges: Gaussian noise sigma ~ U(0, max_noise), random 3x3 blur."""
+    """Mild robustness augmentation for the judges: Gaussian noise sigma ~ U(0, max_noise), random 3x3 blur.
+    A clip (B, 3, F, H, W) is augmented as one image of 3F channels (the same noise level and blur per clip)."""
+    if images.ndim == 5:
+        return augment(images.flatten(1, 2), gen, max_noise, p_blur).view(images.shape)
     b = images.shape[0]
     sigma = torch.rand(b, 1, 1, 1, generator=gen) * max_noise
     blur = torch.rand(b, 1, 1, 1, generator=gen) < p_blur
@@ -154,11 +166,14 @@ class JudgeTrainConfig:
     seed: int = 0
 
 
-def train_clip(world: World, tokenizer: WordTokenizer, cfg: JudgeTrainConfig) -> tuple[TinyCLIP, dict]:
+def train_clip(
+    world: World | VideoWorld, tokenizer: WordTokenizer, cfg: JudgeTrainConfig
+) -> tuple[TinyCLIP, dict]:
     """Image -> prompt InfoNCE over all world prompts (CLIP's image-side loss with the full prompt set as
-    negatives; the in-batch text side is redundant when every prompt is in every softmax)."""
+    negatives; the in-batch text side is redundant when every prompt is in every softmax). On the video world
+    the visual side reads clips (``TinyCLIP(frames=F)``)."""
     torch.manual_seed(cfg.seed)
-    model = TinyCLIP(len(tokenizer), max_len=tokenizer.max_len)
+    model = TinyCLIP(len(tokenizer), max_len=tokenizer.max_len, frames=frames_of(world))
     images, labels = render_pool(world, world.prompts, cfg.per_prompt, seed=10_000 + cfg.seed)
     ids, mask = tokenizer(world.prompts)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -174,14 +189,17 @@ def train_clip(world: World, tokenizer: WordTokenizer, cfg: JudgeTrainConfig) ->
 
 
 def train_preference(
-    world: World, tokenizer: WordTokenizer, cfg: JudgeTrainConfig
+    world: World | VideoWorld,
+    tokenizer: WordTokenizer,
+    cfg: JudgeTrainConfig,
+    pairs: Callable[..., tuple[Tensor, Tensor, Tensor, list[str]]] = preference_pairs,
 ) -> tuple[PreferenceModel, dict]:
-    """Bradley-Terry loss -log sigmoid(s(good) - s(bad)) on ``preference_pairs``, plus the CLIP image->prompt
-    InfoNCE on the preferred images (HPSv2 / PickScore start from a contrastively trained CLIP; here both
-    objectives are trained jointly from scratch)."""
+    """Bradley-Terry loss -log sigmoid(s(good) - s(bad)) on ``pairs`` (``preference_pairs``; the video world's
+    ``video_preference_pairs``), plus the CLIP image->prompt InfoNCE on the preferred images (HPSv2 / PickScore
+    start from a contrastively trained CLIP; here both objectives are trained jointly from scratch)."""
     torch.manual_seed(cfg.seed)
-    model = PreferenceModel(len(tokenizer), max_len=tokenizer.max_len)
-    good, bad, pidx, _ = preference_pairs(world, cfg.pairs, seed=20_000 + cfg.seed)
+    model = PreferenceModel(len(tokenizer), max_len=tokenizer.max_len, frames=frames_of(world))
+    good, bad, pidx, _ = pairs(world, cfg.pairs, seed=20_000 + cfg.seed)
     ids, mask = tokenizer(world.prompts)
     gen = torch.Generator().manual_seed(cfg.seed)
 
@@ -332,7 +350,7 @@ def flow_matching_loss(backbone: Backbone, x0: Tensor, cond, gen: torch.Generato
     b = x0.shape[0]
     eps = torch.randn(x0.shape, generator=gen)
     sigma = torch.sigmoid(torch.randn(b, generator=gen))  # (B,)
-    s = sigma.view(b, 1, 1, 1)
+    s = sigma.view(b, *[1] * (x0.ndim - 1))  # (B, 1, 1, 1), a clip's (B, 1, 1, 1, 1)
     x_t = (1 - s) * x0 + s * eps
     return F.mse_loss(backbone.velocity(x_t, sigma, cond), eps - x0)
 
@@ -340,7 +358,7 @@ def flow_matching_loss(backbone: Backbone, x0: Tensor, cond, gen: torch.Generato
 def train_flow(
     backbone: Backbone,
     text_encoder: WorldTextEncoder,
-    world: World,
+    world: World | VideoWorld,
     cfg: FlowTrainConfig,
     log: Callable[[str], None] | None = None,
 ) -> dict:
@@ -365,16 +383,17 @@ def train_flow(
 def sample_images(
     backbone: Backbone,
     text_encoder: WorldTextEncoder,
-    world: World,
+    world: World | VideoWorld,
     prompts: list[str],
     seed: int,
     steps: int = 16,
     shift: float = 3.0,
     chunk: int = 256,
 ) -> Tensor:
-    """ODE samples (B, 3, H, W) in [0, 1] via ``sample_trajectory`` on ``shifted_linear_sigmas(steps, shift)``."""
+    """ODE samples (B, 3, H, W) in [0, 1] (the video world's clips (B, 3, F, H, W)) via ``sample_trajectory`` on
+    ``shifted_linear_sigmas(steps, shift)``."""
     gen = torch.Generator().manual_seed(seed)
-    noise = torch.randn(len(prompts), world.latent_channels, world.size, world.size, generator=gen)
+    noise = torch.randn(len(prompts), *world.latent_shape, generator=gen)
     sigmas = shifted_linear_sigmas(steps, shift)
     out = []
     for i in range(0, len(prompts), chunk):
