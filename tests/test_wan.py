@@ -205,22 +205,27 @@ def test_two_experts_need_a_boundary():
         WanBackbone(t, transformer_2=t, boundary_ratio=1.5)
 
 
-def test_knots_give_each_expert_the_gradient_of_its_own_plan():
+@pytest.mark.parametrize("graph_mode", ["batched", "sequential"])
+def test_knots_give_each_expert_the_gradient_of_its_own_plan(graph_mode):
     """Nine trained steps, the switch after step 1 (sigma 0.9 >= 0.875 > 0.81). Five knots through the bound
     two-expert velocity: each expert's gradient equals the knots plan of its own steps alone (2 and 3 knots,
-    ``split_count``) run on that expert alone. Without the declared boundary, a knot interval straddles the
-    switch and the gradients differ: the test can tell."""
+    ``split_count``) run on that expert alone, in one stacked graph (batched) and knot by knot (sequential: the
+    per-knot backward). Without the declared boundary, a knot interval straddles the switch and the gradients
+    differ: the test can tell."""
     sigmas = torch.tensor([0.97, 0.9, 0.81, 0.71, 0.6, 0.47, 0.33, 0.19, 0.08, 0.02], dtype=torch.float64)
     bb = _experts(seed=4)
     cond = _cond(2, dtype=torch.float64)
     velocity = bb.bind(cond)
     latents = straight_path_latents((2, 4, 2, 4, 4), sigmas[:9], seed=7)
     loss = make_grpo_step_loss(velocity, latents, sigmas[:9], sigmas[1:], seed=3)
-    setting = BackwardSetting(routing=Knots(count=5, placement="low_noise"), stored_outputs=False)
+    setting = BackwardSetting(
+        routing=Knots(count=5, placement="low_noise"), stored_outputs=False, graph_mode=graph_mode
+    )
     assert setting.plan(velocity, sigmas[:9]).knots == (0, 1, 2, 6, 8)
 
     bb.zero_grad(set_to_none=True)
-    setting.backward(velocity, loss)
+    stats = setting.backward(velocity, loss)
+    assert stats.backward_calls == (1 if graph_mode == "batched" else 5)
     joint_high, joint_low = grads_of(bb.transformer), grads_of(bb.transformer_2)
 
     for expert, steps, count in ((bb.transformer, range(0, 2), 2), (bb.transformer_2, range(2, 9), 3)):
