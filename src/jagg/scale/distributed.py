@@ -41,12 +41,13 @@ COLLECTIVES = (
 )
 
 
-def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a diffusers DiT: Flux double + single stream, Qwen-Image / SD3 joint blocks."""
+def transformer_blocks(transformer: nn.Module, strict: bool = True) -> list[nn.Module]:
+    """The repeated blocks of a diffusers DiT: Flux double + single stream, Qwen-Image / SD3 joint blocks, Wan's
+    ``blocks``. ``strict``: a model without any is an error (else [])."""
     blocks: list[nn.Module] = []
-    for attr in ("transformer_blocks", "single_transformer_blocks"):
+    for attr in ("transformer_blocks", "single_transformer_blocks", "blocks"):
         blocks.extend(getattr(transformer, attr, None) or [])
-    if not blocks:
+    if not blocks and strict:
         raise ValueError(f"{type(transformer).__name__} has no transformer_blocks to shard")
     return blocks
 
