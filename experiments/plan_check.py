@@ -105,7 +105,7 @@ OUT = "results/plan_check.csv"
 CATEGORIES = {
     "SHARDED_PARAM": "weights (sharded)",
     "SHARDED_GRAD": "gradients (sharded)",
-    "OPT": "AdamW moments (+ EMA)",
+    "OPT": "AdamW moments",
     "UNSHARDED_PARAM": "unsharded blocks",
     "ALL_GATHER": "unsharded blocks",
     "UNSHARDED_GRAD": "unsharded block gradients",
@@ -591,14 +591,16 @@ def plan_terms(cfg: Config) -> dict[str, float]:
         held_grad=setting.holds_gradients,
     )
     g = mp.gpu
-    opt = sum(v for k, v in g.items() if k.startswith(("AdamW", "EMA")))
+    opt = sum(v for k, v in g.items() if k.startswith("AdamW"))
     held = sum(v for k, v in g.items() if k.startswith("unsharded gradients held"))  # joint / true CFG
     return {
         "weights (sharded)": g["transformer weights (sharded)"]
         + g.get("frozen base (replicated)", 0.0)
         + g.get("transformer buffers (replicated)", 0.0),  # the tracker's BUFFER is in this group too
         "gradients (sharded)": g["gradients (sharded)"],
-        "AdamW moments (+ EMA)": opt,
+        "AdamW moments": opt,
+        # the trainer's EMA copy of the trained shards: not allocated by ``simulate`` (listed, not compared)
+        EMA_TERM: g.get("EMA (sharded)", 0.0),
         "unsharded blocks": g["unsharded blocks in flight"],
         "unsharded block gradients": g["unsharded gradients of one block"] + held,
         "activations": mp.activations[mp.checkpointing],
@@ -610,7 +612,8 @@ def plan_terms(cfg: Config) -> dict[str, float]:
 
 
 STEP_TERM = "AdamW step temporaries"
-RESIDENT = ("weights (sharded)", "gradients (sharded)", "AdamW moments (+ EMA)")  # what the step phase holds
+EMA_TERM = "EMA (plan only, not simulated)"
+RESIDENT = ("weights (sharded)", "gradients (sharded)", "AdamW moments")  # what the step phase holds
 UPDATE_TERMS = (*RESIDENT, "unsharded blocks", "unsharded block gradients", "activations")
 
 
@@ -647,6 +650,7 @@ def config_rows(path: str) -> tuple[list[dict], dict]:
     update["unsharded block gradients"] = update.get("unsharded block gradients", 0.0) + held
     plan = plan_terms(cfg)
     rows = [_row(name, k, update.get(k, 0.0), plan[k]) for k in UPDATE_TERMS]
+    rows.append(_row(name, EMA_TERM, float("nan"), plan[EMA_TERM]))
     # OPT inside the step minus the update's, + any TEMP (not ACT: a replicated frozen base sits there)
     temporaries = phases["step"].get("OPT", 0.0) - phases["update"].get("OPT", 0.0)
     rows.append(_row(name, STEP_TERM, temporaries + phases["step"].get("TEMP", 0.0), plan[STEP_TERM]))
@@ -752,13 +756,13 @@ def video_lines(rows: list[dict]) -> list[str]:
         "shape, one micro-batch's update simulated at 3 and 4 blocks and extrapolated to 30 (GiB per rank of 8).",
         "`activations` = ACT + TEMP at the update's peak; `plan` = the plan's transformer + update terms.",
         "",
-        "| shape | mode | simulated update peak | activations | plan | peak / exact's | passes (fwd, bwd, stored) |",
+        "| shape | mode | simulated update peak | activations | plan | peak / exact's | passes (fwd, bwd) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['mode']} | {r['simulated_gib']:.2f} | {r['activations_gib']:.2f} | "
-            f"{r['plan_gib']:.2f} | {r['vs_exact']:.3f} | {r['passes']} |"
+            f"{r['plan_gib']:.2f} | {r['vs_exact']:.3f} | {tuple(r['passes'][:2])} |"
         )
     return lines
 
@@ -929,6 +933,25 @@ def to_markdown(rows: list[dict], infos: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+VIDEO_OUT = "results/plan_check_video.md"
+
+
+def write_video(argv: list[str] | None, start: float, out: str = VIDEO_OUT) -> int:
+    """``video_rows`` alone, as markdown at ``out`` with the command and versions (``--video-only``)."""
+    rows = video_rows()
+    meta = run_metadata(command=command_line("experiments/plan_check.py", argv), config={}, seed=0)
+    head = [
+        "# Plan check, video only (`python experiments/plan_check.py --video-only`)",
+        "",
+        f"git {meta['git_sha']}, torch {meta['versions']['torch']}, {meta['hardware']}; "
+        f"{time.perf_counter() - start:.0f} s.",
+        "",
+    ]
+    atomic_write_text(Path(out), "\n".join(head + video_lines(rows)) + "\n")
+    print("\n".join(video_lines(rows)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=[str(p) for p in paper_config_paths()])
@@ -936,9 +959,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-video", action="store_true", help="leave out the video section (video_rows, ~10 min)"
     )
+    ap.add_argument(
+        "--video-only", action="store_true", help="only the video section, to results/plan_check_video.md"
+    )
     args = ap.parse_args(argv)
     set_threads(1)
     start = time.perf_counter()
+    if args.video_only:
+        return write_video(argv, start)
     rows, infos, skipped = [], [], {}
     for path in args.configs:
         why = not_simulated(load_config(path))
