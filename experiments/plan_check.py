@@ -50,7 +50,7 @@ from torch import Tensor
 from jagg.capacity.memory_model import (
     CUDA_CONTEXT,
     GIB,
-    experts,
+    expert_boundaries,
     memory_plan,
     text_tokens,
     transformer_config,
@@ -93,10 +93,10 @@ def reduced(cfg: Config) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
 
 
 def not_simulated(cfg: Config) -> str | None:
-    """Why ``cfg`` cannot be simulated (None: it can): two Wan experts are refused at placement under LoRA or
-    FSDP2 (``jagg.scale.placement``), so there is no placed model to measure."""
-    if experts(cfg) > 1:
-        return "two experts (Wan2.2-A14B): LoRA and FSDP2 cover one transformer so far (jagg.scale.placement)"
+    """Why ``cfg`` cannot be simulated (None: it can): ``FSDPMemTracker`` follows one FSDP2 root, and
+    Wan2.2-A14B's two experts are two (each its own blocks and root), so the second would go uncounted."""
+    if len(expert_boundaries(cfg)) > 0:
+        return "two experts (Wan2.2-A14B), two FSDP2 roots: FSDPMemTracker follows one"
     return None
 
 
@@ -227,9 +227,9 @@ def meta_backbone(cfg: Config, units: tuple[int, ...], arch: dict | None = None)
     new adapters with ``Module.to``, which cannot swap fake parameters."""
     m = cfg.model
     cls = BACKBONES[m.backbone]
+    config = reduced_config(m.backbone, units, arch, transformer_config(cfg)[0])
     with torch.device("meta"):
-        base = transformer_config(cfg)[0]
-        transformer = cls.transformer_cls.from_config(reduced_config(m.backbone, units, arch, base))
+        transformer = cls.transformer_cls.from_config(config)
     backbone = cls(transformer, **adapter_kwargs(m))
     if m.lora_rank > 0:
         apply_run_lora(cfg, backbone)

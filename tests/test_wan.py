@@ -356,3 +356,66 @@ def test_lora_export_loads_into_diffusers_wan_pipeline(tmp_path):
         loaded = WanBackbone(pipe.transformer).velocity(z, 0.7, cond)
     assert rel_err(plain, adapted) > 1e-3
     assert rel_err(loaded, adapted) < 1e-5
+
+
+@pytest.mark.parametrize("lora", [4, 0])
+def test_two_experts_train_and_export_both(tmp_path, lora):
+    """Wan2.2-A14B's layout through the real path: both experts are trained (LoRA: adapters on both, one seed),
+    and the export writes the high-noise expert in OUT and the low-noise one in OUT/transformer_2 (an adapter
+    diffusers loads into ``transformer`` / ``transformer_2``, or a transformer folder): each expert's velocity
+    then equals the trained backbone's, and differs from the untrained one's."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from jagg.config import load_config, tiny_pipeline_overrides
+    from jagg.distributed import DistInfo
+    from jagg.loop.export import export_trained
+    from jagg.scale.placement import place_backbone
+    from jagg.scale.pretrained import build_pretrained_components
+    from jagg.scale.tiny_pipeline import save_tiny_wan_pipeline
+
+    prompts = ["a red ball", "a blue cube"]
+    save_tiny_wan_pipeline(tmp_path / "wan", prompts, boundary_ratio=BOUNDARY)
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    cfg = load_config(
+        "configs/paper/wan/wan22_a14b_flowfactory.yaml",
+        [
+            *tiny_pipeline_overrides(tmp_path / "wan", tmp_path / "prompts.txt"),
+            f"model.lora_rank={lora}",
+            "model.lora_alpha=8",
+            f"model.shard_frozen_base={'false' if lora else 'true'}",
+            "train.precision=fp32",
+            "optim.ema_decay=0",
+            f"log.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    bb, _ = place_backbone(cfg, build_pretrained_components(cfg).backbone, device="cpu", dist=DistInfo())
+    trained = {n.split(".")[0] for n, p in bb.named_parameters() if p.requires_grad}
+    assert trained == {"transformer", "transformer_2"}
+    assert all(("lora_" in n) == bool(lora) for n, p in bb.named_parameters() if p.requires_grad)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a stand-in for training: the adapters' B (LoRA) or every weight (full) moved
+        for n, p in bb.named_parameters():
+            if p.requires_grad and ("lora_B" in n or not lora):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    out = export_trained(cfg, bb, tmp_path / "export", dist=DistInfo())
+    if lora:
+        pipe = WanPipeline.from_pretrained(tmp_path / "wan")
+        pipe.load_lora_weights(str(out))
+        pipe.transformer_2.load_lora_adapter(
+            str(out / "transformer_2"), prefix="transformer", weight_name="pytorch_lora_weights.safetensors"
+        )
+        high, low = pipe.transformer, pipe.transformer_2
+    else:
+        high = WanTransformer3DModel.from_pretrained(out)
+        low = WanTransformer3DModel.from_pretrained(out / "transformer_2")
+    loaded = WanBackbone(high, transformer_2=low, boundary_ratio=BOUNDARY)
+    plain = WanBackbone.from_config(
+        tiny_wan_config(), seed=1, boundary_ratio=BOUNDARY
+    )  # the folder's weights
+    cond = _cond(2, seed=2)
+    z = torch.randn(2, 4, 2, 4, 4, generator=g)
+    with torch.no_grad():
+        for t in (0.95, 0.3):  # one step on each expert
+            v = bb.velocity(z, t, cond)
+            assert rel_err(loaded.velocity(z, t, cond), v) < 1e-5
+            assert rel_err(plain.velocity(z, t, cond), v) > 1e-3
