@@ -60,7 +60,7 @@ bench-checkpoint: $(STAMP) ## Training blocked by a checkpoint save, synchronous
 gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights, stages with time budgets (a failing one does not stop the rest): environment + SDPA kernels, Qwen meta load, Flux / Qwen-Image blocks at real width, full-depth Flux LoRA 512 px, VAE + rewards 720 px, AdamW + DCP save, every JAGG mode's update -> results/gpu/gpu_check.json (without CUDA: tiny versions -> runs/gpu_check/)
 	$(PY) experiments/gpu_check.py
 
-plan-check: $(STAMP) ## Simulated 8-GPU node on the CPU (fake tensors + fake process group + FSDPMemTracker): one real-size update per paper config next to the dry-run plan -> results/plan_check.md
+plan-check: $(STAMP) ## Simulated 8-GPU node on the CPU (fake tensors + fake process group + FSDPMemTracker): one real-size update per paper config next to the dry-run plan, and Wan2.1-1.3B video exact vs knots stacked / per knot -> results/plan_check.md
 	$(PY) experiments/plan_check.py
 
 check-weights: $(STAMP) ## CONFIG=configs/paper/X.yaml [OVERRIDES='model.path=/local/FLUX.1-dev']: every checkpoint the config loads (transformer, text encoders, VAE, rewards) against its model built on the meta device, keys and shapes, from a local path or the hub cache (headers / mmap only, no download)

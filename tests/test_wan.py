@@ -205,22 +205,27 @@ def test_two_experts_need_a_boundary():
         WanBackbone(t, transformer_2=t, boundary_ratio=1.5)
 
 
-def test_knots_give_each_expert_the_gradient_of_its_own_plan():
+@pytest.mark.parametrize("graph_mode", ["batched", "sequential"])
+def test_knots_give_each_expert_the_gradient_of_its_own_plan(graph_mode):
     """Nine trained steps, the switch after step 1 (sigma 0.9 >= 0.875 > 0.81). Five knots through the bound
     two-expert velocity: each expert's gradient equals the knots plan of its own steps alone (2 and 3 knots,
-    ``split_count``) run on that expert alone. Without the declared boundary, a knot interval straddles the
-    switch and the gradients differ: the test can tell."""
+    ``split_count``) run on that expert alone, in one stacked graph (batched) and knot by knot (sequential: the
+    per-knot backward). Without the declared boundary, a knot interval straddles the switch and the gradients
+    differ: the test can tell."""
     sigmas = torch.tensor([0.97, 0.9, 0.81, 0.71, 0.6, 0.47, 0.33, 0.19, 0.08, 0.02], dtype=torch.float64)
     bb = _experts(seed=4)
     cond = _cond(2, dtype=torch.float64)
     velocity = bb.bind(cond)
     latents = straight_path_latents((2, 4, 2, 4, 4), sigmas[:9], seed=7)
     loss = make_grpo_step_loss(velocity, latents, sigmas[:9], sigmas[1:], seed=3)
-    setting = BackwardSetting(routing=Knots(count=5, placement="low_noise"), stored_outputs=False)
+    setting = BackwardSetting(
+        routing=Knots(count=5, placement="low_noise"), stored_outputs=False, graph_mode=graph_mode
+    )
     assert setting.plan(velocity, sigmas[:9]).knots == (0, 1, 2, 6, 8)
 
     bb.zero_grad(set_to_none=True)
-    setting.backward(velocity, loss)
+    stats = setting.backward(velocity, loss)
+    assert stats.backward_calls == (1 if graph_mode == "batched" else 5)
     joint_high, joint_low = grads_of(bb.transformer), grads_of(bb.transformer_2)
 
     for expert, steps, count in ((bb.transformer, range(0, 2), 2), (bb.transformer_2, range(2, 9), 3)):
@@ -318,3 +323,98 @@ def test_wan_config_keys_are_checked():
         load_config(None, [*base, "sampling.schedule=scheduler"])
     with pytest.raises(ConfigError, match="model.true_cfg_scale_2 must be null or >= 1"):
         load_config(None, [*base, "model.true_cfg_scale_2=0.5"])
+
+
+def test_lora_export_loads_into_diffusers_wan_pipeline(tmp_path):
+    """A LoRA on the tiny Wan (the default targets: self- and cross-attention projections and the FFN), its
+    adapters made non-zero, exported by ``export_lora``: ``WanPipeline.load_lora_weights`` on a fresh copy of the
+    base gives the adapted model's velocity; without it the velocity differs (the test can tell)."""
+    import copy
+
+    from diffusers import WanPipeline
+
+    from jagg.scale.lora import DEFAULT_TARGETS, apply_lora, export_lora
+
+    bb = build_tiny_backbone("wan")
+    base = copy.deepcopy(bb.transformer)
+    apply_lora(bb, rank=4, alpha=8, target_modules=DEFAULT_TARGETS["wan"])
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in bb.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    written = export_lora(bb, tmp_path / "lora")
+    assert any(f.endswith("pytorch_lora_weights.safetensors") for f in written)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=base)
+    cond = _cond(2, seed=1)
+    z = torch.randn(2, 4, 2, 4, 4, generator=g)
+    with torch.no_grad():
+        adapted = bb.velocity(z, 0.7, cond)
+        plain = WanBackbone(base).velocity(z, 0.7, cond)
+        pipe.load_lora_weights(str(tmp_path / "lora"))
+        loaded = WanBackbone(pipe.transformer).velocity(z, 0.7, cond)
+    assert rel_err(plain, adapted) > 1e-3
+    assert rel_err(loaded, adapted) < 1e-5
+
+
+@pytest.mark.parametrize("lora", [4, 0])
+def test_two_experts_train_and_export_both(tmp_path, lora):
+    """Wan2.2-A14B's layout through the real path: both experts are trained (LoRA: adapters on both, one seed),
+    and the export writes the high-noise expert in OUT and the low-noise one in OUT/transformer_2 (an adapter
+    diffusers loads into ``transformer`` / ``transformer_2``, or a transformer folder): each expert's velocity
+    then equals the trained backbone's, and differs from the untrained one's."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from jagg.config import load_config, tiny_pipeline_overrides
+    from jagg.distributed import DistInfo
+    from jagg.loop.export import export_trained
+    from jagg.scale.placement import place_backbone
+    from jagg.scale.pretrained import build_pretrained_components
+    from jagg.scale.tiny_pipeline import save_tiny_wan_pipeline
+
+    prompts = ["a red ball", "a blue cube"]
+    save_tiny_wan_pipeline(tmp_path / "wan", prompts, boundary_ratio=BOUNDARY)
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    cfg = load_config(
+        "configs/paper/wan/wan22_a14b_flowfactory.yaml",
+        [
+            *tiny_pipeline_overrides(tmp_path / "wan", tmp_path / "prompts.txt"),
+            f"model.lora_rank={lora}",
+            "model.lora_alpha=8",
+            f"model.shard_frozen_base={'false' if lora else 'true'}",
+            "train.precision=fp32",
+            "optim.ema_decay=0",
+            f"log.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    bb, _ = place_backbone(cfg, build_pretrained_components(cfg).backbone, device="cpu", dist=DistInfo())
+    trained = {n.split(".")[0] for n, p in bb.named_parameters() if p.requires_grad}
+    assert trained == {"transformer", "transformer_2"}
+    assert all(("lora_" in n) == bool(lora) for n, p in bb.named_parameters() if p.requires_grad)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a stand-in for training: the adapters' B (LoRA) or every weight (full) moved
+        for n, p in bb.named_parameters():
+            if p.requires_grad and ("lora_B" in n or not lora):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    out = export_trained(cfg, bb, tmp_path / "export", dist=DistInfo())
+    if lora:
+        pipe = WanPipeline.from_pretrained(tmp_path / "wan")
+        pipe.load_lora_weights(str(out))
+        pipe.transformer_2.load_lora_adapter(
+            str(out / "transformer_2"), prefix="transformer", weight_name="pytorch_lora_weights.safetensors"
+        )
+        high, low = pipe.transformer, pipe.transformer_2
+    else:
+        high = WanTransformer3DModel.from_pretrained(out)
+        low = WanTransformer3DModel.from_pretrained(out / "transformer_2")
+    loaded = WanBackbone(high, transformer_2=low, boundary_ratio=BOUNDARY)
+    plain = WanBackbone.from_config(
+        tiny_wan_config(), seed=1, boundary_ratio=BOUNDARY
+    )  # the folder's weights
+    cond = _cond(2, seed=2)
+    z = torch.randn(2, 4, 2, 4, 4, generator=g)
+    with torch.no_grad():
+        for t in (0.95, 0.3):  # one step on each expert
+            v = bb.velocity(z, t, cond)
+            assert rel_err(loaded.velocity(z, t, cond), v) < 1e-5
+            assert rel_err(plain.velocity(z, t, cond), v) > 1e-3

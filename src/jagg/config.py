@@ -131,6 +131,9 @@ class SamplingConfig:
     num_steps: int = 16
     shift: float = 3.0  # shifted-linear schedule (DanceGRPO); real models use their scheduler
     latent_size: int = 16  # latent height = width (must be even: 2x2 packing)
+    # latent width where it differs from the height (model.source=pretrained: Wan's 480x832 video, 60 x 104); null:
+    # square, latent_size
+    latent_width: int | None = None
     latent_frames: int = 1  # Wan: latent frames F of a video, (frames - 1) / 4 + 1 (81 frames: 21); else 1
     eval_num_steps: int = 16
     schedule: str = "shift"  # shift (shifted linear, DanceGRPO) | scheduler (the model's diffusers scheduler)
@@ -772,6 +775,12 @@ def _validate_sampling(sampling: SamplingConfig, model: ModelConfig) -> None:
     _require(
         sampling.latent_size >= 2 and sampling.latent_size % 2 == 0,
         f"sampling.latent_size must be even and >= 2, got {sampling.latent_size}",
+    )
+    _require(
+        sampling.latent_width is None
+        or (sampling.latent_width >= 2 and sampling.latent_width % 2 == 0 and model.source == "pretrained"),
+        "sampling.latent_width must be null or an even integer >= 2 (model.source=pretrained only), got "
+        f"{sampling.latent_width!r}",
     )
     _require(
         sampling.latent_frames >= 1 and (model.backbone == "wan" or sampling.latent_frames == 1),

@@ -9,21 +9,26 @@ NCCL, the GPUs) is reported before it by ``jagg.ops.node``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jagg.capacity.memory_model import (
     ALLOCATOR_SLACK,
     CUDA_CONTEXT,
     GIB,
     GPU_SIZES_GB,
     PROMPT_LRU,
+    MemoryPlan,
     all_gather_bytes,
     disk_plan,
     embedding_bytes,
+    experts,
     memory_plan,
     meta_transformer,
+    sequence_tokens,
 )
 from jagg.capacity.pass_plan import Report, add_pass_plan
 from jagg.config import Config
-from jagg.scale.architectures import VAE_SCALE
+from jagg.scale.architectures import VAE_SCALE, known_wan
 
 
 def build_plan(cfg: Config, world_size: int = 1, ranks_per_node: int | None = None) -> Report:
@@ -56,11 +61,19 @@ def add_run_section(p: Report, cfg: Config, world_size: int) -> None:
         "algorithm / SDE",
         f"{algorithm.name} / {algorithm.sde_kind} noise {algorithm.noise_level}, clip eps {algorithm.clip_range}",
     )
-    res = sampling.latent_size * VAE_SCALE if model.source == "pretrained" else sampling.latent_size
-    p.add(
-        "image / latent",
-        f"{res} px / (16, {sampling.latent_size}, {sampling.latent_size}), {(sampling.latent_size // 2) ** 2} tokens",
-    )
+    h, w = sampling.latent_size, sampling.latent_width or sampling.latent_size
+    scale = 1
+    if model.source == "pretrained":
+        scale = known_wan(model.path).vae_scale if model.backbone == "wan" else VAE_SCALE
+    if model.backbone == "wan":  # the Wan VAE: 4 frames per latent frame after the first
+        f = sampling.latent_frames
+        p.add(
+            "video / latent",
+            f"{4 * (f - 1) + 1} frames of {h * scale}x{w * scale} px / (C, {f}, {h}, {w}), "
+            f"{sequence_tokens(cfg)} tokens (text by cross-attention)",
+        )
+    else:
+        p.add("image / latent", f"{h * scale}x{w * scale} px / (16, {h}, {w}), {(h // 2) * (w // 2)} tokens")
     p.add("schedule", f"{sampling.num_steps} steps ({sampling.schedule}), eval {sampling.eval_num_steps}")
     p.add("world size", world_size)
     p.add(
@@ -105,8 +118,8 @@ def add_memory_section(
     model, source = meta_transformer(cfg)
     mp = memory_plan(cfg, world_size, graphs, held_grad, model)
     model_cfg, train, data = cfg.model, cfg.train, cfg.data
-    n_all = sum(x.numel() for x in model.parameters())
-    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    n_all = experts(cfg) * sum(x.numel() for x in model.parameters())
+    n_train = experts(cfg) * sum(x.numel() for x in model.parameters() if x.requires_grad)
     gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     layout = "full shard" if model_cfg.shard_frozen_base else "adapters sharded, frozen base replicated"
     p.section(
@@ -157,6 +170,9 @@ def add_memory_section(
     for size in GPU_SIZES_GB:
         verdict = "fits" if mp.fits(size) else "does NOT fit"
         p.add(f"{size} GB GPU ({size * 1e9 / GIB:.1f} GiB)", f"{verdict} ({gib(mp.total())} needed)")
+    pick = per_knot_pick(cfg, world_size, mp, model)
+    if pick:
+        p.add("graph mode picked", pick)
     p.add(
         "host memory per rank",
         f"rank 0 ~{gib(mp.host['rank 0'])} (loaded transformer once + largest other model + runtime), "
@@ -184,6 +200,27 @@ def add_memory_section(
     export = n_all * 2 if model_cfg.lora_rank == 0 and train.precision == "bf16" else n_train * 4
     p.add("export (rank 0 host, once)", gib(export))
     add_disk_section(p, cfg, model)
+
+
+def per_knot_pick(cfg: Config, world_size: int, mp: MemoryPlan, model) -> str | None:
+    """Where the configured stacked graph mode (``batched`` / ``joint``: the knots' graphs alive together) does
+    not fit a GPU size and the per-knot backward (``backward.graph_mode: sequential``: each knot's forward and
+    backward with its aggregated signal, one graph alive, the exact loop's activations, the same passes) does:
+    the line saying so (None when the mode is already per-knot, the strategy exact, or nothing changes)."""
+    backward = cfg.backward
+    if backward.strategy == "exact" or backward.graph_mode == "sequential":
+        return None
+    per_knot = dataclasses.replace(cfg, backward=dataclasses.replace(backward, graph_mode="sequential"))
+    seq = memory_plan(per_knot, world_size, graphs=1, held_grad=False, model=model)
+    sizes = [size for size in GPU_SIZES_GB if not mp.fits(size) and seq.fits(size)]
+    if not sizes:
+        return None
+    on = " / ".join(f"{size} GB" for size in sizes)
+    return (
+        f"sequential (per-knot backward) on {on}: {backward.graph_mode} needs {mp.total() / GIB:.1f} GiB, "
+        f"sequential {seq.total() / GIB:.1f} GiB (one knot graph alive, the exact loop's activations, the same "
+        "passes and gradient); set backward.graph_mode=sequential"
+    )
 
 
 def _per_node(mp, world_size: int, ranks_per_node: int | None, gib) -> str:

@@ -46,17 +46,21 @@ from dataclasses import dataclass
 import torch
 
 from jagg.config import Config
+from jagg.engine.strategies import GRAPH_MODES
 from jagg.errors import ConfigError
 from jagg.ops.node import expandable_segments
 from jagg.scale.architectures import (
     AUX_MODELS,
+    CFG_NO_GRAD_CALL,
     CFG_TWO_CALLS,
     KNOWN_CONFIGS,
     TEXT_ENCODERS,
     TRUE_CFG,
     aux_largest_tensor,
     aux_params,
+    known_wan,
 )
+from jagg.scale.distributed import transformer_blocks
 
 GIB = 2**30
 GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
@@ -88,7 +92,43 @@ def transformer_config(cfg: Config) -> tuple[dict, str]:
         from jagg.world.pretrained import world_backbone_config
 
         return world_backbone_config(cfg.model.backbone, World()), "the embedded world"
+    if cfg.model.backbone == "wan":  # which Wan model.path names (1.3B / TI2V-5B / A14B)
+        return known_wan(cfg.model.path).config, f"known {cfg.model.path or 'wan'} architecture"
     return KNOWN_CONFIGS[cfg.model.backbone], f"known {cfg.model.backbone} architecture"
+
+
+def expert_boundaries(cfg: Config) -> tuple[float, ...]:
+    """The sigmas where the velocity switches network: Wan2.2-A14B's ``boundary_ratio`` (from a local pipeline
+    folder's model_index.json, else the published pipeline ``model.path`` names), () for one network."""
+    if cfg.model.backbone != "wan" or cfg.model.source != "pretrained":
+        return ()
+    index = os.path.join(os.path.expanduser(cfg.model.path or ""), "model_index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            data = json.load(fh)
+        two = (data.get("transformer_2") or [None])[0] is not None
+        return (float(data["boundary_ratio"]),) if two and data.get("boundary_ratio") else ()
+    ratio = known_wan(cfg.model.path).boundary_ratio
+    return () if ratio is None else (ratio,)
+
+
+def experts(cfg: Config) -> int:
+    """Transformers the velocity is made of: 2 for Wan2.2-A14B (its high- and low-noise experts, each as large as
+    the one ``meta_transformer`` builds), else 1."""
+    return 1 + len(expert_boundaries(cfg))
+
+
+def latent_cells(cfg: Config) -> int:
+    """Latent cells of one sample: frames x height x width (``sampling.latent_width``: non-square)."""
+    s = cfg.sampling
+    return s.latent_frames * s.latent_size * (s.latent_width or s.latent_size)
+
+
+def sequence_tokens(cfg: Config) -> int:
+    """Tokens of the transformer's self-attention sequence: the latent's 2x2 patches (Wan: per latent frame), plus
+    the text for the joint-attention models; Wan reads its text by cross-attention, outside the sequence."""
+    patches = latent_cells(cfg) // 4
+    return patches if cfg.model.backbone == "wan" else patches + text_tokens(cfg.model)
 
 
 def meta_transformer(cfg: Config):
@@ -117,6 +157,7 @@ def text_tokens(model_cfg) -> int:
     return {
         "flux": model_cfg.max_sequence_length,
         "sd3": 77 + model_cfg.max_sequence_length,
+        "wan": model_cfg.max_sequence_length,  # WanPipeline pads UMT5's output to max_sequence_length
     }.get(model_cfg.backbone, 64)
 
 
@@ -200,10 +241,13 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     the same: counted once).
     """
     model = model if model is not None else meta_transformer(cfg)[0]
-    model_cfg, train, sampling, data = cfg.model, cfg.train, cfg.sampling, cfg.data
-    n_all = sum(x.numel() for x in model.parameters())
-    n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
-    blocks = [*getattr(model, "transformer_blocks", []), *getattr(model, "single_transformer_blocks", [])]
+    model_cfg, train, data = cfg.model, cfg.train, cfg.data
+    # Wan2.2-A14B: two experts, each trained and sharded alike (its weights, gradients, optimizer state); one
+    # of them runs at a time, so the per-block and activation terms are one expert's
+    e = experts(cfg)
+    n_all = e * sum(x.numel() for x in model.parameters())
+    n_train = e * sum(x.numel() for x in model.parameters() if x.requires_grad)
+    blocks = transformer_blocks(model, strict=False)
     n_block = max((sum(x.numel() for x in blk.parameters()) for blk in blocks), default=0)
     master = (
         8 if train.precision == "fp64" else 4
@@ -232,7 +276,7 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         gpu["frozen base (replicated)"] = (n_all - n_train) * frozen
     # FSDP2 shards parameters only; placement casts floating buffers to the master dtype (cast_parameters).
     # SD3's positional table (pos_embed_max_size^2 x hidden: 0.84 GiB for SD3.5-M) is one; Flux / Qwen-Image none
-    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    buffers = e * sum(b.numel() for b in model.buffers() if b.is_floating_point())
     if buffers:
         gpu["transformer buffers (replicated)"] = buffers * master
     # current + prefetched block
@@ -255,7 +299,8 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     if pretrained:
         if not data.precompute_embeddings:
             aux.update({k: aux_params(k) * compute for k in TEXT_ENCODERS[model_cfg.backbone]})
-        vae = "qwenimage_vae" if model_cfg.backbone == "qwenimage" else "flux_vae"  # SD3's VAE: Flux's layout
+        vaes = {"qwenimage": "qwenimage_vae", "wan": known_wan(model_cfg.path).vae}
+        vae = vaes.get(model_cfg.backbone, "flux_vae")  # SD3's VAE: Flux's layout
         aux[vae] = aux_params(vae) * frozen
         for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
             if name in AUX_MODELS:
@@ -271,11 +316,14 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         host_prompts = prompts * embedding_bytes(cfg, model)
     # activations of the update: per graph, B samples x tokens x hidden x layers
     hidden = model.config.num_attention_heads * model.config.attention_head_dim
-    tokens = (sampling.latent_size // 2) ** 2 + text_tokens(model_cfg)
+    tokens = sequence_tokens(cfg)
     per_layer = train.train_batch_size * cfg_mult * tokens * hidden  # elements
-    # the batched graph mode runs one forward of 2B rows, so the block recomputed in its backward has 2B rows
+    # a stacked graph mode runs one forward over its knots' rows (2B for a JAGG group, up to K B for knots or
+    # max_rows), so the block recomputed in its backward has that many rows: the graphs alive
     backward = cfg.backward
-    recompute_rows = 2 if backward.strategy != "exact" and backward.graph_mode == "batched" else 1
+    recompute_rows = (
+        graphs if backward.strategy != "exact" and GRAPH_MODES[backward.graph_mode].stacked else 1
+    )
     activations = {
         # checkpointing: block inputs of every layer per graph + one block recomputed at a time
         True: graphs * per_layer * len(blocks) * compute
@@ -332,7 +380,8 @@ def all_gather_bytes(cfg: Config, model, all_gathers: int, world_size: int) -> d
     compute = 2 if train.precision == "bf16" else (8 if train.precision == "fp64" else 4)
     n_all = sum(x.numel() for x in model.parameters())
     n_train = sum(x.numel() for x in model.parameters() if x.requires_grad)
-    calls = 2 if model_cfg.backbone in CFG_TWO_CALLS and model_cfg.true_cfg_scale > 1 else 1  # per velocity
+    two_calls = (*CFG_TWO_CALLS, *CFG_NO_GRAD_CALL)  # Wan's unconditional call: no graph, but gathered too
+    calls = 2 if model_cfg.backbone in two_calls and model_cfg.true_cfg_scale > 1 else 1  # per velocity
     n_micro = max(1, train.prompts_per_iter * train.images_per_prompt // world_size // train.train_batch_size)
     rounds = n_micro * (all_gathers + sampling.num_steps * calls)
     base = (n_all - n_train) * compute * rounds
@@ -345,6 +394,9 @@ def all_gather_bytes(cfg: Config, model, all_gathers: int, world_size: int) -> d
 def embedding_bytes(cfg: Config, model) -> int:
     """Bytes of one prompt's cached text conditioning (bf16 rows; the mask and pooled vector included)."""
     model_cfg = cfg.model
+    if model_cfg.backbone == "wan":  # UMT5 rows padded to max_sequence_length (+ the negative one's with CFG)
+        one = model_cfg.max_sequence_length * model.config.text_dim * 2
+        return one * (2 if model_cfg.true_cfg_scale > 1 else 1)
     width = model.config.joint_attention_dim
     if model_cfg.backbone == "flux":
         return model_cfg.max_sequence_length * (width * 2 + 8) + 768 * 2
@@ -376,7 +428,7 @@ def disk_plan(cfg: Config, model) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- sizes checked before the build
-# Latent channels of every real backbone (Flux, Qwen-Image, SD3; the world's are 3): the rollout's terms are
+# Latent channels of every real image backbone (Flux, Qwen-Image, SD3; the world's are 3; Wan's up to 48): the rollout's terms are
 # upper bounds before the model says its own. The device bound without a GPU to ask: the largest one sold.
 LATENT_CHANNELS = 16
 SIZE_KEYS = (  # the keys a rollout's size grows with, the one over budget named in the error
@@ -395,7 +447,7 @@ def rollout_terms(cfg: Config, world_size: int, gpu: bool | None = None) -> dict
     train, sampling = cfg.train, cfg.sampling
     n = train.prompts_per_iter * train.images_per_prompt
     local = -(-n // world_size)
-    latent = LATENT_CHANNELS * sampling.latent_size**2
+    latent = (48 if cfg.model.backbone == "wan" else LATENT_CHANNELS) * latent_cells(cfg)  # Wan2.2-TI2V: 48
     wide = 8 if train.precision == "fp64" else 4
     device = "device" if (train.device != "cpu" if gpu is None else gpu) else "host"
     drawn = train.prompts_per_iter if cfg.algorithm.init_same_noise else n

@@ -45,6 +45,7 @@ def trained_steps_per_sample(cfg: Config) -> int:
 
 def _routing_lines(p: Report, cfg: Config, T: int, routing) -> None:
     """The update section's header and where the knots sit: each group and its strategy, or the shared knots."""
+    from jagg.capacity.memory_model import expert_boundaries
     from jagg.engine.knots import Knots
     from jagg.engine.routing import nominal_sigmas
 
@@ -62,9 +63,15 @@ def _routing_lines(p: Report, cfg: Config, T: int, routing) -> None:
         where = (
             "measured at iteration 0 among the rules; e.g. low_noise:" if backward.placement is None else ""
         )
+        bounds = expert_boundaries(cfg)
+        if bounds:  # the schedule's own times place the switch (a window's trained steps: its first T)
+            from jagg.engine.sde import shifted_linear_sigmas
+
+            sigmas = shifted_linear_sigmas(cfg.sampling.num_steps, cfg.sampling.shift)[:T].double()
+            where += f" (no interval spans the expert switch at sigma {', '.join(map(str, bounds))}):"
         p.add(
             "knots (positions among the trained steps)",
-            f"{where} {list(routing.positions(nominal_sigmas(T)))}".strip(),
+            f"{where} {list(routing.positions(sigmas if bounds else nominal_sigmas(T), bounds))}".strip(),
         )
         return
     auto = (

@@ -6,6 +6,9 @@
     LoRA              the adapter only, via ``jagg.scale.lora.export_lora``: ``adapter_config.json`` +
                       ``adapter_model.safetensors`` (peft) and ``pytorch_lora_weights.safetensors`` (diffusers'
                       ``load_lora_weights``)
+    two experts       (Wan2.2-A14B) the low-noise expert's the same way in ``OUT/transformer_2``: its folder, or
+                      its adapter (``pipe.transformer_2.load_lora_adapter(OUT/transformer_2,
+                      prefix="transformer", weight_name="pytorch_lora_weights.safetensors")``)
 
 Which weights: the EMA weights when the run keeps an EMA (``optim.ema_decay > 0``; what evaluation scores),
 else the trained ones. dtype: a full model in the compute dtype of ``train.precision`` (bf16 for the paper
@@ -70,18 +73,20 @@ def export_trained(
     check_export_target(out, cfg.log.run_dir)  # every rank: the same answer, before any collective
     tmp = export_tmp(out) if dist.is_main else out
     trained = dict(zip(trainable_names(backbone), ema, strict=True)) if ema is not None else {}
-    if cfg.model.lora_rank > 0:
-        named = dict(backbone.named_parameters())
-        state = _gather({n: trained.get(n, named[n]) for n in trainable_names(backbone)}, dist, None)
-        if dist.is_main:
-            export_lora(backbone, tmp, state=state, base_model=cfg.model.path)
-    else:
-        dtype = DTYPES[cfg.train.precision]
-        prefix = "transformer."
-        sd = {k: trained.get(prefix + k, v) for k, v in backbone.transformer.state_dict().items()}
-        full = _gather(sd, dist, dtype)
-        if dist.is_main:
-            _save_transformer(cfg.model.backbone, backbone.transformer.config, full, tmp)
+    # one export per network: the transformer in ``out``, Wan2.2-A14B's low-noise expert in out/transformer_2
+    for name, network in _named_networks(backbone):
+        where, prefix = (tmp if name == "transformer" else tmp / name), f"{name}."
+        if cfg.model.lora_rank > 0:
+            named = dict(backbone.named_parameters())
+            mine = [n for n in trainable_names(backbone) if n.startswith(prefix)]
+            state = _gather({n.removeprefix(prefix): trained.get(n, named[n]) for n in mine}, dist, None)
+            if dist.is_main:
+                export_lora(network, where, state=state, base_model=cfg.model.path)
+        else:
+            sd = {k: trained.get(prefix + k, v) for k, v in network.state_dict().items()}
+            full = _gather(sd, dist, DTYPES[cfg.train.precision])
+            if dist.is_main:
+                _save_transformer(cfg.model.backbone, network.config, full, where)
     refused = None
     if dist.is_main:
         try:
@@ -91,6 +96,13 @@ def export_trained(
     if dist.reduce_scalars({"refused": float(refused is not None)}, op="max")["refused"] > 0:
         raise refused or ConfigError(f"--export refuses OUT={out} (rank 0 says why)")
     return out
+
+
+def _named_networks(backbone: Backbone) -> list[tuple[str, nn.Module]]:
+    """(attribute name, module) of each of ``backbone.networks``: ``transformer``, Wan2.2-A14B's
+    ``transformer_2``."""
+    names = {id(m): n for n, m in backbone.named_children()}
+    return [(names[id(net)], net) for net in backbone.networks]
 
 
 def _save_transformer(backbone: str, config, state: dict[str, torch.Tensor], out: Path) -> None:

@@ -90,6 +90,12 @@ class Backbone(nn.Module):
         """Channels C of the unpacked latent the model predicts."""
         return self.transformer.config.in_channels // 4
 
+    @property
+    def networks(self) -> tuple[nn.Module, ...]:
+        """The transformers the velocity is made of, each adapted, checkpointed and sharded alike
+        (``jagg.scale.placement``): this one; Wan2.2-A14B's two experts (``WanBackbone``)."""
+        return (self.transformer,)
+
     def velocity(self, z: Tensor, t: Tensor | float, cond: TextCond) -> Tensor:
         """Model output v(z, t | cond) in z's layout (B, C, H, W). ``t`` is sigma in [0, 1], scalar or (B,).
 

@@ -96,6 +96,11 @@ class WanBackbone(Backbone):
         return self.transformer.config.in_channels  # unpacked: the transformer patchifies
 
     @property
+    def networks(self) -> tuple[WanTransformer3DModel, ...]:
+        """The high-noise expert, and the low-noise one where there are two."""
+        return (self.transformer,) if self.transformer_2 is None else (self.transformer, self.transformer_2)
+
+    @property
     def expert_boundaries(self) -> tuple[float, ...]:
         """The sigmas at which the velocity switches network (sigma >= b: the high-noise side); () for one."""
         return () if self.boundary_ratio is None else (self.boundary_ratio,)

@@ -9,6 +9,8 @@ Numbers only: nothing here reads weights or reaches the hub.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # transformer/config.json of the paper's models (diffusers layout), for dry runs without the files.
@@ -51,8 +53,64 @@ KNOWN_CONFIGS = {
         dual_attention_layers=tuple(range(13)),
         qk_norm="rms_norm",
     ),
+    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json, 1.42B parameters (the other Wan models: KNOWN_WAN)
+    "wan": dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=8960,
+        num_layers=30,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    ),
 }
-VAE_SCALE = 8  # pixels per latent cell for both real VAEs
+VAE_SCALE = 8  # pixels per latent cell for both real VAEs (Wan2.2-TI2V-5B's: 16, ``KNOWN_WAN``)
+
+
+@dataclass(frozen=True)
+class WanModel:
+    """One published Wan pipeline as the plan needs it: the transformer config (``transformer/config.json``), its
+    experts (Wan2.2-A14B: two of the same config, ``boundary_ratio`` in model_index.json), its VAE (a key of
+    ``AUX_MODELS``) and that VAE's pixels per latent cell."""
+
+    config: dict
+    experts: int = 1
+    boundary_ratio: float | None = None  # sigma where the low-noise expert takes over (two experts)
+    vae: str = "wan_vae"
+    vae_scale: int = 8
+
+
+# The Wan pipelines by hub id (model.path); a local folder's own config.json wins (memory_model.transformer_config).
+# Numbers from the repos' config.json files (the 14B one as diffusers' WanTransformer3DModel defaults, which are it)
+KNOWN_WAN = {
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": WanModel(KNOWN_CONFIGS["wan"]),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": WanModel(  # 5.00B; expand_timesteps; the 48-channel Wan2.2 VAE, 16x
+        dict(KNOWN_CONFIGS["wan"], num_attention_heads=24, ffn_dim=14336, in_channels=48, out_channels=48),
+        vae="wan22_vae",
+        vae_scale=16,
+    ),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": WanModel(  # two experts of 14.29B each, boundary_ratio 0.875
+        dict(KNOWN_CONFIGS["wan"], num_attention_heads=40, ffn_dim=13824, num_layers=40),
+        experts=2,
+        boundary_ratio=0.875,
+    ),
+}
+
+
+def known_wan(path: str | None) -> WanModel:
+    """The published Wan pipeline ``model.path`` names (its hub id, or a folder named like one), else
+    Wan2.1-T2V-1.3B (the backbone's default id)."""
+    name = str(path or "").rstrip("/").rsplit("/", 1)[-1]
+    for repo, model in KNOWN_WAN.items():
+        if name == repo.rsplit("/", 1)[-1]:
+            return model
+    return KNOWN_WAN["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]
 
 
 # --------------------------------------------------------------------------- memory
@@ -96,6 +154,19 @@ QWEN25_VL_7B = dict(
     ),
     tie_word_embeddings=False,
 )
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json (its other values are AutoencoderKLWan's defaults)
+WAN22_VAE = dict(
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    is_residual=True,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+)
 FLUX_VAE = dict(
     down_block_types=["DownEncoderBlock2D"] * 4,
     up_block_types=["UpDecoderBlock2D"] * 4,
@@ -134,8 +205,12 @@ def _build_aux(name: str):
 
         vocab = QWEN2_VL_7B["text_config"]["vocab_size"]  # + <|Reward|>
         return hpsv3_model(tf.Qwen2VLConfig(**QWEN2_VL_7B), vocab, vocab + 1)
-    from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+    if name == "umt5_xxl":
+        return tf.UMT5EncoderModel(tf.UMT5Config(feed_forward_proj="gated-gelu", **UMT5_XXL))
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
+    if name in ("wan_vae", "wan22_vae"):  # Wan2.1's is AutoencoderKLWan's defaults
+        return AutoencoderKLWan(**(WAN22_VAE if name == "wan22_vae" else {}))
     return AutoencoderKL(**FLUX_VAE) if name == "flux_vae" else AutoencoderKLQwenImage()  # its defaults
 
 
@@ -164,6 +239,10 @@ AUX_MODELS = {  # name -> (description, published parameter count)
     "qwen25_vl_7b": ("Qwen2.5-VL-7B (with its vision tower)", 8.292e9),
     "flux_vae": ("FLUX.1-dev VAE", 83.8e6),
     "qwenimage_vae": ("Qwen-Image VAE", 126.9e6),
+    # UMT5-XXL's encoder as Wan's text_encoder (google/umt5-xxl), counted from the architecture
+    "umt5_xxl": ("UMT5-XXL encoder (Wan's text encoder)", 5.6809e9),
+    "wan_vae": ("Wan2.1 VAE (also Wan2.2-A14B's)", 126.9e6),
+    "wan22_vae": ("Wan2.2 VAE (TI2V-5B, 16x spatial), counted from vae/config.json", 704.7e6),
     "hpsv2": ("HPSv2.1: open_clip ViT-H-14", 986.1e6),
     "pickscore": ("PickScore: CLIP ViT-H-14", 986.1e6),
     "clipscore": ("CLIPScore: CLIP ViT-L/14", 427.6e6),
@@ -176,11 +255,15 @@ TEXT_ENCODERS = {
     "flux": ("t5_xxl", "clip_l_text"),
     "qwenimage": ("qwen25_vl_7b",),
     "sd3": ("t5_xxl", "clip_l_text", "clip_g_text"),
+    "wan": ("umt5_xxl",),
 }
 TRUE_CFG = ("qwenimage", "sd3")  # backbones whose model.true_cfg_scale > 1 doubles the transformer's work
 # ... in two calls per velocity (Qwen-Image's pipeline); SD3 batches the negative prompt into one call of 2B rows
 # (SD3Backbone, as StableDiffusion3Pipeline and Flow-GRPO): one all-gather per step, no gradient held between calls
 CFG_TWO_CALLS = ("qwenimage",)
+# Wan's true CFG: the unconditional call runs without autograd (WanBackbone), so it doubles neither activations nor
+# held gradients, only the calls (and FSDP2's all-gathers) of every velocity
+CFG_NO_GRAD_CALL = ("wan",)
 _aux_cache: dict[str, int] = {}
 _largest_cache: dict[str, int] = {}
 

@@ -41,12 +41,13 @@ COLLECTIVES = (
 )
 
 
-def transformer_blocks(transformer: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a diffusers DiT: Flux double + single stream, Qwen-Image / SD3 joint blocks."""
+def transformer_blocks(transformer: nn.Module, strict: bool = True) -> list[nn.Module]:
+    """The repeated blocks of a diffusers DiT: Flux double + single stream, Qwen-Image / SD3 joint blocks, Wan's
+    ``blocks``. ``strict``: a model without any is an error (else [])."""
     blocks: list[nn.Module] = []
-    for attr in ("transformer_blocks", "single_transformer_blocks"):
+    for attr in ("transformer_blocks", "single_transformer_blocks", "blocks"):
         blocks.extend(getattr(transformer, attr, None) or [])
-    if not blocks:
+    if not blocks and strict:
         raise ValueError(f"{type(transformer).__name__} has no transformer_blocks to shard")
     return blocks
 
@@ -59,7 +60,8 @@ def shard_backbone(
     mp_policy=None,
     shard_frozen: bool = True,
 ) -> nn.Module:
-    """``fully_shard`` each block of ``backbone.transformer`` and then the transformer (root), in place.
+    """``fully_shard`` each block of ``backbone.transformer`` and then the transformer (root), in place; the
+    same for each of ``backbone.networks`` where there are several (Wan2.2-A14B's two experts).
 
     ``mesh``: a 1-D device mesh (default: all ranks, ``init_device_mesh(device_type, (world_size,))``).
     ``mp_policy``: e.g. ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
@@ -77,20 +79,25 @@ def shard_backbone(
     kw = dict(
         mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy or MixedPrecisionPolicy()
     )
-    transformer = backbone.transformer
-    if not shard_frozen:  # parameters a child unit manages are left out of the root's anyway
-        kw["ignored_params"] = {p for p in transformer.parameters() if not p.requires_grad}
-    for block in transformer_blocks(transformer):
-        fully_shard(block, **kw)
-    fully_shard(transformer, **kw)
+    for transformer in _networks(backbone):  # Wan2.2-A14B: each expert its own blocks and root
+        if not shard_frozen:  # parameters a child unit manages are left out of the root's anyway
+            kw["ignored_params"] = {p for p in transformer.parameters() if not p.requires_grad}
+        for block in transformer_blocks(transformer):
+            fully_shard(block, **kw)
+        fully_shard(transformer, **kw)
     return backbone
+
+
+def _networks(backbone: nn.Module) -> tuple[nn.Module, ...]:
+    """``Backbone.networks`` (both Wan2.2-A14B experts), or the ``transformer`` of a bare module."""
+    return getattr(backbone, "networks", (backbone.transformer,))
 
 
 def fsdp_units(backbone: nn.Module) -> list[nn.Module]:
     """The ``fully_shard`` units (sharded groups) of a sharded backbone: blocks then root."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [m for m in backbone.transformer.modules() if isinstance(m, FSDPModule)]
+    return [m for net in _networks(backbone) for m in net.modules() if isinstance(m, FSDPModule)]
 
 
 def _largest_tensor_bytes(args: tuple) -> int:

@@ -11,7 +11,8 @@ wrapping see the same module tree. Apply LoRA *before* ``jagg.scale.distributed.
 (peft's ``PeftModel.save_pretrained`` layout, keys ``base_model.model.<module>.lora_A.weight``) for
 ``PeftModel.from_pretrained`` / ``set_peft_model_state_dict``, and ``pytorch_lora_weights.safetensors``
 (diffusers' ``save_lora_weights`` layout, keys ``transformer.<module>...`` plus the LoRA config as
-``lora_adapter_metadata``) for ``FluxPipeline`` / ``QwenImagePipeline.load_lora_weights`` and
+``lora_adapter_metadata``) for ``FluxPipeline`` / ``QwenImagePipeline`` / ``StableDiffusion3Pipeline`` /
+``WanPipeline.load_lora_weights`` and
 ``transformer.load_lora_adapter``.
 """
 
@@ -54,6 +55,7 @@ _CLASS_TO_BACKBONE = {
     "FluxTransformer2DModel": "flux",
     "QwenImageTransformer2DModel": "qwenimage",
     "SD3Transformer2DModel": "sd3",
+    "WanTransformer3DModel": "wan",
 }
 PEFT_CONFIG_NAME = "adapter_config.json"
 PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -205,12 +207,14 @@ def save_adapter(
             FluxLoraLoaderMixin,
             QwenImageLoraLoaderMixin,
             SD3LoraLoaderMixin,
+            WanLoraLoaderMixin,
         )
 
         mixins = {
             "flux": FluxLoraLoaderMixin,
             "qwenimage": QwenImageLoraLoaderMixin,
             "sd3": SD3LoraLoaderMixin,
+            "wan": WanLoraLoaderMixin,  # WanPipeline's; one transformer (the first expert of Wan2.2-A14B)
         }
         name = _CLASS_TO_BACKBONE.get(type(transformer).__name__)
         if name is None:

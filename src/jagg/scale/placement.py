@@ -26,7 +26,6 @@ import torch
 
 from jagg.config import Config
 from jagg.distributed import DistInfo
-from jagg.errors import ConfigError
 from jagg.models import Backbone
 from jagg.scale.distributed import broadcast_module, cast_parameters, shard_backbone, shard_from_rank0
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
@@ -71,7 +70,8 @@ def apply_run_lora(cfg: Config, backbone: Backbone) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
         targets = m.lora_targets or DEFAULT_TARGETS[m.backbone]
-        apply_lora(backbone, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets)
+        for network in backbone.networks:  # Wan2.2-A14B: both experts, one after the other from one seed
+            apply_lora(network, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets)
 
 
 def place_backbone(
@@ -85,16 +85,12 @@ def place_backbone(
     """LoRA (``model.lora_rank > 0``), gradient checkpointing, dtypes, device and, under several processes,
     FSDP2 sharding with rank 0's weights (module docstring). Returns (backbone, reference): ``reference`` asks
     for an unsharded frozen copy of the initial model on every rank (the KL reference; small models only)."""
-    if getattr(backbone, "transformer_2", None) is not None and (cfg.model.lora_rank > 0 or dist.enabled):
-        raise ConfigError(
-            "model.backbone=wan with two experts (Wan2.2-A14B): LoRA and FSDP2 sharding cover one transformer "
-            "so far; use model.lora_rank=0 on one process (issue 42)"
-        )
     trained, frozen = parameter_dtypes(cfg.train.precision, cfg.model.base_dtype)
     if cfg.model.lora_rank > 0:  # before sharding and before the optimizer sees the parameters
         apply_run_lora(cfg, backbone)
     if cfg.model.gradient_checkpointing:
-        backbone.transformer.enable_gradient_checkpointing()
+        for network in backbone.networks:
+            network.enable_gradient_checkpointing()
     ref = None
     if not dist.enabled:
         cast_parameters(backbone, trainable=trained, frozen=frozen, device=device)

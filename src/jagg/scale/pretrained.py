@@ -260,7 +260,7 @@ def pretrained_schedules(cfg: Config) -> tuple[torch.Tensor | None, torch.Tensor
     sched = load_scheduler_config(cfg.model.path or cfg.model.backbone)
     if cfg.model.backbone == "sd3":
         return sd3_sigmas(sched, s.num_steps), sd3_sigmas(sched, s.eval_num_steps)
-    seq_len = (s.latent_size // 2) ** 2
+    seq_len = (s.latent_size // 2) * ((s.latent_width or s.latent_size) // 2)
     return diffusers_sigmas(sched, s.num_steps, seq_len), diffusers_sigmas(sched, s.eval_num_steps, seq_len)
 
 
@@ -310,11 +310,13 @@ def precompute_embeddings(text, prompts: list[str], info: DistInfo) -> int:
 
 
 def latent_shape(cfg: Config, channels: int) -> tuple[int, ...]:
-    """(C, H, W) of one sample's latent, Wan's video (C, F, H, W) with F = ``sampling.latent_frames``."""
+    """(C, H, W) of one sample's latent, Wan's video (C, F, H, W) with F = ``sampling.latent_frames``; W is
+    ``sampling.latent_width`` where set (non-square), else H = ``sampling.latent_size``."""
     s = cfg.sampling
+    width = s.latent_width or s.latent_size
     if cfg.model.backbone == "wan":
-        return (channels, s.latent_frames, s.latent_size, s.latent_size)
-    return (channels, s.latent_size, s.latent_size)
+        return (channels, s.latent_frames, s.latent_size, width)
+    return (channels, s.latent_size, width)
 
 
 def build_pretrained_components(cfg: Config) -> Components:

@@ -88,6 +88,8 @@ class RepoFileSource:
 
 FLOW_GRPO = "yifan123/flow_grpo"
 FLOW_GRPO_COMMIT = "ac4c86e8cae021841f1fde853d340e0db67690dd"
+FLASH_GRPO = "Shredded-Pork/Flash-GRPO"
+FLASH_GRPO_COMMIT = "8cfc97330752136824b0fe40b445155aa63f54f9"
 
 PROMPT_DATASETS: dict[str, HubPromptSource | RepoFileSource] = {
     "hpdv2_train": HubPromptSource("ymhao/HPDv2", filename="train.json"),
@@ -109,6 +111,22 @@ PROMPT_DATASETS: dict[str, HubPromptSource | RepoFileSource] = {
         "dataset/pickscore/test.txt",
         sha256="d75c025fa451866e70f7e36243f7cdd93095523cb51f5f9651f2ce3236d20262",
         lines=2_048,
+    ),
+    # Flash-GRPO's video prompts (config/dgx.py wan2_1_flash: config.dataset = dataset/video, read by their
+    # TextPromptDataset in scripts/train_wanx2_1_flash.py): one prompt a line
+    "flashgrpo_video_train": RepoFileSource(
+        FLASH_GRPO,
+        FLASH_GRPO_COMMIT,
+        "dataset/video/train.txt",
+        sha256="610e16e6b0e8a30bbb1e75cf87413bf592fe491faa74d918d57d914d865e0016",
+        lines=19_700,
+    ),
+    "flashgrpo_video_test": RepoFileSource(
+        FLASH_GRPO,
+        FLASH_GRPO_COMMIT,
+        "dataset/video/test.txt",
+        sha256="96536b01ab2d091158118c4fd9f548950abce4fa5fa9a7f9ac2ebaae47776da5",
+        lines=300,
     ),
 }
 

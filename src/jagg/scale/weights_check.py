@@ -227,12 +227,26 @@ def model_specs(cfg: Config) -> list[Spec]:
             dtype=load_dtype(cfg, "transformer"),
         )
     ]
+    if m.backbone == "wan" and wan_experts(repo) > 1:  # Wan2.2-A14B's low-noise expert, the same class
+        second = dataclasses.replace(specs[0], what="wan transformer_2", subfolder="transformer_2")
+        specs.append(second)
     for sub, (library, _) in PIPELINE_PARTS[m.backbone].items():
         if not sub.startswith("tokenizer"):
             cls = part_class(m.backbone, sub)
             dtype = load_dtype(cfg, sub)
             specs.append(Spec(f"{m.backbone} {sub}", repo, sub, library, cls, key="model.path", dtype=dtype))
     return specs + reward_specs(cfg)
+
+
+def wan_experts(repo: str) -> int:
+    """Experts of the Wan pipeline at ``repo``: a local folder's model_index.json says (``transformer_2``), else the
+    published pipeline its id names (``jagg.scale.architectures.known_wan``: 2 for Wan2.2-T2V-A14B)."""
+    from jagg.scale.architectures import known_wan
+
+    index = Path(repo).expanduser() / "model_index.json"
+    if index.is_file():
+        return 2 if (json.loads(index.read_text()).get("transformer_2") or [None])[0] is not None else 1
+    return known_wan(repo).experts
 
 
 def reward_specs(cfg: Config) -> list[Spec]:
