@@ -37,8 +37,9 @@ smoke: $(STAMP) ## ~1 min: 2 GRPO iterations with JAGG on a random-init tiny Flu
 		log.run_dir=runs/smoke
 	@echo "smoke run: runs/smoke/metrics.jsonl, runs/smoke/samples/, runs/smoke/checkpoint/"
 
-test: $(STAMP) ## Run the test suite (creates .venv if missing)
-	$(PY) -m pytest -q
+TEST_WORKERS ?= 2  # pytest-xdist processes, one torch thread each: both cores of a 2-core machine
+test: $(STAMP) ## Run the test suite on TEST_WORKERS processes (creates .venv if missing)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-dist: $(STAMP) ## 2-process FSDP2 tests on CPU (gloo): group backward, trainer, torchrun CLI, checkpoints / loading / export
 	$(PY) -m pytest -q tests/test_dist_harness.py tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py
