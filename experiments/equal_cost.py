@@ -23,19 +23,34 @@ def budget_seconds(ec: dict) -> float:
 
 
 def evaluations(df, arm: str, metric: str):
-    """One row per (seed, evaluation) of ``arm``: the metric, the training seconds and the backward passes
-    spent up to it (the evaluation after iteration k has seen iterations 1..k)."""
+    """One row per (seed, evaluation) of ``arm``: the metric, the training seconds (``train_seconds``) and the
+    backward passes spent up to it (the evaluation after iteration k has seen iterations 1..k)."""
     runs = df[df.strategy == arm].sort_values(["seed", "iteration"])
     train = runs.dropna(subset=["backward_passes"]) if "backward_passes" in runs else runs.iloc[:0]
     passes = train.groupby("seed").backward_passes.cumsum()
+    seconds = train_seconds(train).groupby(train.seed).cumsum()
     out = runs.dropna(subset=[metric])[["seed", "iteration", metric]].copy()
     spent = {(int(s), int(i)): p for s, i, p in zip(train.seed, train.iteration, passes, strict=True)}
-    clock = {
-        (int(s), int(i)): c for s, i, c in zip(train.seed, train.iteration, train.wall_clock_s, strict=True)
-    }
+    clock = {(int(s), int(i)): c for s, i, c in zip(train.seed, train.iteration, seconds, strict=True)}
     out["passes"] = [spent.get((int(s), int(i)), 0.0) for s, i in zip(out.seed, out.iteration, strict=True)]
     out["seconds"] = [clock.get((int(s), int(i)), 0.0) for s, i in zip(out.seed, out.iteration, strict=True)]
     return out
+
+
+# the measuring plug-ins' own seconds, logged inside an iteration's time (fidelity's and landing's shadow exact
+# backward at their cadence): the same extra for every arm, which the budget (timed without them) leaves out
+INSTRUMENT_SECONDS = ("time_fidelity_s", "time_landing_s")
+
+
+def train_seconds(train):
+    """Each training row's seconds without the instruments': ``time_iteration_s`` less ``INSTRUMENT_SECONDS``
+    (the CSV's cumulative ``wall_clock_s`` differenced where the rows have no ``time_iteration_s``)."""
+    if "time_iteration_s" not in train:
+        return train.wall_clock_s.groupby(train.seed).diff().fillna(train.wall_clock_s)
+    t = train.time_iteration_s.copy()
+    for col in (c for c in INSTRUMENT_SECONDS if c in train):
+        t = t - train[col].fillna(0.0)
+    return t
 
 
 def crossing(points: list[tuple[float, float]], target: float) -> float:
@@ -94,7 +109,7 @@ def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
         f"Budget: {ec['budget_iterations']} iterations of {ref} at its recorded {secs[ref]:.2f} s = "
         f"{budget_seconds(ec):.0f} s of training per run. Each arm trains the whole iterations that fit at its own "
         "recorded seconds per iteration (the timing run's median, in the protocol). Measured: the training "
-        "seconds the runs logged (median over seeds; two runs share the 2 cores, so they differ from the "
+        "seconds the runs logged, less the instruments' own (fidelity, landing) (median over seeds; two runs share the 2 cores, so they differ from the "
         f"recorded ones) and the backward passes they spent. Time to {SHARE:.0%}: the training seconds after "
         f"which the arm's held-out value first reaches {SHARE:.0%} of {ref}'s final gain over the base model on "
         "the same seed (linear between evaluations), median over seeds (seeds that reached it / seeds).",

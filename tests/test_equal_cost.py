@@ -60,9 +60,13 @@ def test_every_arm_of_the_protocol_loads_with_its_budget():
 
 
 def test_runs_are_refused_until_the_timing_is_recorded(tmp_path, capsys):
+    proto = yaml.safe_load(PROTOCOL.read_text())  # the protocol as it stood at stage 1
+    proto["recipes"]["every_step"]["equal_cost"]["seconds_per_iteration"] = {"exact": 16.0}
+    stage1 = tmp_path / PROTOCOL.name
+    stage1.write_text(yaml.safe_dump(proto))
     with pytest.raises(SystemExit) as e:
         curves.main(
-            ["--protocol", str(PROTOCOL), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "r")]
+            ["--protocol", str(stage1), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "r")]
         )
     assert e.value.code == 2
     assert "seconds_per_iteration does not record every arm" in capsys.readouterr().err
@@ -178,3 +182,15 @@ def test_the_summary_of_an_equal_cost_recipe_has_its_table_and_figure(tmp_path):
     assert "40 s of training per run" in "\n".join(lines)
     ec.plot("every_step", df, view, tmp_path / "f.png", {"git_sha": "abc", "hardware": "cpu"})
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_training_clock_leaves_out_the_instruments_seconds():
+    """The budget was timed without fidelity and landing; their shadow exact backward (logged inside an
+    iteration's time) is not charged to the arm."""
+    df, _, ec = equal_cost_frame()
+    train = df.backward_passes.notna() & (df.strategy == "knots4")
+    df.loc[train, "time_iteration_s"] = 6.5
+    df.loc[train, "time_fidelity_s"] = 1.0
+    df.loc[train & (df.iteration == 4), "time_landing_s"] = 0.5
+    s1 = ec.evaluations(df, "knots4", "eval_pref_mean").query("seed == 1")
+    assert list(s1.seconds) == [0.0, 4 * 5.5 - 0.5, 8 * 5.5 - 0.5]
