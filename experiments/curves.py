@@ -138,15 +138,21 @@ def equal_cost_overrides(ec: dict, arm: str) -> list[str]:
     """An arm's share of an equal budget (issue 39): the budget is ``budget_iterations`` of the ``budget_arm``
     at its measured seconds per training iteration (``seconds_per_iteration``: the timing run's medians,
     recorded in the protocol before the runs); each arm trains as many whole iterations as fit in it and is
-    evaluated after the same ``evaluations`` fractions of it (rounded to iterations), checkpointed at each."""
+    evaluated after the same ``evaluations`` fractions of it (rounded to iterations), checkpointed at each.
+    With ``instruments_per_evaluation`` the measuring plug-ins (fidelity, landing) fire at the checkpoint
+    cadence too: a fixed iteration cadence would measure an arm of 80 iterations 20 times and exact 6, spending
+    most of a cheap arm's run on measurement (they change nothing in training: tests/test_fidelity.py)."""
     secs = ec["seconds_per_iteration"]
     n = int(ec["budget_iterations"] * secs[ec["budget_arm"]] // secs[arm])
     at = sorted({round(n * k / ec["evaluations"]) for k in range(ec["evaluations"] + 1)})
+    every = max(1, round(n / ec["evaluations"]))
+    cadence = [f"log.fidelity_every={every}"] if ec.get("instruments_per_evaluation") else []
     return [
         f"train.iterations={n}",
         "log.eval_every=0",
         f"log.eval_at=[{','.join(map(str, at))}]",
-        f"log.checkpoint_every={max(1, round(n / ec['evaluations']))}",
+        f"log.checkpoint_every={every}",
+        *cadence,
     ]
 
 

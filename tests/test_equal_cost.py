@@ -37,6 +37,17 @@ def test_each_arm_trains_the_whole_iterations_that_fit_in_the_budget(arm):
     assert "log.eval_every=0" in o
 
 
+@pytest.mark.parametrize("arm", list(SECONDS))
+def test_instruments_fire_about_as_often_in_every_arm(arm):
+    """With ``instruments_per_evaluation`` the fidelity / landing cadence is the checkpoint cadence, so every
+    arm is measured 6 or 7 times in its budget (iteration 0 included), however many iterations it runs."""
+    o = curves.equal_cost_overrides({**EC, "instruments_per_evaluation": True}, arm)
+    every = int(next(x for x in o if x.startswith("log.fidelity_every=")).split("=")[1])
+    n = iterations_of(o)
+    assert f"log.checkpoint_every={every}" in o and len(range(0, n, every)) in (6, 7)
+    assert not any(x.startswith("log.fidelity_every") for x in curves.equal_cost_overrides(EC, arm))
+
+
 def test_the_reference_runs_its_own_budget_and_a_cheaper_arm_more_iterations():
     assert iterations_of(curves.equal_cost_overrides(EC, "exact")) == 24
     assert iterations_of(curves.equal_cost_overrides(EC, "knots4")) == 42  # 336 s / 8 s
