@@ -92,8 +92,9 @@ table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoint
 cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact), and t- vs index weights on contiguous vs sorted-subset groups (the authors' recipe) -> results/cosine{,_authors}.csv, cosine.md, paper_figures/cosine_*.png
 	$(PY) experiments/cosine.py
 
-knots: $(STAMP) pretrain ## Shared knots vs JAGG groups: cosine to exact vs backward passes per sample (both world backbones, full trajectory / DanceGRPO 12 of 20 / the authors' blocks), full-trajectory timing (~35 min) -> results/knots{,_time}.csv, knots.md, paper_figures/knots_cosine.png
+knots: $(STAMP) pretrain ## Shared knots vs JAGG groups: cosine to exact vs backward passes per sample (both world backbones, full trajectory / DanceGRPO 12 of 20 / the authors' blocks), full-trajectory timing (~35 min); the video world's Wan at T = 10 / 20 -> results/knots{,_time,_video}.csv, knots{,_video}.md, paper_figures/knots_cosine{,_video}.png
 	$(PY) experiments/knots.py
+	$(PY) experiments/knots.py --video
 
 routing: $(STAMP) pretrain ## What backward.jagg_frac/group_size=auto choose per world backbone x algorithm, timed vs jagg_frac 0.6 -> results/routing.{csv,md}
 	$(PY) experiments/routing.py

@@ -9,11 +9,15 @@ rollout of the pair, then judged on this one). Structures:
     full         all 20 usable steps trained;
     dancegrpo    DanceGRPO's random 12 of the 20 per sample, sorted (the groups / knots lie among them);
     authors      the JAGG authors' 3 random whole blocks of 4 consecutive steps (5 blocks of 4).
+Section 1b (video, ``--video``). The same on the video world's tiny Wan (configs/world/wan_video.yaml, moving-shape
+clips of 4 frames), every step trained at T = 10 and T = 20 (an 11- and a 21-step schedule), JAGG W = 2..5 and
+knots K = 2..5, the plain loss on the video preference reward -> results/knots_video.csv, knots_video.md,
+paper_figures/knots_cosine_video.png (its update and iteration time: ``table1.py --only video``).
 Section 2 (time). Full trajectory (``algorithm.timestep_fraction=1.0``: all 20 steps trained): exact, JAGG W = 4
 and knots K = 4 / 6 (low_noise), interleaved on the same rollouts (``jagg.loop.timing.time_settings``), with
 each phase's median seconds and the iteration / update relative to the rollout.
 
-    python experiments/knots.py [--quick] [--rollouts 2] [--iterations 4]
+    python experiments/knots.py [--quick] [--rollouts 2] [--iterations 4] [--video]
     -> results/knots.csv, results/knots_time.csv, results/knots.md, paper_figures/knots_cosine.png
 """
 
@@ -23,6 +27,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +65,50 @@ PINNED = [  # the gradient-geometry loss (as make cosine pins it), a 21-step sch
     "train.grad_accum=1",
 ]
 QUICK = [*TINY_RUN, "sampling.num_steps=7", "sampling.eval_num_steps=7", "train.train_batch_size=4"]
+IMAGE_CONFIG = "configs/world/flux_dancegrpo.yaml"
+VIDEO_CONFIG = "configs/world/wan_video.yaml"
+VIDEO_STEPS = (10, 20)  # trained steps: every usable step of an 11- and a 21-step schedule
+VIDEO_GROUP_SIZES = VIDEO_KNOT_COUNTS = (2, 3, 4, 5)
+# the plain loss scores clips with the video preference reward (the image rewards cannot score clips); quick: the
+# weight-free temporal term on the tiny random-init Wan, 5 and 7 steps (4 and 6 trained)
+VIDEO_REWARD = ["reward.weights={video_pref: 1.0}", "reward.eval=[video_pref]"]
+VIDEO_QUICK = ["reward.weights={temporal: 1.0}", "reward.eval=[temporal]"]
+VIDEO_QUICK_STEPS = (4, 6)
+
+
+class Study(NamedTuple):
+    """One panel of the cosine section: a backbone's config and overrides, a step structure, the plan sizes."""
+
+    backbone: str
+    structure: str
+    config: str
+    overrides: list[str]
+    group_sizes: tuple[int, ...] = GROUP_SIZES
+    knot_counts: tuple[int, ...] = KNOT_COUNTS
+
+
+def image_studies(args) -> list[Study]:
+    return [
+        Study(b, s, IMAGE_CONFIG, [f"model.backbone={b}", *args.overrides])
+        for b in args.backbones
+        for s in args.structures
+    ]
+
+
+def video_studies(args) -> list[Study]:
+    """Every step of the video world trained, at each of ``VIDEO_STEPS`` (``VIDEO_QUICK_STEPS`` when quick)."""
+    steps, reward = (VIDEO_QUICK_STEPS, VIDEO_QUICK) if args.quick else (VIDEO_STEPS, VIDEO_REWARD)
+    return [
+        Study(
+            "wan",
+            "full",
+            VIDEO_CONFIG,
+            [*args.overrides, *reward, f"sampling.num_steps={t + 1}", f"sampling.eval_num_steps={t + 1}"],
+            VIDEO_GROUP_SIZES,
+            VIDEO_KNOT_COUNTS,
+        )
+        for t in steps
+    ]
 
 
 def trained_steps(structure: str, trainer: Trainer, n: int, index: int) -> torch.Tensor:
@@ -78,23 +127,24 @@ def trained_steps(structure: str, trainer: Trainer, n: int, index: int) -> torch
     return torch.stack([(b[:, None] * w + torch.arange(w)).flatten() for b in blocks])
 
 
-def plans(sigma: torch.Tensor, t: int) -> dict[str, tuple[str, int, Routing | Knots]]:
+def plans(study: Study, t: int) -> dict[str, tuple[str, int, Routing | Knots]]:
     """label -> (rule, size, routing) for every fixed plan of T steps (groups of W, knots of every rule)."""
     out = {}
     for s in GROUP_STRATEGIES:
-        for w in GROUP_SIZES:
+        for w in study.group_sizes:
             if w <= t:
                 out[f"{s}/W{w}"] = (s, w, Routing(strategy=s, group_size=w, jagg_frac=1.0))
-    for k in KNOT_COUNTS:
+    for k in study.knot_counts:
         if k <= t:
             for rule in PLACEMENTS:
                 out[f"knots_{rule}/K{k}"] = (f"knots_{rule}", k, Knots(count=k, placement=rule))
     return out
 
 
-def measure(backbone: str, structure: str, args, progress: ProgressETA) -> tuple[list[dict], dict]:
-    """Rows (one per rollout x plan) of one backbone and structure, and the resolved config."""
-    cfg = load_config("configs/world/flux_dancegrpo.yaml", [f"model.backbone={backbone}", *args.overrides])
+def measure(study: Study, args, progress: ProgressETA) -> tuple[list[dict], dict]:
+    """Rows (one per rollout x plan) of one study, and the resolved config."""
+    backbone, structure = study.backbone, study.structure
+    cfg = load_config(study.config, study.overrides)
     comp = dataclasses.replace(build_components(cfg), train_prompts=build_components(cfg).eval_prompts)
     trainer = Trainer(cfg, comp, run_dir=Path("runs/knots"))
     b = cfg.train.train_batch_size
@@ -107,11 +157,11 @@ def measure(backbone: str, structure: str, args, progress: ProgressETA) -> tuple
     rows = []
     for r, (velocity, loss) in enumerate(losses):
         t = loss.x.shape[0]
-        compared = plans(loss.sigma, t)
+        compared = plans(study, t)
         cal_velocity, cal = losses[
             (r + 1) % len(losses)
         ]  # the measured placement comes from the OTHER rollout
-        for k in (k for k in KNOT_COUNTS if k <= t):
+        for k in (k for k in study.knot_counts if k <= t):
             chosen = calibrate_knots(
                 cal_velocity,
                 cal.x,
@@ -143,7 +193,7 @@ def measure(backbone: str, structure: str, args, progress: ProgressETA) -> tuple
                     rel_err=cosines[name][1],
                 )
             )
-        progress.step(f"{backbone} {structure} rollout {r}")
+        progress.step(f"{backbone} {structure} T={t} rollout {r}")
     return rows, cfg.to_dict()
 
 
@@ -200,12 +250,13 @@ def summary(df, timing) -> str:
     lines = ["## Cosine to exact at equal backward passes per sample (mean over rollouts)", ""]
     rules = ["knots_index", "knots_time", "knots_low_noise", "knots_auto"]
     table = []
-    for (backbone, structure), g in df.groupby(["backbone", "structure"], sort=False):
+    for (backbone, structure, _), g in df.groupby(["backbone", "structure", "T"], sort=False):
         for passes in sorted(set(g[g.rule == "jagg"].backward_passes)):
             jagg = best_at(g, "jagg", passes)
             row = {
                 "backbone": backbone,
                 "structure": structure,
+                "T": int(g["T"].iloc[0]),
                 "passes": passes,
                 "JAGG (best W)": f"{jagg:.4f}",
             }
@@ -243,13 +294,14 @@ def render(csv: Path, figure: Path) -> None:
 
     df = pd.read_csv(csv)
     meta = json.loads(csv.with_suffix(".meta.json").read_text())
-    timing_csv = csv.with_name("knots_time.csv")
+    timing_csv = csv.with_name(csv.stem.replace("knots", "knots_time") + ".csv")
     timing = pd.read_csv(timing_csv) if timing_csv.is_file() else None
     atomic_write_text(csv.with_suffix(".md"), summary(df, timing))
-    panels = list(df.groupby(["backbone", "structure"], sort=False))
-    n_cols = df.structure.nunique()
-    fig, axes = plt.subplots(-(-len(panels) // n_cols), n_cols, figsize=(13, 7), squeeze=False, sharey=True)
-    for ax, ((backbone, structure), g) in zip(axes.flat, panels):
+    panels = list(df.groupby(["backbone", "structure", "T"], sort=False))
+    n_cols = max(df.structure.nunique(), df.groupby(["backbone", "structure"])["T"].nunique().max())
+    rows = -(-len(panels) // n_cols)
+    fig, axes = plt.subplots(rows, n_cols, figsize=(4.4 * n_cols, 3.5 * rows), squeeze=False, sharey=True)
+    for ax, ((backbone, structure, _), g) in zip(axes.flat, panels):
         for rule, style in [
             ("jagg", "o-"),
             ("endpoints", "x:"),
@@ -279,8 +331,11 @@ def render(csv: Path, figure: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results/knots.csv")
-    ap.add_argument("--figure", default="paper_figures/knots_cosine.png")
+    ap.add_argument("--out", help="default results/knots.csv (--video: results/knots_video.csv)")
+    ap.add_argument(
+        "--figure", help="default paper_figures/knots_cosine.png (--video: knots_cosine_video.png)"
+    )
+    ap.add_argument("--video", action="store_true", help="the video world's Wan, T = 10 and 20 (no timing)")
     ap.add_argument("--rollouts", type=int, default=2)
     ap.add_argument("--iterations", type=int, default=4, help="timed full-trajectory iterations per backbone")
     ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
@@ -290,11 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     set_threads(1)
     args.overrides = PINNED + (QUICK if args.quick else [])
-    out = Path(args.out)
+    suffix = "_video" if args.video else ""
+    out = Path(args.out or f"results/knots{suffix}.csv")
+    figure = Path(args.figure or f"paper_figures/knots_cosine{suffix}.png")
+    studies = video_studies(args) if args.video else image_studies(args)
+    timed = [] if args.video else args.backbones
     if not args.render_only:
-        eta = ProgressETA(
-            len(args.backbones) * (len(args.structures) * args.rollouts + args.iterations), "knots"
-        )
+        eta = ProgressETA(len(studies) * args.rollouts + len(timed) * args.iterations, "knots")
         # recorded before the runs: the commit the measured code came from, not the one at write time
         meta = run_metadata(
             command=command_line("experiments/knots.py", argv),
@@ -303,16 +360,18 @@ def main(argv: list[str] | None = None) -> None:
             overrides=args.overrides,
         )
         rows, timing, configs = [], [], {}
-        for backbone in args.backbones:
-            for structure in args.structures:
-                new, configs[f"{backbone}/{structure}"] = measure(backbone, structure, args, eta)
-                rows += new
+        for study in studies:
+            new, cfg = measure(study, args, eta)
+            configs[f"{study.backbone}/{study.structure}/T{new[0]['T']}"] = cfg
+            rows += new
+        for backbone in timed:
             new, configs[f"{backbone}/time"] = time_full_trajectory(backbone, args, eta)
             timing += new
         meta["train_configs"] = configs
-        write_table(timing, out.with_name("knots_time.csv"), meta)
+        if timed:
+            write_table(timing, out.with_name("knots_time.csv"), meta)
         write_table(rows, out, meta)
-    render(out, Path(args.figure))
+    render(out, figure)
     print(out.with_suffix(".md").read_text())
 
 

@@ -293,6 +293,28 @@ def test_knots_quick(tmp_path):
     assert out.with_suffix(".md").read_text() == md  # the summary is a function of the CSVs
 
 
+def test_knots_video_quick(tmp_path):
+    """The video section on a tiny random-init Wan: every usable step trained at two schedule lengths, JAGG W
+    and knots K = 2..5 within T, the cosines exact where the theory says so (one group of 2, every step a
+    knot), K passes for K knots, one panel per T, and no timing CSV (Table 1's video section times it)."""
+    out = tmp_path / "results" / "knots_video.csv"
+    figure = tmp_path / "figs" / "knots_cosine_video.png"
+    knots.main(["--quick", "--video", "--out", str(out), "--figure", str(figure), "--rollouts", "2"])
+    df = pd.read_csv(out)
+    assert set(df.backbone) == {"wan"} and set(df.structure) == {"full"}
+    assert set(df["T"]) == set(knots.VIDEO_QUICK_STEPS)
+    assert set(df[df.rule == "jagg"]["size"]) == {2, 3, 4, 5}
+    assert (df[(df.rule == "jagg") & (df["size"] == 2)].cosine > 1 - 1e-6).all()
+    every = df[df.rule.str.startswith("knots") & (df["size"] == df["T"])]
+    assert len(every) and (every.cosine > 1 - 1e-6).all()
+    knot_rows = df[df.rule.str.startswith("knots")]
+    assert (knot_rows.backward_passes == knot_rows["size"]).all()
+    assert (df[df.rule == "jagg"].cosine < 1 - 1e-9).any()
+    assert not out.with_name("knots_time_video.csv").exists() and figure.is_file()
+    assert "| wan | full | 6 |" in out.with_suffix(".md").read_text()
+    _meta_ok(out)
+
+
 def test_figures_regenerate_from_results_alone(quick):
     for driver in DRIVERS:
         res, figs = quick(driver)
