@@ -86,7 +86,7 @@ clean: ## Remove caches and run directories (keeps .venv and results/)
 theorem: $(STAMP) ## Theorem 1 numerically: JAGG error vs nonlinearity, curvature, W -> results/theorem1.csv, paper_figures/theorem1.png
 	$(PY) experiments/theorem1.py
 
-table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoints, 2 backbones x 2 algorithms, the JAGG authors' recipe side by side, where practitioners train (MixGRPO, full trajectory with knots, Fast window of 2), and SD3.5-M's Flow-GRPO recipe on a tiny random-init SD3 -> results/table1{,_authors,_practitioners,_sd3}.csv, table1.{md,tex}
+table1: $(STAMP) pretrain ## Wall-clock per iteration, exact vs JAGG vs endpoints, 2 backbones x 2 algorithms, the JAGG authors' recipe side by side, where practitioners train (MixGRPO, full trajectory with knots, Fast window of 2), and SD3.5-M's Flow-GRPO recipe on a tiny random-init SD3, and the video world's Wan with every step trained (T = 10 / 20) -> results/table1{,_authors,_practitioners,_sd3,_video}.csv, table1.{md,tex}
 	$(PY) experiments/table1.py --scale $(SCALE)
 
 cosine: $(STAMP) pretrain ## Gradient quality per group: cosine(JAGG, exact), and t- vs index weights on contiguous vs sorted-subset groups (the authors' recipe) -> results/cosine{,_authors}.csv, cosine.md, paper_figures/cosine_*.png

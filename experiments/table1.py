@@ -20,10 +20,14 @@ A fourth times SD3.5-M's Flow-GRPO recipe (configs/paper/sd3/sd35m_flowgrpo.yaml
 tiny random-init SD3 pipeline of the real classes (the world has no SD3 backbone; ``jagg.loop.timing.SD3_TIMING``
 says what is kept and what changed), at every scale.
 
+A fifth (world scale) times the video world's tiny Wan with every step trained, T = 10 and 20: exact, JAGG and
+shared knots (``VIDEO``).
+
     python experiments/table1.py [--scale world|paper] [--iterations N] [--quick]
-                                 [--only paper|authors|practitioners|sd3]
+                                 [--only paper|authors|practitioners|sd3|video]
     -> results/table1.csv, results/table1.md, results/table1.tex, results/table1_sweep.csv,
-       results/table1_authors.csv, results/table1_practitioners.csv / .md, results/table1_sd3.csv
+       results/table1_authors.csv, results/table1_practitioners.csv / .md, results/table1_sd3.csv,
+       results/table1_video.csv / .md
        (``--only X`` re-runs that section alone and re-renders the rest from their CSVs)
 """
 
@@ -43,7 +47,7 @@ from jagg.common import (
     set_threads,
     write_table,
 )
-from jagg.config import load_config
+from jagg.config import TINY_RUN, load_config
 from jagg.engine.knots import Knots
 from jagg.engine.profiling import SavedActivationMeter
 from jagg.engine.routing import BackwardSetting, GroupCost, Routing
@@ -476,12 +480,12 @@ PRACTITIONERS = [
 BASELINE_TODAY = "DanceGRPO, 12 of 20"
 
 
-def _practitioners_section(args, argv, eta) -> None:
-    """Each setup of ``PRACTITIONERS`` with its settings interleaved on the same rollouts (world scale only)
-    -> table1_practitioners.csv / .md: medians of rollout, update and iteration, backward passes per sample."""
+def _timed_setups(setups: list[tuple], args, eta, quick: list[str]) -> tuple[list[dict], object]:
+    """Each (name, world config, overrides, routings) setup with its settings interleaved on its own rollouts:
+    medians of rollout, update and iteration, backward passes per sample (checked against the cost model), and
+    update / iteration relative to the setup's exact row. Returns the rows and the last setup's config."""
     rows, cfg = [], None
-    for name, config, overrides, routings in PRACTITIONERS:
-        quick = [*QUICK, "sampling.num_steps=9", "sampling.eval_num_steps=9"] if args.quick else []
+    for name, config, overrides, routings in setups:
         cfg = load_config(
             f"configs/world/{config}.yaml", [*AUTHORS_BATCH, *overrides, *quick, *args.overrides]
         )
@@ -511,14 +515,71 @@ def _practitioners_section(args, argv, eta) -> None:
             )
     for r in rows:
         exact = next(x for x in rows if x["setup"] == r["setup"] and x["setting"] == "exact")
-        today = next(x for x in rows if x["setup"] == BASELINE_TODAY)
         r["update_vs_exact"] = r["update_s"] / exact["update_s"]
         r["iter_vs_exact"] = r["iter_s"] / exact["iter_s"]
+    return rows, cfg
+
+
+def _practitioners_section(args, argv, eta) -> None:
+    """Each setup of ``PRACTITIONERS`` (world scale only) -> table1_practitioners.csv / .md, with each row's
+    iteration relative to DanceGRPO's 12 of 20 exact steps, what a user runs today."""
+    quick = [*QUICK, "sampling.num_steps=9", "sampling.eval_num_steps=9"] if args.quick else []
+    rows, cfg = _timed_setups(PRACTITIONERS, args, eta, quick)
+    today = next(x for x in rows if x["setup"] == BASELINE_TODAY)
+    for r in rows:
         r["iter_vs_dancegrpo_12_of_20"] = r["iter_s"] / today["iter_s"]
     out = Path(args.out).with_name("table1_practitioners.csv")
     meta = _meta(args, argv, cfg)
     write_table(rows, out, meta)
     atomic_write_text(out.with_suffix(".md"), practitioners_markdown(rows, meta))
+
+
+# --------------------------------------------------------------------------- video (issue 42)
+# The video world's tiny Wan (configs/world/wan_video.yaml: moving-shape clips, 4 frames of 16 x 16) with every
+# step trained, at T = 10 and T = 20 (an 11- and a 21-step schedule), the world setups' batch without KL (as every
+# timed setup here). JAGG's W and the knots' K are the video cosine study's (make knots: results/knots_video.md).
+def _video_setups(t: int, routings: list) -> tuple:
+    steps = [
+        f"sampling.num_steps={t + 1}",
+        f"sampling.eval_num_steps={t + 1}",
+        "algorithm.timestep_fraction=1.0",
+    ]
+    return (f"video, {t} of {t} steps", "wan_video", steps, routings)
+
+
+VIDEO = [
+    _video_setups(
+        10,
+        [
+            Routing(strategy="exact", group_size=2),
+            Routing(strategy="jagg", group_size=5, jagg_frac=1.0),
+            Knots(count=3, placement="low_noise"),
+        ],
+    ),
+    _video_setups(
+        20,
+        [
+            Routing(strategy="exact", group_size=2),
+            Routing(strategy="jagg", group_size=4, jagg_frac=1.0),
+            Knots(count=3, placement="low_noise"),
+            Knots(count=4, placement="low_noise"),
+        ],
+    ),
+]
+# quick: the tiny random-init Wan scored by the weight-free temporal term, the schedules cut to 5 and 7 steps
+VIDEO_QUICK = [*TINY_RUN, "reward.weights={temporal: 1.0}", "reward.eval=[temporal]"]
+
+
+def _video_section(args, argv, eta) -> None:
+    """The ``VIDEO`` setups (world scale only) -> table1_video.csv / .md."""
+    setups = VIDEO
+    if args.quick:  # 4 and 6 trained steps (every plan still fits: K <= 4)
+        setups = [_video_setups(t, routings) for t, (*_, routings) in zip((4, 6), VIDEO, strict=True)]
+    rows, cfg = _timed_setups(setups, args, eta, VIDEO_QUICK if args.quick else [])
+    out = Path(args.out).with_name("table1_video.csv")
+    meta = _meta(args, argv, cfg)
+    write_table(rows, out, meta)
+    atomic_write_text(out.with_suffix(".md"), video_markdown(rows, meta))
 
 
 def practitioners_markdown(rows: list[dict], meta: dict) -> str:
@@ -546,6 +607,39 @@ def practitioners_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(head + lines) + "\n"
 
 
+def video_markdown(rows: list[dict], meta: dict) -> str:
+    """The video section: each setup's rows with update and iteration relative to its exact row."""
+    cols = [
+        ("setup", "setup"),
+        ("setting", "backward"),
+        ("T", "trained steps"),
+        ("bwd_per_sample", "bwd passes / sample"),
+        ("rollout_s", "rollout s"),
+        ("update_s", "update s"),
+        ("iter_s", "iteration s"),
+        ("update_vs_exact", "update / exact"),
+        ("iter_vs_exact", "iteration / exact"),
+    ]
+    t = meta["config"]["train"]
+    head = [
+        "## Table 1, video: the video world's tiny Wan, every step trained (medians; each setup's settings "
+        "interleaved on its own rollouts)",
+        "",
+        f"{_provenance(meta)} Command: `{meta['command']}`",
+        "",
+        "configs/world/wan_video.yaml (WanTransformer3DModel, 752k parameters, clips of 4 frames of 16 x 16 in "
+        f"pixel space), {t['prompts_per_iter']} prompts x {t['images_per_prompt']} clips per iteration in "
+        f"micro-batches of {t['train_batch_size']}, no KL (as every timed setup). Knots K = 3 over T = 10 is "
+        "the issue's goal: at most 0.5x exact's update at a gradient cosine of at least 0.97 "
+        "(results/knots_video.md).",
+        "",
+    ]
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k, _ in cols) + " |" for r in rows]
+    return "\n".join(head + lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", default="world", choices=["world", "paper"])
@@ -556,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny random-init models, seconds (tests)")
     ap.add_argument(
         "--only",
-        choices=["paper", "authors", "practitioners", "sd3"],
+        choices=["paper", "authors", "practitioners", "sd3", "video"],
         help="run one section (the other's CSV, if there, is kept and re-rendered)",
     )
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every setup")
@@ -566,12 +660,13 @@ def main(argv: list[str] | None = None) -> None:
         args.iterations, args.sweep_iterations = 2, 1
     paper_steps = len(SETUPS) * args.iterations + args.sweep_iterations
     authors_steps = len(AUTHORS_SETUPS) * args.iterations
-    practitioners_steps = len(PRACTITIONERS) * args.iterations if args.scale == "world" else 0
+    world = args.scale == "world"
     sections = {
         "paper": paper_steps,
         "authors": authors_steps,
-        "practitioners": practitioners_steps,
+        "practitioners": len(PRACTITIONERS) * args.iterations if world else 0,
         "sd3": args.iterations,
+        "video": len(VIDEO) * args.iterations if world else 0,
     }
     steps = sections.get(args.only, sum(sections.values()))
     eta = ProgressETA(steps, "table1")
@@ -579,10 +674,12 @@ def main(argv: list[str] | None = None) -> None:
         _paper_section(args, argv, eta)
     if args.only in (None, "authors"):
         _authors_section(args, argv, eta)
-    if args.only in (None, "practitioners") and args.scale == "world":
+    if args.only in (None, "practitioners") and world:
         _practitioners_section(args, argv, eta)
     if args.only in (None, "sd3"):
         _sd3_section(args, argv, eta)
+    if args.only in (None, "video") and world:
+        _video_section(args, argv, eta)
     out = Path(args.out)
     render(out, Path(args.figure))
     print(out.with_suffix(".md").read_text())
@@ -614,6 +711,12 @@ def render(csv: Path, png: Path) -> None:
         sd3 = pd.read_csv(sd3_csv).fillna("").to_dict("records")
         md += "\n" + sd3_markdown(sd3, json.loads(sd3_csv.with_suffix(".meta.json").read_text()))
         tex += "\n" + to_latex(sd3)
+    video_csv = csv.with_name("table1_video.csv")
+    if video_csv.is_file():
+        video = pd.read_csv(video_csv).to_dict("records")
+        video_meta = json.loads(video_csv.with_suffix(".meta.json").read_text())
+        atomic_write_text(video_csv.with_suffix(".md"), video_markdown(video, video_meta))
+        md += "\n" + video_markdown(video, video_meta)
     atomic_write_text(csv.with_suffix(".md"), md)
     atomic_write_text(csv.with_suffix(".tex"), tex)
     if rows:

@@ -220,6 +220,21 @@ def test_table1_quick(quick):
     assert (sd3[sd3.strategy != "exact"].bwd_per_sample == 4).all()
     assert "SD3.5-M's Flow-GRPO recipe" in (res / "table1.md").read_text()
     _meta_ok(res / "table1_sd3.csv")
+    # the video world's Wan, every step trained (quick: 4 and 6 steps); K knots cost K passes, one JAGG group
+    # of W 2, each row relative to its own setup's exact
+    video = pd.read_csv(res / "table1_video.csv")
+    per = {
+        (
+            int(r.T),
+            r.setting.split("/")[0] + r.setting.split("/")[1][:2] if "/" in r.setting else r.setting,
+        ): r.bwd_per_sample
+        for r in video.itertuples()
+    }
+    assert per[(4, "exact")] == 4 and per[(6, "exact")] == 6 and per[(4, "jaggW5")] == 2
+    assert per[(6, "jaggW4")] == 4 and per[(6, "knotsK3")] == 3 and per[(6, "knotsK4")] == 4
+    assert (video[video.setting == "exact"].update_vs_exact == 1).all()
+    assert "## Table 1, video" in (res / "table1.md").read_text()
+    _meta_ok(res / "table1_video.csv")
 
 
 def test_cosine_quick(quick):
