@@ -251,14 +251,15 @@ def summary(df, timing) -> str:
     rules = ["knots_index", "knots_time", "knots_low_noise", "knots_auto"]
     table = []
     for (backbone, structure, _), g in df.groupby(["backbone", "structure", "T"], sort=False):
-        for passes in sorted(set(g[g.rule == "jagg"].backward_passes)):
+        # every pass count a JAGG group size or a knot count reaches (the other family's cell "-")
+        for passes in sorted(set(g[g.rule.isin(["jagg", *rules])].backward_passes)):
             jagg = best_at(g, "jagg", passes)
             row = {
                 "backbone": backbone,
                 "structure": structure,
                 "T": int(g["T"].iloc[0]),
                 "passes": passes,
-                "JAGG (best W)": f"{jagg:.4f}",
+                "JAGG (best W)": "-" if jagg != jagg else f"{jagg:.4f}",
             }
             best_fixed = max(best_at(g, r, passes) for r in rules[:3])
             for r in rules:
