@@ -7,10 +7,10 @@ import pytest
 
 from jagg.capacity.dry_run import build_plan
 from jagg.capacity.memory_model import (
-    ACT_BYTES_PER_TOKEN_HIDDEN,
     GIB,
     HOST_BASELINE,
     PROMPT_LRU,
+    block_bytes,
     disk_plan,
     embedding_bytes,
     memory_plan,
@@ -52,13 +52,11 @@ def test_recompute_term_has_2b_rows_in_the_batched_mode():
     s, m = cfg.sampling, cfg.model
     per_layer = cfg.train.train_batch_size * ((s.latent_size // 2) ** 2 + m.max_sequence_length) * 3072
     blocks = 19 + 38
+    saved, temporaries = block_bytes(cfg)
+    assert (saved, temporaries) == (34, 0)  # Flux: GPT's figure (Korthikanti+22), no temporaries
     # batched: 2 graphs alive (one 2B graph); sequential: 1 graph alive
-    assert batched.activations[True] == pytest.approx(
-        2 * per_layer * blocks * 2 + 2 * per_layer * ACT_BYTES_PER_TOKEN_HIDDEN
-    )
-    assert seq.activations[True] == pytest.approx(
-        per_layer * blocks * 2 + per_layer * ACT_BYTES_PER_TOKEN_HIDDEN
-    )
+    assert batched.activations[True] == pytest.approx(2 * per_layer * blocks * 2 + 2 * per_layer * saved)
+    assert seq.activations[True] == pytest.approx(per_layer * blocks * 2 + per_layer * saved)
 
 
 def test_precomputed_embeddings_stage_the_text_encoder_on_the_host():

@@ -70,9 +70,16 @@ GPU_SIZES_GB = (80, 141)  # H100 / A100 80 GB, H200 141 GB (decimal GB, as sold)
 CUDA_CONTEXT = 1.5 * GIB
 ALLOCATOR_SLACK = {True: 0.02, False: 0.10}
 HOST_BASELINE = 4 * GIB  # one rank's Python + torch + CUDA libraries on the host (measured ~0.8 GiB on CPU)
-ACT_BYTES_PER_TOKEN_HIDDEN = (
-    34  # one transformer layer's saved activations, bf16, SDPA attention (Korthikanti+22)
-)
+# Bytes per token x hidden of one transformer block in bf16: (what its forward saves for its backward, the
+# backward's own temporaries at its peak: the gradients of those activations while they are alive).
+#   default: Korthikanti+22's GPT block with SDPA attention (34), no temporaries: it stays above every image
+#     model's simulated activations (results/plan_check.md), a conservative figure;
+#   wan: measured on the simulated node (Wan2.1-1.3B at 480x480x53, results/plan_check_video.md): 53 saved (ACT
+#     less every block's checkpointed input; the saved-tensor meter on one real WanTransformerBlock gives 50 to
+#     52: its FFN is 5.83x the hidden width against GPT's 4x, its LayerNorms run in fp32, and it adds
+#     cross-attention and q/k RMSNorm) and 29 of temporaries (TEMP at the same peak). GPT's 34 and no
+#     temporaries under-counted Wan's update activations by a third (9.35 against 14.72 GiB).
+BLOCK_BYTES_PER_TOKEN_HIDDEN = {"default": (34, 0), "wan": (53, 29)}
 PROMPT_LRU = 512  # CachedTextEncoder's default in-memory cache (jagg.scale.pipelines)
 HPDV2_TRAIN_PROMPTS = 100_000  # order of magnitude of HPDv2's train prompts, when data.*_limit is unset
 
@@ -116,6 +123,12 @@ def experts(cfg: Config) -> int:
     """Transformers the velocity is made of: 2 for Wan2.2-A14B (its high- and low-noise experts, each as large as
     the one ``meta_transformer`` builds), else 1."""
     return 1 + len(expert_boundaries(cfg))
+
+
+def block_bytes(cfg: Config) -> tuple[int, int]:
+    """(saved, backward temporaries) bytes per token x hidden of one block of the config's backbone."""
+    table = BLOCK_BYTES_PER_TOKEN_HIDDEN
+    return table.get(cfg.model.backbone, table["default"])
 
 
 def latent_cells(cfg: Config) -> int:
@@ -324,11 +337,12 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
     recompute_rows = (
         graphs if backward.strategy != "exact" and GRAPH_MODES[backward.graph_mode].stacked else 1
     )
+    saved, temporaries = block_bytes(cfg)
     activations = {
-        # checkpointing: block inputs of every layer per graph + one block recomputed at a time
-        True: graphs * per_layer * len(blocks) * compute
-        + recompute_rows * per_layer * ACT_BYTES_PER_TOKEN_HIDDEN,
-        False: graphs * per_layer * len(blocks) * ACT_BYTES_PER_TOKEN_HIDDEN,
+        # checkpointing: block inputs of every layer per graph + one block recomputed at a time, and that
+        # block's backward temporaries
+        True: graphs * per_layer * len(blocks) * compute + recompute_rows * per_layer * (saved + temporaries),
+        False: graphs * per_layer * len(blocks) * saved + recompute_rows * per_layer * temporaries,
     }
     # no-grad forwards (rollout at train_batch_size, evaluation in chunks of up to 32 per rank): one block's
     # intermediates at a time, ~20 x hidden per token (qkv, attention output, 4x MLP) in the compute dtype
