@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,31 @@ def test_preference_pairs_differ_from_the_faithful_render(world):
     assert good.shape == bad.shape == (18, 3, 16, 16) and idx.shape == (18,)
     assert len(set(kinds)) == 9
     assert (good - bad).abs().flatten(1).amax(1).gt(0.05).all()
+
+
+def test_pixel_degradations_shared_by_image_and_clip_pairs(world):
+    """``pixel_degradation``: noise grows with u, the noisy background leaves the object's pixels alone, faded
+    pulls toward the background by 0.25 + 0.3 u, blur applies the given blur once (u >= 0.5) or twice; a clip's
+    blur is the image blur on each frame (the video pairs' ``_blur_frames``)."""
+    from jagg.world.train import box_blur, pixel_degradation
+    from jagg.world.video_train import _blur_frames
+
+    x, alpha, bg = world.render_attributes([world.parse(world.prompts[0])], np.random.default_rng(0))
+    x, alpha, bg = x[0], alpha[0], bg[0]
+    noise = [
+        pixel_degradation("noise", x, alpha, bg, u, torch.Generator().manual_seed(1), None) for u in (0, 1)
+    ]
+    assert (noise[1] - x).abs().mean() > (noise[0] - x).abs().mean() > 0
+    noisy = pixel_degradation("noisy_background", x, alpha, bg, 0.5, torch.Generator().manual_seed(1), None)
+    assert torch.equal(noisy[:, alpha[0] == 1], x[:, alpha[0] == 1]) and not torch.equal(noisy, x)
+    torch.testing.assert_close(pixel_degradation("faded", x, alpha, bg, 0.5, None, None), bg + (x - bg) * 0.4)
+    once = lambda t: box_blur(t[None])[0]  # noqa: E731
+    assert torch.equal(pixel_degradation("blur", x, alpha, bg, 0.7, None, once), once(x))
+    assert torch.equal(pixel_degradation("blur", x, alpha, bg, 0.2, None, once), once(once(x)))
+    clip = torch.stack([x, x.flip(-1), x.flip(-2)], dim=1)  # (3, F, H, W)
+    assert torch.equal(_blur_frames(clip), torch.stack([once(clip[:, f]) for f in range(3)], dim=1))
+    with pytest.raises(ValueError, match="unknown degradation"):
+        pixel_degradation("motion", x, alpha, bg, 0.5, None, once)
 
 
 def test_text_encoder_matches_backbone_conditioning(world, text_encoder):

@@ -100,23 +100,34 @@ def preference_pairs(world: World, n: int, seed: int) -> tuple[Tensor, Tensor, T
     gen = torch.Generator().manual_seed(seed)
     bad = good.clone()
     for i, k in enumerate(kinds):
-        x, a, b = good[i], alpha[i], bg[i]
+        x = good[i]
         u = float(rng.uniform())
         if k in ("position", "color", "shape", "empty"):
             bad[i] = rerender[i]
         elif k == "extra":  # composite the second object over the faithful render
             bad[i] = x * (1 - alpha2[i]) + (rerender[i] - bg2[i] * (1 - alpha2[i]))
-        elif k == "noise":
-            bad[i] = x + (0.08 + 0.3 * u) * torch.randn(x.shape, generator=gen)
-        elif k == "noisy_background":
-            noise = (0.15 + 0.5 * u) * (2 * torch.rand(x.shape, generator=gen) - 1)
-            bad[i] = x + noise * (1 - a)
-        elif k == "blur":
-            bad[i] = box_blur(box_blur(x[None]))[0] if u < 0.5 else box_blur(x[None])[0]
-        elif k == "faded":
-            bad[i] = b + (x - b) * (0.25 + 0.3 * u)
+        else:
+            bad[i] = pixel_degradation(k, x, alpha[i], bg[i], u, gen, lambda t: box_blur(t[None])[0])
     idx = torch.tensor([world.prompt_index[p] for p in prompts])
     return good, bad.clamp(0, 1), idx, kinds
+
+
+def pixel_degradation(
+    kind: str, x: Tensor, alpha: Tensor, background: Tensor, u: float, gen: torch.Generator, blur
+) -> Tensor:
+    """The degradations that need no re-render, shared by the image pairs and the video world's clip pairs:
+    pixel noise, a noisy background (outside the object's ``alpha``), blur (``blur`` once or twice: an image's
+    or a clip's), low contrast toward the ``background``. ``u`` in [0, 1) sets the strength; only ``gen`` draws
+    (the pairs' numpy generator draws nothing here: its order fixes the pretrained artefacts bitwise)."""
+    if kind == "noise":
+        return x + (0.08 + 0.3 * u) * torch.randn(x.shape, generator=gen)
+    if kind == "noisy_background":
+        return x + (0.15 + 0.5 * u) * (2 * torch.rand(x.shape, generator=gen) - 1) * (1 - alpha)
+    if kind == "blur":
+        return blur(blur(x)) if u < 0.5 else blur(x)
+    if kind == "faded":
+        return background + (x - background) * (0.25 + 0.3 * u)
+    raise ValueError(f"unknown degradation {kind!r}")
 
 
 # --------------------------------------------------------------------------- optimisation

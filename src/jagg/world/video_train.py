@@ -20,7 +20,7 @@ from jagg.rewards.video import temporal_consistency
 from jagg.world.models import PreferenceModel
 from jagg.world.motion import clip_match, motion_match
 from jagg.world.text import WordTokenizer
-from jagg.world.train import box_blur
+from jagg.world.train import box_blur, pixel_degradation
 from jagg.world.video import VideoAttributes, VideoWorld
 
 VIDEO_DEGRADATIONS = (
@@ -78,7 +78,7 @@ def video_preference_pairs(world: VideoWorld, n: int, seed: int) -> tuple[Tensor
     gen = torch.Generator().manual_seed(seed)
     bad = good.clone()
     for i, k in enumerate(kinds):
-        x, a, b = good[i], alpha[i], bg[i]
+        x = good[i]
         u = float(rng.uniform())
         if k in ("motion", "color", "shape", "empty"):
             bad[i] = rerender[i]
@@ -88,18 +88,15 @@ def video_preference_pairs(world: VideoWorld, n: int, seed: int) -> tuple[Tensor
             bad[i] = x[:, list(shuffles[int(rng.integers(len(shuffles)))])]
         elif k == "flicker":  # each frame's brightness and colour shifted on its own
             bad[i] = x + (0.1 + 0.2 * u) * (2 * torch.rand(1, x.shape[1], 1, 1, generator=gen) - 1)
-        elif k == "noise":
-            bad[i] = x + (0.08 + 0.3 * u) * torch.randn(x.shape, generator=gen)
-        elif k == "noisy_background":
-            bad[i] = x + (0.15 + 0.5 * u) * (2 * torch.rand(x.shape, generator=gen) - 1) * (1 - a)
-        elif k == "blur":
-            frames = x.permute(1, 0, 2, 3)  # (F, 3, H, W)
-            blurred = box_blur(box_blur(frames)) if u < 0.5 else box_blur(frames)
-            bad[i] = blurred.permute(1, 0, 2, 3)
-        elif k == "faded":
-            bad[i] = b + (x - b) * (0.25 + 0.3 * u)
+        else:
+            bad[i] = pixel_degradation(k, x, alpha[i], bg[i], u, gen, _blur_frames)
     idx = torch.tensor([world.prompt_index[p] for p in prompts])
     return good, bad.clamp(0, 1), idx, kinds
+
+
+def _blur_frames(clip: Tensor) -> Tensor:
+    """The image world's box blur on each frame of a (3, F, H, W) clip."""
+    return box_blur(clip.permute(1, 0, 2, 3)).permute(1, 0, 2, 3)
 
 
 @torch.no_grad()
