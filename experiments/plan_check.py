@@ -938,8 +938,9 @@ VIDEO_OUT = "results/plan_check_video.md"
 
 def write_video(argv: list[str] | None, start: float, out: str = VIDEO_OUT) -> int:
     """``video_rows`` alone, as markdown at ``out`` with the command and versions (``--video-only``)."""
-    rows = video_rows()
+    # recorded before the runs: the commit the measured code came from, not the one at write time
     meta = run_metadata(command=command_line("experiments/plan_check.py", argv), config={}, seed=0)
+    rows = video_rows()
     head = [
         "# Plan check, video only (`python experiments/plan_check.py --video-only`)",
         "",
