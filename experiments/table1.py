@@ -538,7 +538,8 @@ def _practitioners_section(args, argv, eta) -> None:
 # The video world's tiny Wan (configs/world/wan_video.yaml: moving-shape clips, 4 frames of 16 x 16) with every
 # step trained, at T = 10 and T = 20 (an 11- and a 21-step schedule), the world setups' batch without KL (as every
 # timed setup here). JAGG's W and the knots' K are the video cosine study's (make knots: results/knots_video.md).
-def _video_setups(t: int, routings: list) -> tuple:
+def _video_setup(t: int, routings: list) -> tuple:
+    """One ``_timed_setups`` setup: the video world with all of its T usable steps trained (a (T + 1)-step schedule)."""
     steps = [
         f"sampling.num_steps={t + 1}",
         f"sampling.eval_num_steps={t + 1}",
@@ -548,7 +549,7 @@ def _video_setups(t: int, routings: list) -> tuple:
 
 
 VIDEO = [
-    _video_setups(
+    _video_setup(
         10,
         [
             Routing(strategy="exact", group_size=2),
@@ -556,7 +557,7 @@ VIDEO = [
             Knots(count=3, placement="low_noise"),
         ],
     ),
-    _video_setups(
+    _video_setup(
         20,
         [
             Routing(strategy="exact", group_size=2),
@@ -574,7 +575,7 @@ def _video_section(args, argv, eta) -> None:
     """The ``VIDEO`` setups (world scale only) -> table1_video.csv / .md."""
     setups = VIDEO
     if args.quick:  # 4 and 6 trained steps (every plan still fits: K <= 4)
-        setups = [_video_setups(t, routings) for t, (*_, routings) in zip((4, 6), VIDEO, strict=True)]
+        setups = [_video_setup(t, routings) for t, (*_, routings) in zip((4, 6), VIDEO, strict=True)]
     rows, cfg = _timed_setups(setups, args, eta, VIDEO_QUICK if args.quick else [])
     out = Path(args.out).with_name("table1_video.csv")
     meta = _meta(args, argv, cfg)
