@@ -583,44 +583,40 @@ def _video_section(args, argv, eta) -> None:
     atomic_write_text(out.with_suffix(".md"), video_markdown(rows, meta))
 
 
+# (row key, header) of every ``_timed_setups`` table
+TIMED_SETUP_COLS = [
+    ("setup", "setup"),
+    ("setting", "backward"),
+    ("T", "trained steps"),
+    ("bwd_per_sample", "bwd passes / sample"),
+    ("rollout_s", "rollout s"),
+    ("update_s", "update s"),
+    ("iter_s", "iteration s"),
+    ("update_vs_exact", "update / exact"),
+    ("iter_vs_exact", "iteration / exact"),
+]
+
+
+def _timed_setup_table(rows: list[dict], cols: list[tuple[str, str]] = TIMED_SETUP_COLS) -> list[str]:
+    """A Markdown table of ``_timed_setups`` rows: floats to 2 decimals, the rest as they are."""
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(fmt(r[k]) for k, _ in cols) + " |" for r in rows]
+
+
 def practitioners_markdown(rows: list[dict], meta: dict) -> str:
-    cols = [
-        ("setup", "setup"),
-        ("setting", "backward"),
-        ("T", "trained steps"),
-        ("bwd_per_sample", "bwd passes / sample"),
-        ("rollout_s", "rollout s"),
-        ("update_s", "update s"),
-        ("iter_s", "iteration s"),
-        ("update_vs_exact", "update / exact"),
-        ("iter_vs_exact", "iteration / exact"),
-        ("iter_vs_dancegrpo_12_of_20", "iteration / DanceGRPO 12-of-20 exact"),
-    ]
+    cols = [*TIMED_SETUP_COLS, ("iter_vs_dancegrpo_12_of_20", "iteration / DanceGRPO 12-of-20 exact")]
     head = [
         "# Table 1, where practitioners train (medians; each setup's settings interleaved on its own rollouts)",
         "",
         f"git {meta.get('git_sha', '?')[:7]}, {meta.get('hardware', '?')}; `python experiments/table1.py --only practitioners`",
         "",
     ]
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[k]) for k, _ in cols) + " |" for r in rows]
-    return "\n".join(head + lines) + "\n"
+    return "\n".join(head + _timed_setup_table(rows, cols)) + "\n"
 
 
 def video_markdown(rows: list[dict], meta: dict) -> str:
     """The video section: each setup's rows with update and iteration relative to its exact row."""
-    cols = [
-        ("setup", "setup"),
-        ("setting", "backward"),
-        ("T", "trained steps"),
-        ("bwd_per_sample", "bwd passes / sample"),
-        ("rollout_s", "rollout s"),
-        ("update_s", "update s"),
-        ("iter_s", "iteration s"),
-        ("update_vs_exact", "update / exact"),
-        ("iter_vs_exact", "iteration / exact"),
-    ]
     t = meta["config"]["train"]
     head = [
         "## Table 1, video: the video world's tiny Wan, every step trained (medians; each setup's settings "
@@ -635,10 +631,7 @@ def video_markdown(rows: list[dict], meta: dict) -> str:
         "(results/knots_video.md).",
         "",
     ]
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[k]) for k, _ in cols) + " |" for r in rows]
-    return "\n".join(head + lines) + "\n"
+    return "\n".join(head + _timed_setup_table(rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
