@@ -356,13 +356,17 @@ def run_all(jobs: list[tuple], n_parallel: int, finished=lambda key, run_dir: No
     return dirs
 
 
-def collect(run_dir: Path, strategy: str, seed: int, exact_dir: Path | None = None) -> list[dict]:
+def collect(
+    run_dir: Path, strategy: str, seed: int, exact_dir: Path | None = None, by_evaluation: bool = False
+) -> list[dict]:
     """metrics.jsonl rows with strategy, seed, cumulative wall-clock, the per-sample agreement of the two
     attribute judges at every evaluation (from ``samples/eval_*.json``) and, where both runs saved their
-    evaluated state, the paired divergence from ``exact_dir``'s run (``paired_divergence``)."""
+    evaluated state, the paired divergence from ``exact_dir``'s run (``paired_divergence``; ``by_evaluation``:
+    paired by the evaluations' order, as an equal-cost recipe's arms are evaluated at the same fractions of
+    the budget after different iterations)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     saved = exact_dir is not None and any((exact_dir / "samples").glob("eval_*.rank*.pt"))
-    divergence = paired_divergence(run_dir, exact_dir) if saved else {}
+    divergence = paired_divergence(run_dir, exact_dir, by_evaluation) if saved else {}
     clock = 0.0
     for r in rows:
         clock += r.get("time_iteration_s", 0.0)
@@ -882,21 +886,24 @@ def sizing_lines(stats: dict, proto: dict, specs: list[dict]) -> list[str]:
 
 def fidelity_lines(df, arms: list[str]) -> list[str]:
     """Per arm: the mean cosine of the gradient it hands to the optimizer to exact's on the same micro-batches
-    (log.fidelity_every; after a control's degradation, before clipping), its relative error and
-    the paired divergence from exact's run at the last evaluation, mean [95% CI] over seeds."""
+    (log.fidelity_every; after a control's degradation, before clipping), its relative error, where the update
+    lands (log.landing: the optimizer step's and the velocity change's cosine to exact's) and the paired
+    divergence from exact's run at each run's last evaluation, mean [95% CI] over seeds."""
     if "fidelity_cosine" not in df:
         return []
-    cols = [
-        c for c in ("fidelity_cosine", "fidelity_rel_err", "div_weights_rel", "div_samples_rel") if c in df
-    ]
-    last = df.dropna(subset=[c for c in cols if c.startswith("div_")] or cols[:1])
-    last = last[last.iteration == last.iteration.max()] if cols[-1].startswith("div_") else last
+    names = ("fidelity_cosine", "fidelity_rel_err", "landing_step_cosine", "landing_function_cosine")
+    cols = [c for c in (*names, "div_weights_rel", "div_samples_rel") if c in df]
+    divs = [c for c in cols if c.startswith("div_")]
+    # each run's last evaluation (an equal-cost recipe's arms end after different iterations)
+    last = df.dropna(subset=divs[:1]).sort_values("iteration").groupby(["strategy", "seed"]).tail(1)
     lines = [
         "### Fidelity to exact and divergence from exact's run",
         "",
         "fidelity: the cosine (relative error) of the gradient each arm hands to the optimizer (AdamW) to exact's "
-        "on the same rollout and weights, mean over the logged iterations; divergence: ||theta - theta_exact|| / ||theta_exact - "
-        "theta_0|| and the same for the held-out samples, at the last evaluation. Mean [95% CI] over seeds.",
+        "on the same rollout and weights, mean over the logged iterations; landing: the same for the optimizer "
+        "step that gradient makes and for the velocity change it causes on the trained states; divergence: "
+        "||theta - theta_exact|| / ||theta_exact - theta_0|| and the same for the held-out samples, at the last "
+        "evaluation. Mean [95% CI] over seeds.",
         "",
         "| arm | " + " | ".join(cols) + " |",
         "|---|" + "---|" * len(cols),
@@ -904,7 +911,7 @@ def fidelity_lines(df, arms: list[str]) -> list[str]:
     for arm in arms:
         cells = []
         for c in cols:
-            src = df if c.startswith("fidelity") else last
+            src = last if c in divs else df
             per_seed = src[src.strategy == arm].dropna(subset=[c]).groupby("seed")[c].mean()
             cells.append(str(paired_interval(list(per_seed))) if len(per_seed) >= 2 else "-")
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
@@ -1133,7 +1140,8 @@ def render(
         stats = recipe_stats(df, metric_specs(recipes_named[r.name]) if r.name in recipes_named else [])
         plot_dose(r.name, df, stats, seen[r], figures / f"dose_response_{r.name}.png", meta)
         if recipes_named.get(r.name, {}).get("equal_cost"):
-            equal_cost.plot(r.name, df, seen[r], figures / f"equal_cost_{r.name}.png", meta)
+            ec = recipes_named[r.name]["equal_cost"]
+            equal_cost.plot(r.name, df, seen[r], figures / f"equal_cost_{r.name}.png", meta, ec)
 
 
 def pilot_report(
@@ -1290,7 +1298,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     refs = {r: reference(recipe_protocol(proto, r)) for r in recipes}
     run_and_record(
-        jobs, out, proto_path, argv, args.jobs, refs, dirty_diff(out, args.allow_dirty or args.quick)
+        jobs,
+        out,
+        proto_path,
+        argv,
+        args.jobs,
+        refs,
+        dirty_diff(out, args.allow_dirty or args.quick),
+        frozenset(r for r, spec in recipes.items() if "equal_cost" in spec),
     )
     figures = Path(args.figures) / ("quick" if args.quick else "") / ("pilot" if args.pilot else "")
     render(out, figures, proto_path, args.long, args.pilot)
@@ -1404,10 +1419,12 @@ def run_and_record(
     n_parallel: int,
     refs: dict[str, str] | None = None,
     diff: str | None = None,
+    equal_cost_recipes: frozenset[str] = frozenset(),
 ) -> None:
     """Run what ``out`` lacks and write each run's CSV as soon as it and the reference's run of its seed are
     done (``refs``: the reference arm per recipe, default exact). ``diff``: the uncommitted changes the runs
-    are made with (``dirty_diff``), written beside each CSV as ``<arm>_seed<k>.diff``.
+    are made with (``dirty_diff``), written beside each CSV as ``<arm>_seed<k>.diff``. The runs of
+    ``equal_cost_recipes`` are compared with the reference's at the same evaluation, not the same iteration.
 
     ``out/<recipe>/<arm>_seed<k>.csv`` is the record a later session resumes from (run directories are not
     committed): a run whose CSV was written by the same command is not run again. A seed's arms are compared
@@ -1464,7 +1481,8 @@ def run_and_record(
             )
             if diff is not None:
                 atomic_write_text(out / r / f"{a}_seed{k}.diff", diff)
-            write_table(collect(done[(r, a, k)], a, k, exact), out / r / f"{a}_seed{k}.csv", meta)
+            rows = collect(done[(r, a, k)], a, k, exact, by_evaluation=r in equal_cost_recipes)
+            write_table(rows, out / r / f"{a}_seed{k}.csv", meta)
 
     run_all([by_key[key] for key in by_key if key in todo], n_parallel, finished)
 

@@ -22,9 +22,12 @@ def budget_seconds(ec: dict) -> float:
     return ec["budget_iterations"] * ec["seconds_per_iteration"][ec["budget_arm"]]
 
 
-def evaluations(df, arm: str, metric: str):
-    """One row per (seed, evaluation) of ``arm``: the metric, the training seconds (``train_seconds``) and the
-    backward passes spent up to it (the evaluation after iteration k has seen iterations 1..k)."""
+def evaluations(df, arm: str, metric: str, recorded: float | None = None):
+    """One row per (seed, evaluation) of ``arm``: the metric, the training seconds measured (``train_seconds``),
+    the backward passes spent up to it (the evaluation after iteration k has seen iterations 1..k) and
+    ``budget``: the seconds at the arm's ``recorded`` pace (iteration x recorded seconds per iteration; the
+    measured seconds where none is given). The budget clock is the design's: every arm ends at the budget and
+    is evaluated at the same fractions of it, whatever other run shared the cores."""
     runs = df[df.strategy == arm].sort_values(["seed", "iteration"])
     train = runs.dropna(subset=["backward_passes"]) if "backward_passes" in runs else runs.iloc[:0]
     passes = train.groupby("seed").backward_passes.cumsum()
@@ -34,6 +37,7 @@ def evaluations(df, arm: str, metric: str):
     clock = {(int(s), int(i)): c for s, i, c in zip(train.seed, train.iteration, seconds, strict=True)}
     out["passes"] = [spent.get((int(s), int(i)), 0.0) for s, i in zip(out.seed, out.iteration, strict=True)]
     out["seconds"] = [clock.get((int(s), int(i)), 0.0) for s, i in zip(out.seed, out.iteration, strict=True)]
+    out["budget"] = out.iteration * recorded if recorded else out.seconds
     return out
 
 
@@ -64,17 +68,20 @@ def crossing(points: list[tuple[float, float]], target: float) -> float:
     return points[-1][0] if points and points[-1][1] >= target else math.inf
 
 
-def time_to_share(df, stats: dict, arm: str, metric: str, ref: str, share: float = SHARE) -> dict[int, float]:
-    """Per seed: the training seconds after which ``arm`` first reaches ``share`` of the reference's final gain
-    over the base model on that seed (``inf``: not within its budget). Seeds where the reference gained
-    nothing (no target) are left out."""
-    ev, out = evaluations(df, arm, metric), {}
+def time_to_share(
+    df, stats: dict, arm: str, metric: str, ref: str, recorded: float | None = None, share: float = SHARE
+) -> dict[int, float]:
+    """Per seed: the seconds on the budget clock (``evaluations``; ``recorded``: the arm's seconds per
+    iteration) after which ``arm`` first reaches ``share`` of the reference's final gain over the base model
+    on that seed (``inf``: not within its budget). Seeds where the reference gained nothing (no target) are
+    left out."""
+    ev, out = evaluations(df, arm, metric, recorded), {}
     for seed, e in ev.groupby("seed"):
         base, final = stats["base"].get(int(seed), {}).get(metric), stats["runs"].get((ref, int(seed)))
         if base is None or final is None or final[metric][0] <= base:
             continue
         target = base + share * (final[metric][0] - base)
-        out[int(seed)] = crossing(list(zip(e.seconds, e[metric], strict=True)), target)
+        out[int(seed)] = crossing(list(zip(e.budget, e[metric], strict=True)), target)
     return out
 
 
@@ -92,7 +99,7 @@ def median_time(times: dict[int, float]) -> str:
 def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
     """The equal-cost table: per arm its iterations and recorded seconds per iteration (the design), the
     training seconds and backward passes it measured, its gain at the end of the budget and its time to
-    ``SHARE`` of the reference's final gain, on each metric of ``METRICS``."""
+    ``SHARE`` of the reference's final gain on the budget clock, on each metric of ``METRICS``."""
     import numpy as np
 
     ref, secs = view.get("reference", "exact"), ec.get("seconds_per_iteration") or {}
@@ -109,10 +116,12 @@ def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
         f"Budget: {ec['budget_iterations']} iterations of {ref} at its recorded {secs[ref]:.2f} s = "
         f"{budget_seconds(ec):.0f} s of training per run. Each arm trains the whole iterations that fit at its own "
         "recorded seconds per iteration (the timing run's median, in the protocol). Measured: the training "
-        "seconds the runs logged, less the instruments' own (fidelity, landing) (median over seeds; two runs share the 2 cores, so they differ from the "
-        f"recorded ones) and the backward passes they spent. Time to {SHARE:.0%}: the training seconds after "
-        f"which the arm's held-out value first reaches {SHARE:.0%} of {ref}'s final gain over the base model on "
-        "the same seed (linear between evaluations), median over seeds (seeds that reached it / seeds).",
+        "seconds the runs logged, less the instruments' own (fidelity, landing) (median over seeds; two runs "
+        "share the 2 cores, and which ones differs by arm, so they differ from the recorded ones) and the "
+        f"backward passes they spent. Time to {SHARE:.0%}: the seconds on the budget clock (iterations x the "
+        f"arm's recorded seconds per iteration) after which its held-out value first reaches {SHARE:.0%} of "
+        f"{ref}'s final gain over the base model on the same seed (linear between evaluations), median over "
+        "seeds (seeds that reached it / seeds).",
         "",
         f"| arm | iterations | s/iteration recorded | training s measured | backward passes | {head} |",
         "|---|---|---|---|---|" + "---|---|" * len(metrics),
@@ -125,7 +134,7 @@ def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
             g = [v[m][0] - stats["base"][s][m] for (a, s), v in stats["runs"].items() if a == arm]
             cells += [
                 f"{np.mean(g):+.3f} (n {len(g)})" if g else "-",
-                median_time(time_to_share(df, stats, arm, m, ref)),
+                median_time(time_to_share(df, stats, arm, m, ref, secs.get(arm))),
             ]
         lines.append(
             f"| {arm} | {int(last.iteration.median())} | {secs.get(arm, float('nan')):.2f} | "
@@ -134,9 +143,10 @@ def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
     return lines + [""]
 
 
-def plot(name: str, df, view: dict, png: Path, meta: dict) -> None:
-    """Held-out reward against training seconds and against backward passes, one curve per arm: the mean
-    over seeds at each evaluation, the band +- one standard error across seeds."""
+def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = None) -> None:
+    """Held-out reward against the budget clock (``evaluations``; measured training seconds without ``ec``)
+    and against backward passes, one curve per arm: the mean over seeds at each evaluation, the band +- one
+    standard error across seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,21 +156,27 @@ def plot(name: str, df, view: dict, png: Path, meta: dict) -> None:
     arms = [a for a in view["arms"] if a in set(df.strategy)]
     if not metrics or not arms:
         return
+    secs = (ec or {}).get("seconds_per_iteration") or {}
     fig, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.6 * len(metrics)), squeeze=False)
     colour = dict(zip(arms, plt.get_cmap("tab10" if len(arms) <= 10 else "tab20").colors, strict=False))
     for row, m in enumerate(metrics):
         for arm in arms:
-            g = evaluations(df, arm, m).groupby("iteration")
+            g = evaluations(df, arm, m, secs.get(arm)).groupby("iteration")
             mean, se = g[m].mean(), g[m].sem().fillna(0)
-            for col, x in enumerate((g.seconds.mean(), g.passes.mean())):
+            for col, x in enumerate((g.budget.mean(), g.passes.mean())):
                 ax = axes[row][col]
                 ax.plot(x.values, mean.values, marker="o", ms=3, color=colour[arm], label=arm)
                 ax.fill_between(
                     x.values, (mean - se).values, (mean + se).values, alpha=0.15, color=colour[arm]
                 )
         label = m.replace("_mean", "").replace("eval_", "held-out ")
-        axes[row][0].set(ylabel=label, xlabel="training seconds (mean over seeds)")
+        clock = (
+            "wall-clock at each arm's recorded s/iteration" if secs else "training seconds (mean over seeds)"
+        )
+        axes[row][0].set(ylabel=label, xlabel=clock)
         axes[row][1].set(ylabel=label, xlabel="backward passes spent (mean over seeds)")
+        if secs:
+            axes[row][0].axvline(budget_seconds(ec), color="grey", lw=0.8, ls=":")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)

@@ -205,3 +205,71 @@ def test_the_training_clock_leaves_out_the_instruments_seconds():
     df.loc[train & (df.iteration == 4), "time_landing_s"] = 0.5
     s1 = ec.evaluations(df, "knots4", "eval_pref_mean").query("seed == 1")
     assert list(s1.seconds) == [0.0, 4 * 5.5 - 0.5, 8 * 5.5 - 0.5]
+
+
+def test_the_budget_clock_is_the_recorded_pace_not_the_measured_seconds():
+    """Two runs share the cores, and which ones differs by arm: the time to 80% and the figure read the budget
+    clock (iteration x the arm's recorded seconds per iteration), so a run slowed by its neighbour is not
+    charged for it. Here knots4 measured 5 s per iteration and is recorded at 2.5 s."""
+    df, stats, ec = equal_cost_frame()
+    e = ec.evaluations(df, "knots4", "eval_pref_mean", recorded=2.5).query("seed == 1")
+    assert list(e.budget) == [0.0, 10.0, 20.0] and list(e.seconds) == [0.0, 20.0, 40.0]
+    # the target 10.8 is crossed 0.8 / 0.9 of the way to the evaluation after 4 iterations (10 s recorded)
+    assert ec.time_to_share(df, stats, "knots4", "eval_pref_mean", "exact", 2.5) == {
+        1: pytest.approx(0.8 / 0.9 * 10)
+    }
+
+
+def test_divergence_pairs_the_kth_evaluations_of_an_equal_cost_recipe(tmp_path):
+    """Arms evaluated at the same fractions of a budget after different iterations: the run's k-th evaluation
+    is compared with exact's k-th, keyed by the run's iteration; by iteration only the shared ones pair."""
+    import torch
+
+    from jagg.plugins.eval_state import paired_divergence
+
+    def run(name: str, states: dict[int, float]) -> Path:
+        for it, w in states.items():
+            path = tmp_path / name / "samples" / f"eval_{it:05d}.rank0.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"images": torch.full((2,), w), "weights": [torch.full((3,), w)]}, path)
+        return tmp_path / name
+
+    exact = run("exact", {0: 0.0, 4: 1.0, 8: 2.0})
+    arm = run("arm", {0: 0.0, 6: 1.5, 12: 2.0})
+    paired = paired_divergence(arm, exact, by_evaluation=True)
+    assert sorted(paired) == [0, 6, 12]
+    assert paired[6]["div_weights_rel"] == pytest.approx(0.5) and paired[12]["div_samples_rel"] == 0.0
+    assert sorted(paired_divergence(arm, exact)) == [0]  # by iteration: only the base is shared
+    with pytest.raises(ValueError, match="same fractions"):
+        paired_divergence(run("short", {0: 0.0, 6: 1.0}), exact, by_evaluation=True)
+
+
+def test_fidelity_lines_read_each_runs_last_evaluation_and_the_landing():
+    """An equal-cost arm ends after more iterations than exact: its divergence is read at its own last
+    evaluation, not at the largest iteration of any arm (which would leave the shorter runs out)."""
+    import pandas as pd
+
+    rows = []
+    for arm, last, div in (("exact", 4, 0.0), ("knots4", 8, 0.4), ("window2", 16, 1.2)):
+        for seed in (1, 2):
+            rows += [
+                {
+                    "strategy": arm,
+                    "seed": seed,
+                    "iteration": 1,
+                    "fidelity_cosine": 1.0 if arm != "knots4" else 0.9,
+                    "landing_step_cosine": 0.7 if arm == "knots4" else 1.0,
+                },
+                {
+                    "strategy": arm,
+                    "seed": seed,
+                    "iteration": last // 2,
+                    "div_weights_rel": div / 2 + seed / 100,
+                },
+                {"strategy": arm, "seed": seed, "iteration": last, "div_weights_rel": div + seed / 100},
+            ]
+    lines = curves.fidelity_lines(pd.DataFrame(rows), ["exact", "knots4", "window2"])
+    assert "landing_step_cosine" in lines[4] and "div_weights_rel" in lines[4]
+    row = {x.split(" | ")[0][2:]: x.split(" | ")[1:] for x in lines[6:9]}
+    assert row["knots4"][0].startswith("+0.900") and row["knots4"][1].startswith("+0.700")
+    assert row["knots4"][2].startswith("+0.415") and row["window2"][2].startswith("+1.215")

@@ -60,7 +60,9 @@ def _sq_dist(a: list[dict], b: list[dict], key: str) -> float:
     return total
 
 
-def paired_divergence(run_dir: Path, exact_dir: Path) -> dict[int, dict[str, float]]:
+def paired_divergence(
+    run_dir: Path, exact_dir: Path, by_evaluation: bool = False
+) -> dict[int, dict[str, float]]:
     """How far a run has moved from exact's run of the same seed, at each evaluation both saved:
 
         div_weights_rel = ||theta_run - theta_exact|| / ||theta_exact - theta_0||
@@ -69,15 +71,29 @@ def paired_divergence(run_dir: Path, exact_dir: Path) -> dict[int, dict[str, flo
     with theta_0 and x_0 exact's evaluation at iteration 0 (the base model, identical for every arm). 0 for
     exact itself; runs are deterministic, so no evaluation noise enters. NaN where exact has not moved yet
     (iteration 0). A difference grows once two runs' rollouts differ: protocol version 4's pilot found every
-    non-exact arm near 1 (docs/decisions.md 24)."""
+    non-exact arm near 1 (docs/decisions.md 24).
+
+    Evaluations are paired by iteration, or with ``by_evaluation`` by their order: the k-th evaluation of each
+    run, for runs evaluated at the same fractions of a budget with different iterations (an equal-cost
+    recipe, ``experiments/equal_cost.py``). Keyed by this run's iteration."""
     mine, exact = _eval_states(run_dir), _eval_states(exact_dir)
     if 0 not in exact:
         raise FileNotFoundError(f"{exact_dir}: no samples/eval_00000.rank*.pt (log.save_eval_state)")
+    if by_evaluation and len(mine) != len(exact):
+        raise ValueError(
+            f"{run_dir}: {len(mine)} evaluations against {len(exact)} of {exact_dir}: pairing by evaluation "
+            "needs both runs evaluated at the same fractions of their budgets"
+        )
+    pairs = (
+        zip(sorted(mine), sorted(exact))
+        if by_evaluation
+        else ((i, i) for i in sorted(set(mine) & set(exact)))
+    )
     out = {}
-    for it in sorted(set(mine) & set(exact)):
+    for it, ref_it in pairs:
         row = {}
         for key, name in (("weights", "div_weights_rel"), ("images", "div_samples_rel")):
-            moved = _sq_dist(exact[it], exact[0], key)
-            row[name] = (_sq_dist(mine[it], exact[it], key) / moved) ** 0.5 if moved > 0 else float("nan")
+            moved = _sq_dist(exact[ref_it], exact[0], key)
+            row[name] = (_sq_dist(mine[it], exact[ref_it], key) / moved) ** 0.5 if moved > 0 else float("nan")
         out[it] = row
     return out
