@@ -742,13 +742,18 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         f"Config `{meta['config']}` {' '.join(meta['overrides'])}; git {meta['git_sha']}; {meta['hardware']}; "
         f"torch {meta['versions']['torch']}; seeds {seeds} ({seeding}); "
         + (f"{meta['world_builds']}; " if meta["world_builds"] else "")
-        + f"{last_it} iterations. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
+        + f"{last_it} iterations{' (the longest run)' if proto['recipes'].get(name, {}).get('equal_cost') else ''}. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
         "",
         f"**Design check.** {design}",
         "",
         f"### Every arm against {ref} (the protocol's battery)",
         "",
-        f"End = the last evaluation (iteration {last_it}); auc = the mean level over all evaluations. Margins are "
+        (
+            "End = each run's last evaluation, at the end of its budget"
+            if proto["recipes"].get(name, {}).get("equal_cost")
+            else f"End = the last evaluation (iteration {last_it})"
+        )
+        + "; auc = the mean level over all evaluations. Margins are "
         f"the protocol's (absolute). MDD = the smallest true difference a paired t-test detects with power "
         f"{power} at alpha {alpha} given this arm's paired SD and n. Secondary rows: Holm-adjusted p in "
         "brackets (family = the arm's secondary metrics); verdicts use them. 'Worse' needs the t-test and the "
@@ -772,6 +777,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     ec = proto["recipes"].get(name, {}).get("equal_cost")
     lines += (
         (equal_cost.section_lines(df, stats, proto, ec) if ec else [])
+        + goal_lines(stats, proto, name, controls)
         + contrast_lines(stats, proto)
         + sizing_lines(stats, proto, specs)
         + fidelity_lines(df, arms)
@@ -804,6 +810,20 @@ def seeds_needed(sd: float, effect: float, alpha: float, power: float) -> int | 
 def _p(p: float) -> str:
     """A p-value to four decimals, or in scientific notation below 1e-4 (where four decimals read 0.0000)."""
     return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+
+
+def goal_lines(stats: dict, proto: dict, name: str, controls: dict[str, bool]) -> list[str]:
+    """The recipe's ``goal`` (an equal-cost recipe's non-inferiority reading, ``equal_cost.goal_lines``)."""
+    goal = proto["recipes"].get(name, {}).get("goal")
+    if not goal or goal["metric"] not in stats["metrics"]:
+        return []
+    d = paired_diffs(
+        stats["runs"], goal["arm"], goal["metric"], SUMMARIES[goal["summary"]], goal["reference"]
+    )
+    if len(d) < 2:
+        return []
+    control = all(controls.values()) if controls else None
+    return equal_cost.goal_lines(d, goal, proto["alpha"], proto["power"], control)
 
 
 def contrast_lines(stats: dict, proto: dict) -> list[str]:

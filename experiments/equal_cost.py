@@ -96,6 +96,39 @@ def median_time(times: dict[int, float]) -> str:
     return f"{med:.0f} s ({hit}/{len(times)})" if math.isfinite(med) else f"not reached ({hit}/{len(times)})"
 
 
+def goal_lines(d: list[float], goal: dict, alpha: float, power: float, control: bool | None) -> list[str]:
+    """The recipe's goal read as non-inferiority: ``goal['arm']`` reaches the reference's value within
+    ``margin`` at the end of the budget (better counts: at equal cost a better arm meets the goal), from the
+    paired differences ``d`` = arm - reference. One-sided t-test and sign-flip test of mean(d) > -margin, both
+    required, as the contrasts; a claim only where the positive control is detected (``control``)."""
+    import numpy as np
+
+    from jagg.stats import minimum_detectable_difference, one_sided_below, paired_interval, sign_flip_test
+
+    m = goal["margin"]
+    shifted = [x + m for x in d]
+    p_t, p_flip = one_sided_below([-x for x in shifted]), sign_flip_test(shifted, "greater")
+    passed = p_t < alpha and p_flip < alpha
+    if not passed:
+        reading = "**not shown**"
+    elif control:
+        reading = "**reached** (non-inferior within the margin; the positive control is detected)"
+    else:
+        reading = "the tests pass, NO claim: the positive control is not detected"
+    sd = float(np.std(d, ddof=1))
+    mdd = minimum_detectable_difference(sd, len(d), alpha, power, "greater")
+    return [
+        f"### Goal: {goal['arm']} within {m} of {goal['reference']}'s {goal['metric'][5:-5]} at the end of the "
+        "budget (non-inferiority)",
+        "",
+        f"{goal['arm']} - {goal['reference']}: {paired_interval(d)} over {len(d)} seeds; one-sided tests of a "
+        f"difference above -{m}: t-test p = {p_t:.4f}, sign-flip p = {p_flip:.4f}: {reading} at alpha {alpha} "
+        f"(both tests must pass). Paired SD {sd:.3f}: {len(d)} seeds show non-inferiority with power {power} "
+        f"where the true difference is at least {mdd - m:+.3f}.",
+        "",
+    ]
+
+
 def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
     """The equal-cost table: per arm its iterations and recorded seconds per iteration (the design), the
     training seconds and backward passes it measured, its gain at the end of the budget and its time to

@@ -273,3 +273,24 @@ def test_fidelity_lines_read_each_runs_last_evaluation_and_the_landing():
     row = {x.split(" | ")[0][2:]: x.split(" | ")[1:] for x in lines[6:9]}
     assert row["knots4"][0].startswith("+0.900") and row["knots4"][1].startswith("+0.700")
     assert row["knots4"][2].startswith("+0.415") and row["window2"][2].startswith("+1.215")
+
+
+def test_the_goal_is_non_inferiority_and_needs_the_positive_control():
+    """At equal cost a better arm meets 'within the margin': the tests are of mean(d) > -margin, so a clearly
+    better arm passes where TOST would fail it, an arm clearly below the margin does not, and without a
+    detected positive control a pass is no claim. Recomputed by hand: shifted t statistic and sign flips."""
+    import numpy as np
+    from scipy import stats as st
+
+    import equal_cost
+
+    goal = {"arm": "knots4", "reference": "exact", "metric": "eval_pref_mean", "margin": 0.05}
+    better = [0.20, 0.35, 0.15, 0.30, 0.25, 0.40]
+    text = "\n".join(equal_cost.goal_lines(better, goal, 0.05, 0.8, control=True))
+    shifted = np.array(better) + 0.05
+    p_t = st.ttest_1samp(shifted, 0.0, alternative="greater").pvalue
+    assert f"t-test p = {p_t:.4f}" in text and "sign-flip p = 0.0156" in text  # 1 / 2^6
+    assert "**reached**" in text
+    assert "NO claim" in "\n".join(equal_cost.goal_lines(better, goal, 0.05, 0.8, control=False))
+    below = [-0.30, -0.25, -0.40, -0.20, -0.35, -0.30]
+    assert "**not shown**" in "\n".join(equal_cost.goal_lines(below, goal, 0.05, 0.8, control=True))
