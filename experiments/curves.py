@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -325,11 +326,27 @@ def run_one(
     cmd.append("--resume" if (run_dir / "checkpoint").is_dir() else "--overwrite")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, text=True, env=env)
+        # wait4: this child's own CPU seconds (another run finishing meanwhile is not counted)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            log.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{log.read()[-2000:]}")
+    with open(run_dir / CPU_SECONDS, "a") as f:  # one line per attempt: a resumed run adds its own
+        f.write(f"{usage.ru_utime + usage.ru_stime:.1f}\n")
     (run_dir / "done").write_text(stamp)
     return run_dir, time.time() - started
+
+
+CPU_SECONDS = "cpu_seconds"  # a run directory's CPU seconds, one line per attempt (run_one)
+
+
+def cpu_seconds(run_dir: Path) -> float | None:
+    """The CPU seconds every attempt of a run took (``run_one``), None where none was recorded."""
+    path = run_dir / CPU_SECONDS
+    return sum(float(x) for x in path.read_text().split()) if path.is_file() else None
 
 
 def run_all(jobs: list[tuple], n_parallel: int, finished=lambda key, run_dir: None) -> dict:
@@ -645,7 +662,14 @@ def recipe_meta(recipe_dir: Path) -> dict:
         "hardware": "; ".join(sorted({m["hardware"] for m in metas})),
         "overrides": shared,
         "world_builds": world_builds(metas),
+        "cpu": cpu_total(metas),
     }
+
+
+def cpu_total(metas: list[dict]) -> str:
+    """The runs' total CPU seconds (every attempt, ``run_one``), as hours with how many runs recorded them."""
+    cpu = [m["cpu_seconds"] for m in metas if m.get("cpu_seconds") is not None]
+    return f"CPU time {sum(cpu) / 3600:.1f} h over {len(cpu)} of {len(metas)} runs" if cpu else ""
 
 
 def world_builds(metas: list[dict]) -> str:
@@ -742,6 +766,11 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         f"Config `{meta['config']}` {' '.join(meta['overrides'])}; git {meta['git_sha']}; {meta['hardware']}; "
         f"torch {meta['versions']['torch']}; seeds {seeds} ({seeding}); "
         + (f"{meta['world_builds']}; " if meta["world_builds"] else "")
+        + (
+            f"{meta['cpu']} (one thread each, evaluations and instruments included); "
+            if meta.get("cpu")
+            else ""
+        )
         + f"{last_it} iterations{' (the longest run)' if proto['recipes'].get(name, {}).get('equal_cost') else ''}. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
         "",
         f"**Design check.** {design}",
@@ -1498,6 +1527,7 @@ def run_and_record(
                 run_json=run_json["config"],
                 tree_diff=None if diff is None else f"{a}_seed{k}.diff",
                 divergence_from=refs[r],  # the run the paired divergence is measured from
+                cpu_seconds=cpu_seconds(done[(r, a, k)]),
             )
             if diff is not None:
                 atomic_write_text(out / r / f"{a}_seed{k}.diff", diff)

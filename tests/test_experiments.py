@@ -843,3 +843,30 @@ def test_curves_contrast_states_the_power_of_the_test_that_judged_it():
     assert f"Paired SD {sd:.3f}" in text
     assert abs(shown - cohen) < 0.05 * cohen
     assert "with power 0.8 (one-sided t-test at alpha 0.05)" in text
+
+
+def test_run_one_records_each_attempts_cpu_seconds_and_reports_a_failure(tmp_path, monkeypatch):
+    """The CPU seconds come from wait4 on the run's own process (a neighbouring run finishing meanwhile is not
+    counted): a child that burns ~0.3 s of CPU and one that sleeps 0.3 s differ; a resumed run adds a line; a
+    failing run raises with its output's tail and records nothing."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    script = {
+        "burn": burn,
+        "sleep": "import time; time.sleep(0.3)",
+        "fail": "print('bad value'); raise SystemExit(3)",
+    }
+    monkeypatch.setattr(curves, "train_command", lambda config, *a: [sys.executable, "-c", script[config]])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    curves.run_one("burn", [], 1, run_dir, [])
+    (run_dir / "done").unlink()  # as an interrupted run: the next attempt resumes and adds its own seconds
+    curves.run_one("sleep", [], 1, run_dir, [])
+    burned, slept = (float(x) for x in (run_dir / "cpu_seconds").read_text().split())
+    assert burned >= 0.25 and slept < 0.25 and curves.cpu_seconds(run_dir) == pytest.approx(burned + slept)
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    with pytest.raises(RuntimeError, match="bad value"):
+        curves.run_one("fail", [], 1, failed, [])
+    assert curves.cpu_seconds(failed) is None and not (failed / "done").exists()
+    metas = [{"cpu_seconds": 1800.0}, {"cpu_seconds": 5400.0}, {}]
+    assert curves.cpu_total(metas) == "CPU time 2.0 h over 2 of 3 runs"
