@@ -256,6 +256,14 @@ def materialise_plain_tensors(module: torch.nn.Module, device: torch.device) -> 
     return names
 
 
+def replicated_parameters(root: torch.nn.Module) -> list[Tensor]:
+    """The parameters of ``root`` that FSDP2 does not manage (plain tensors, not DTensors): with
+    ``model.shard_frozen_base: false`` the frozen base, replicated on every rank; none when it is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in root.parameters() if not isinstance(p, DTensor)]
+
+
 def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """``FSDPMemTracker`` as this simulation needs it (the class is built lazily: the import is slow):
 
@@ -263,12 +271,22 @@ def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
     * ``phase_peaks``: the peak snapshot of each ``phase`` the driver names (update, clip, step);
     * the per-module statistics are cleared before every forward of the root outside the backward: an update
       runs several root forwards (one per endpoint, two per velocity with Qwen-Image's true CFG), which the
-      tracker otherwise refuses as "multiple iterative calls". The global peak snapshot read here is kept.
+      tracker otherwise refuses as "multiple iterative calls". The global peak snapshot read here is kept;
+    * the replicated frozen base (``model.shard_frozen_base: false``: parameters FSDP2 ignores, plain tensors)
+      is counted from the start, as ACT (``replicated_parameters``). The tracker registers only FSDP2's
+      parameters and buffers; any other tensor it sees only as an op's output. A bf16 weight was seen that way
+      by chance (the ``aten.t`` view inside each linear shares its storage), an fp32 one never: autocast
+      casts it to a new bf16 tensor first, and the fp32 storage is no op's output.
     """
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
     class NodeMemTracker(FSDPMemTracker):
         phase = "update"
+
+        def _register_module_and_optimizer_hooks(self) -> None:
+            super()._register_module_and_optimizer_hooks()
+            for p in replicated_parameters(self._root_mod):
+                self._update_and_maybe_create_winfos(p, _FSDPRefType.ACT)
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
@@ -844,17 +862,29 @@ EXPLANATION = [
     "  holds is ~4.3 GiB in the simulation (activations at 2+1 blocks minus the frozen base and two inputs),",
     "  about twice the plan's 34 bytes per token and hidden unit of a plain transformer layer (2.15 GiB).",
     "  (Those numbers are from d7ddf13, with the frozen base in bf16.)",
-    "- **A regression, open: the fp32 frozen base is not seen.** Since SD3.5-M keeps its frozen base in fp32",
-    "  (`model.base_dtype: fp32`, 1eeeaf9, as Flow-GRPO runs it), the plan counts it (weights 9.21 GiB) and",
-    "  the simulation does not: its update peak grows 0.13 GiB per added dual block (2+1 -> 3+1), about one",
-    "  checkpointed block input, where an fp32 dual block's weights alone are 0.38 GiB; weights +",
-    "  activations 6.84 simulated against 14.40 planned. Not explained yet; `tests/test_plan_check.py` marks",
-    "  its SD3.5-M case as an expected failure until it is.",
+    "- **A regression, found and fixed: the fp32 frozen base was not seen.** SD3.5-M keeps its frozen base in",
+    "  fp32 (`model.base_dtype: fp32`, 1eeeaf9, as Flow-GRPO runs it). The plan counted it (weights 9.21 GiB)",
+    "  and the simulation did not: weights + activations 6.84 simulated against 14.40 planned. The cause is in",
+    "  the tracker. FSDPMemTracker registers FSDP2's own parameters and buffers at the start; it sees any",
+    "  other tensor only when an op returns it. A replicated base is neither, so it was never registered.",
+    "  A bf16 base was still counted, by chance: each linear's `aten.t` returns a view of the weight, and the",
+    "  tracker counted the whole storage behind that view, as ACT. An fp32 weight never reaches `aten.t`:",
+    "  autocast first casts it to a new bf16 tensor, and only that copy is an op's output. Measured at 2+1",
+    "  blocks: with a bf16 base, `aten.t` made the tracker see 0.515 of the base's 0.516 GiB; with an fp32",
+    "  base, 0 of 1.03 GiB, and ACT was 4.46 GiB against 4.88 with bf16. Now `node_mem_tracker` registers",
+    "  every parameter FSDP2 does not manage (`replicated_parameters`) at the start, as ACT, whatever its",
+    "  dtype: the category the tracker already gave the bf16 base. The bf16 configs change by under 2 MiB",
+    "  per reduced model: the biases, RMS-norm weights and patch-embedding convolution that no view exposed",
+    "  before. SD3.5-M at 2+1 and 3+1 blocks: ACT 5.49 and 5.99 GiB (before 4.46, 4.58); the peak grows 0.51",
+    "  GiB per dual block, one fp32 dual block's weights (0.38) plus one checkpointed block input (0.127). At",
+    "  full depth, weights + activations are 15.20 simulated against 14.40 planned (plan 5% low), and the",
+    "  step peaks at 9.32 against the plan's 9.24. `tests/test_plan_check.py` checks the registration for",
+    "  both dtypes.",
     "",
     "## Where plan and simulation still differ (not tuned away)",
     "",
     "- flux_flowgrpo_fast (`model.shard_frozen_base: false`): the replicated bf16 base is a plain parameter",
-    "  that FSDP2 ignores, and the tracker counts it under ACT, not as weights (at git a419b53: weights 0.08 vs",
+    "  that FSDP2 ignores, and the simulation counts it under ACT, not as weights (at git a419b53: weights 0.08 vs",
     "  22.25 GiB, activations 26.66 vs 3.90); weights and activations together agree (26.74 vs 26.15), which",
     "  is what tests/test_plan_check.py holds for that config.",
     "- Weights, AdamW moments and (full fine-tuning) sharded gradients agree to 1% in every config, the",

@@ -2,7 +2,8 @@
 
 Slow (~3 minutes on 2 cores): fake tensors on a fake 8-rank process group, two or three reduced depths per
 config (``plan_check.REDUCED``), extrapolated to the full depth. Run in its own process: it initialises a
-(fake) default process group.
+(fake) default process group. Fast: the node's tracker counts a replicated frozen base in any dtype (a narrow
+SD3.5-M placed on the fake group, which is destroyed afterwards).
 Which terms are held to 15% and why the others are not: results/plan_check.md.
 """
 
@@ -16,13 +17,7 @@ import pytest
 from jagg.config import paper_config_paths
 
 ROOT = Path(__file__).resolve().parents[1]
-# SD3.5-M's fp32 frozen base is planned but not seen by the simulation (results/plan_check.md, "A regression,
-# open"): an expected failure, strict, so that a fix shows
-SD3_FP32_BASE = pytest.mark.xfail(strict=True, reason="fp32 frozen base not seen by the simulated node")
-CONFIGS = [
-    pytest.param(str(p), marks=SD3_FP32_BASE) if p.stem == "sd35m_flowgrpo" else str(p)
-    for p in paper_config_paths(ROOT)
-]
+CONFIGS = [str(p) for p in paper_config_paths(ROOT)]
 TOLERANCE = 0.15
 # (plan term, simulated FSDPMemTracker categories) held to TOLERANCE in every config
 TERMS = {
@@ -37,6 +32,70 @@ def plan_check():
     import plan_check as module
 
     return module
+
+
+SD3 = "configs/paper/sd3/sd35m_flowgrpo.yaml"
+# a narrow SD3.5-M of the real class (hidden 128), one dual-attention and one plain block: placed in ~1 s
+NARROW_SD3 = dict(
+    num_attention_heads=2,
+    attention_head_dim=64,
+    caption_projection_dim=128,
+    joint_attention_dim=64,
+    pooled_projection_dim=32,
+    pos_embed_max_size=16,
+)
+
+
+@pytest.fixture
+def fake_node(plan_check):
+    """Rank 1 of the fake 8-rank process group (``plan_check.fake_process_group``), destroyed afterwards so
+    that later tests in this process can start their own."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    plan_check.fake_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("base_dtype", ["fp32", "compute"])
+@pytest.mark.parametrize("shard_frozen", [False, True])
+def test_node_tracker_counts_the_replicated_frozen_base(plan_check, fake_node, base_dtype, shard_frozen):
+    """The simulated node's tracker counts a replicated frozen base (``shard_frozen_base: false``) from the
+    start, in full and whatever its dtype; a sharded one is FSDP2's (SHARDED_PARAM), not counted twice.
+
+    FSDPMemTracker registers only FSDP2's parameters; any other tensor it sees only as an op's output. A bf16
+    base was seen by chance (the ``aten.t`` view of each linear weight shares its storage), an fp32 base never
+    (autocast casts it to a new bf16 tensor first): SD3.5-M's planned 9.2 GiB fp32 base went missing."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from jagg.config import load_config
+
+    overrides = [f"model.base_dtype={base_dtype}", f"model.shard_frozen_base={str(shard_frozen).lower()}"]
+    cfg = load_config(str(ROOT / SD3), overrides)
+    backbone, place_cfg = plan_check.meta_backbone(cfg, (1, 1), NARROW_SD3)
+    dist_info = plan_check.DistInfo(plan_check.SIM_RANK, plan_check.WORLD_SIZE)
+    with (
+        plan_check.simulation_shims(plan_check.ScalarReads()),
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        backbone, _ = plan_check.place_backbone(
+            place_cfg, backbone, device=torch.device("cpu"), dist=dist_info
+        )
+        frozen = [p for p in backbone.parameters() if not p.requires_grad]
+        trained = [p for p in backbone.parameters() if p.requires_grad]
+        tracker = plan_check.node_mem_tracker(backbone.transformer, torch.optim.AdamW(trained))
+        with tracker:
+            snap = next(iter(tracker.get_tracker_snapshot().values()))
+    snap = {str(k).rsplit(".", 1)[-1]: v for k, v in snap.items()}
+    expected = torch.float32 if base_dtype == "fp32" else torch.bfloat16
+    assert frozen and {p.dtype for p in frozen} == {expected}
+    replicated = sum(p.numel() * p.element_size() for p in frozen)
+    assert snap["ACT"] == (0 if shard_frozen else replicated)  # nothing has run yet: the base alone
+    if not shard_frozen:  # what FSDP2 holds is the adapters and buffers only, far less than the base
+        assert snap["Total"] - snap["ACT"] < replicated / 10
 
 
 @pytest.mark.slow
@@ -56,7 +115,7 @@ def test_plan_within_15_percent_of_the_simulated_node(plan_check, path: str) -> 
     for term, kinds in TERMS.items():
         simulated = sum(sim.get(k, 0.0) for k in kinds)
         if term == "weights (sharded)" and not cfg.model.shard_frozen_base:
-            # the replicated frozen base is a plain parameter FSDP2 ignores; the tracker counts it as ACT
+            # the replicated frozen base is a plain parameter FSDP2 ignores; node_mem_tracker counts it as ACT
             # (results/plan_check.md: flux_flowgrpo_fast 0.08 GiB weights, 26.7 GiB activations), so the
             # weights are held to 15% together with the activations
             simulated += sim.get("ACT", 0.0) + sim.get("TEMP", 0.0)
