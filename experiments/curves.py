@@ -875,11 +875,14 @@ def one_contrast_lines(stats: dict, proto: dict, c: dict) -> list[str]:
     planned = len(set(proto["seeds"]) | set(c.get("seeds", [])))
     # the test is pre-registered at its planned seeds: a look at fewer is not the test (stopping early on a
     # small p would inflate the error rate), so it carries no verdict
-    verdict = (
-        f"**{'shown' if ok else 'not shown'}** at alpha {proto['alpha']} (both tests must pass)"
-        if len(d) >= planned
-        else f"an interim look at {len(d)} of the {planned} pre-registered seeds, NOT the test: no verdict"
-    )
+    if proto.get("is_pilot"):  # a pilot sizes the test on other seeds: its look is not the test
+        verdict = "the pilot's look (it sizes the test), NOT the test: no verdict"
+    elif len(d) >= planned:
+        verdict = f"**{'shown' if ok else 'not shown'}** at alpha {proto['alpha']} (both tests must pass)"
+    else:
+        verdict = (
+            f"an interim look at {len(d)} of the {planned} pre-registered seeds, NOT the test: no verdict"
+        )
     # the power of the test that judged it: the effect its seeds detect at the paired SD it saw
     sd = float(np.std(d, ddof=1))
     mdd = minimum_detectable_difference(sd, len(d), proto["alpha"], proto["power"], "greater")
@@ -1356,7 +1359,9 @@ def main(argv: list[str] | None = None) -> None:
         dirty_diff(out, args.allow_dirty or args.quick),
         frozenset(r for r, spec in recipes.items() if "equal_cost" in spec),
     )
-    figures = Path(args.figures) / ("quick" if args.quick else "") / ("pilot" if args.pilot else "")
+    # a protocol's ``figures`` folder keeps its recipes' figures apart from another protocol's of the same name
+    sub = proto.get("figures", "")
+    figures = Path(args.figures) / sub / ("quick" if args.quick else "") / ("pilot" if args.pilot else "")
     render(out, figures, proto_path, args.long, args.pilot)
     print((out / "summary.md").read_text())
     print(f"wrote {out}/<recipe>/*.csv, {out}/summary.md, {figures}/reward_curves_<recipe>.png")

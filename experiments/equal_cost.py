@@ -177,9 +177,9 @@ def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
 
 
 def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = None) -> None:
-    """Held-out reward against the budget clock (``evaluations``; measured training seconds without ``ec``)
-    and against backward passes, one curve per arm: the mean over seeds at each evaluation, the band +- one
-    standard error across seeds."""
+    """Held-out reward gain over the base model (same seed) against the budget clock (``evaluations``;
+    measured training seconds without ``ec``) and against backward passes, one curve per arm: the mean over
+    seeds at each evaluation, the band +- one standard error across seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,15 +194,19 @@ def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = Non
     colour = dict(zip(arms, plt.get_cmap("tab10" if len(arms) <= 10 else "tab20").colors, strict=False))
     for row, m in enumerate(metrics):
         for arm in arms:
-            g = evaluations(df, arm, m, secs.get(arm)).groupby("iteration")
-            mean, se = g[m].mean(), g[m].sem().fillna(0)
+            e = evaluations(df, arm, m, secs.get(arm))
+            # the gain over the base model of the same seed: the seeds' evaluation noise is shared by every
+            # arm, so the band shows how far the arms' gains spread, not how the seeds' prompts differ
+            e["gain"] = e[m] - e.seed.map(e[e.iteration == 0].groupby("seed")[m].first())
+            g = e.groupby("iteration")
+            mean, se = g.gain.mean(), g.gain.sem().fillna(0)
             for col, x in enumerate((g.budget.mean(), g.passes.mean())):
                 ax = axes[row][col]
                 ax.plot(x.values, mean.values, marker="o", ms=3, color=colour[arm], label=arm)
                 ax.fill_between(
                     x.values, (mean - se).values, (mean + se).values, alpha=0.15, color=colour[arm]
                 )
-        label = m.replace("_mean", "").replace("eval_", "held-out ")
+        label = m.replace("_mean", "").replace("eval_", "held-out ") + " gain over the base"
         clock = (
             "wall-clock at each arm's recorded s/iteration" if secs else "training seconds (mean over seeds)"
         )

@@ -269,17 +269,19 @@ def curves_regenerator(protocol: str, pilot: bool):
     return lambda path, png: curves.render(path, png, EXPERIMENTS / protocol, pilot=pilot)
 
 
-# the protocols after version 3, by results folder; each with its pilot (figures under paper_figures/pilot/)
+# the protocols after version 3, by results folder; each with its pilot (figures under <its figures
+# folder>/pilot/; the equal-cost protocol's under equal_cost/, as its recipe shares the practitioners' name)
 TARGETS += [
     (
         f"reward curves ({folder}{suffix})",
         folder + suffix,
-        "pilot" if pilot else ".",
+        str(Path(sub) / ("pilot" if pilot else "")),
         curves_regenerator(p, pilot),
     )
-    for folder, p in (
-        ("curves_v4", "curves_protocol_v4.yaml"),
-        ("curves_practitioners", "curves_protocol_practitioners.yaml"),
+    for folder, p, sub in (
+        ("curves_v4", "curves_protocol_v4.yaml", "."),
+        ("curves_practitioners", "curves_protocol_practitioners.yaml", "."),
+        ("curves_equal_cost", "curves_protocol_equal_cost.yaml", "equal_cost"),
     )
     for pilot, suffix in ((False, ""), (True, "_pilot"))
 ]

@@ -819,6 +819,8 @@ def test_curves_contrast_carries_a_verdict_only_at_its_pre_registered_seeds():
     text = "\n".join(curves.contrast_lines(stats, proto))
     assert "interim look at 6 of the 24 pre-registered seeds, NOT the test: no verdict" in text
     assert "shown" not in text
+    pilot = "\n".join(curves.contrast_lines(stats, proto | {"is_pilot": True, "contrast": c}))
+    assert "NOT the test: no verdict" in pilot and "shown" not in pilot  # a pilot sizes, it does not test
 
 
 def test_curves_contrast_states_the_power_of_the_test_that_judged_it():
