@@ -852,7 +852,9 @@ def goal_lines(stats: dict, proto: dict, name: str, controls: dict[str, bool]) -
     if len(d) < 2:
         return []
     control = all(controls.values()) if controls else None
-    return equal_cost.goal_lines(d, goal, proto["alpha"], proto["power"], control)
+    return equal_cost.goal_lines(
+        d, goal, proto["alpha"], proto["power"], control, proto.get("is_pilot", False)
+    )
 
 
 def contrast_lines(stats: dict, proto: dict) -> list[str]:

@@ -96,11 +96,14 @@ def median_time(times: dict[int, float]) -> str:
     return f"{med:.0f} s ({hit}/{len(times)})" if math.isfinite(med) else f"not reached ({hit}/{len(times)})"
 
 
-def goal_lines(d: list[float], goal: dict, alpha: float, power: float, control: bool | None) -> list[str]:
+def goal_lines(
+    d: list[float], goal: dict, alpha: float, power: float, control: bool | None, pilot: bool = False
+) -> list[str]:
     """The recipe's goal read as non-inferiority: ``goal['arm']`` reaches the reference's value within
     ``margin`` at the end of the budget (better counts: at equal cost a better arm meets the goal), from the
     paired differences ``d`` = arm - reference. One-sided t-test and sign-flip test of mean(d) > -margin, both
-    required, as the contrasts; a claim only where the positive control is detected (``control``)."""
+    required, as the contrasts; a claim only where the positive control is detected (``control``), and none
+    from a ``pilot``, which sizes the test on other seeds."""
     import numpy as np
 
     from jagg.stats import minimum_detectable_difference, one_sided_below, paired_interval, sign_flip_test
@@ -109,7 +112,9 @@ def goal_lines(d: list[float], goal: dict, alpha: float, power: float, control: 
     shifted = [x + m for x in d]
     p_t, p_flip = one_sided_below([-x for x in shifted]), sign_flip_test(shifted, "greater")
     passed = p_t < alpha and p_flip < alpha
-    if not passed:
+    if pilot:
+        reading = "the pilot's look (it sizes the test), NOT the test: no verdict"
+    elif not passed:
         reading = "**not shown**"
     elif control:
         reading = "**reached** (non-inferior within the margin; the positive control is detected)"

@@ -294,3 +294,4 @@ def test_the_goal_is_non_inferiority_and_needs_the_positive_control():
     assert "NO claim" in "\n".join(equal_cost.goal_lines(better, goal, 0.05, 0.8, control=False))
     below = [-0.30, -0.25, -0.40, -0.20, -0.35, -0.30]
     assert "**not shown**" in "\n".join(equal_cost.goal_lines(below, goal, 0.05, 0.8, control=True))
+    assert "NOT the test" in "\n".join(equal_cost.goal_lines(better, goal, 0.05, 0.8, True, pilot=True))
