@@ -344,7 +344,8 @@ CPU_SECONDS = "cpu_seconds"  # a run directory's CPU seconds, one line per attem
 
 
 def cpu_seconds(run_dir: Path) -> float | None:
-    """The CPU seconds every attempt of a run took (``run_one``), None where none was recorded."""
+    """The CPU seconds a run's attempts took (``run_one``), None where none was recorded. An attempt killed
+    together with this process (a session's end) records nothing, so a resumed run's total is a lower bound."""
     path = run_dir / CPU_SECONDS
     return sum(float(x) for x in path.read_text().split()) if path.is_file() else None
 
@@ -715,6 +716,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         f"{m[5:-5]} {sum(b[m] for b in stats['base'].values()) / len(stats['base']):.3f}"
         for m in stats["metrics"]
     )
+    equal = bool(proto["recipes"].get(name, {}).get("equal_cost"))  # arms end after different iterations
     rows = analyse(stats, arms, specs, alpha, power, ref)
     controls = control_detected(rows, controls_named, alpha)
     if not controls:
@@ -771,7 +773,8 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             if meta.get("cpu")
             else ""
         )
-        + f"{last_it} iterations{' (the longest run)' if proto['recipes'].get(name, {}).get('equal_cost') else ''}. Base model (iteration 0, mean over the seeds' evaluation noise): {base}.",
+        + f"{last_it} iterations{' (the longest run)' if equal else ''}. Base model (iteration 0, mean over "
+        f"the seeds' evaluation noise): {base}.",
         "",
         f"**Design check.** {design}",
         "",
@@ -779,7 +782,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         "",
         (
             "End = each run's last evaluation, at the end of its budget"
-            if proto["recipes"].get(name, {}).get("equal_cost")
+            if equal
             else f"End = the last evaluation (iteration {last_it})"
         )
         + "; auc = the mean level over all evaluations. Margins are "
