@@ -957,10 +957,15 @@ def fidelity_lines(df, arms: list[str]) -> list[str]:
         "### Fidelity to exact and divergence from exact's run",
         "",
         "fidelity: the cosine (relative error) of the gradient each arm hands to the optimizer (AdamW) to exact's "
-        "on the same rollout and weights, mean over the logged iterations; landing: the same for the optimizer "
-        "step that gradient makes and for the velocity change it causes on the trained states; divergence: "
-        "||theta - theta_exact|| / ||theta_exact - theta_0|| and the same for the held-out samples, at the last "
-        "evaluation. Mean [95% CI] over seeds.",
+        "on the same rollout and weights, mean over the logged iterations; "
+        + (
+            "landing: the same for the optimizer step that gradient makes and for the velocity change it "
+            "causes on the trained states; "
+            if any(c.startswith("landing_") for c in cols)
+            else ""
+        )
+        + "divergence: ||theta - theta_exact|| / ||theta_exact - theta_0|| and the same for the held-out "
+        "samples, at the last evaluation. Mean [95% CI] over seeds.",
         "",
         "| arm | " + " | ".join(cols) + " |",
         "|---|" + "---|" * len(cols),
