@@ -716,7 +716,9 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         f"{m[5:-5]} {sum(b[m] for b in stats['base'].values()) / len(stats['base']):.3f}"
         for m in stats["metrics"]
     )
-    equal = bool(proto["recipes"].get(name, {}).get("equal_cost"))  # arms end after different iterations
+    ec = (
+        proto["recipes"].get(name, {}).get("equal_cost")
+    )  # an equal-cost recipe's arms end at different iterations
     rows = analyse(stats, arms, specs, alpha, power, ref)
     controls = control_detected(rows, controls_named, alpha)
     if not controls:
@@ -773,7 +775,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             if meta.get("cpu")
             else ""
         )
-        + f"{last_it} iterations{' (the longest run)' if equal else ''}. Base model (iteration 0, mean over "
+        + f"{last_it} iterations{' (the longest run)' if ec else ''}. Base model (iteration 0, mean over "
         f"the seeds' evaluation noise): {base}.",
         "",
         f"**Design check.** {design}",
@@ -782,7 +784,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         "",
         (
             "End = each run's last evaluation, at the end of its budget"
-            if equal
+            if ec
             else f"End = the last evaluation (iteration {last_it})"
         )
         + "; auc = the mean level over all evaluations. Margins are "
@@ -806,7 +808,6 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             *judge,
             "",
         ]
-    ec = proto["recipes"].get(name, {}).get("equal_cost")
     lines += (
         (equal_cost.section_lines(df, stats, proto, ec) if ec else [])
         + goal_lines(stats, proto, name, controls)
