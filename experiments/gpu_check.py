@@ -5,7 +5,10 @@ of the real classes and configs (``jagg.scale.architectures.KNOWN_CONFIGS``, the
 models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage still
 runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts only
 if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
-(a stage that runs past its budget is flagged ``over_budget``). Stages, in order:
+(a stage that runs past its budget is flagged ``over_budget``). On CUDA each stage runs in its own process
+(``--isolate``), since a CUDA error such as an illegal memory access poisons every later call in its process; a
+failed stage keeps the end of its traceback. ``--sdpa`` restricts the attention kernels torch may pick, to test
+whether a failure follows one of them. Stages, in order:
 
 1. ``environment``: torch / CUDA / cuDNN / NCCL versions, the GPU, the SDPA flags and one tiny SDPA call per
    kernel (flash / mem-efficient / cuDNN / math) checked against the math kernel.
@@ -34,6 +37,7 @@ from a CPU. A Markdown summary is written beside the JSON.
 
     python experiments/gpu_check.py [--out results/gpu/gpu_check.json] [--tiny] [--budget-s 480]
                                     [--stages environment blocks ...] [--scratch DIR]
+                                    [--sdpa flash mem_efficient cudnn math] [--[no-]isolate]
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -363,6 +369,7 @@ def run_stages(
     selected: set[str] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     on_record: Callable[[list[dict]], None] | None = None,
+    runner: Callable[[Stage], dict] | None = None,
 ) -> list[dict]:
     """Run ``stages`` in order within ``budget_s`` seconds of ``clock``; one record per stage.
 
@@ -370,7 +377,9 @@ def run_stages(
     exception ends that stage only (``failed``, with its error line), and memory is released before the next.
     ``on_record(records so far)`` after each stage (``main`` rewrites the JSON, so a killed run keeps them).
     Stage deadlines are on ``time.perf_counter``; ``clock`` (a fake one in the tests) decides what starts.
+    ``runner(stage)`` runs one stage (default: in this process; ``main`` passes ``run_isolated`` on CUDA).
     """
+    runner = runner or (lambda stage: _run_stage(stage, ctx, clock))
     start = clock()
     records: list[dict] = []
     for stage in stages:
@@ -383,7 +392,7 @@ def run_stages(
             rec.update(status="skipped", reason=reason)
             ctx.log(f"[{stage.name}] skipped: {reason}")
         else:
-            rec.update(_run_stage(stage, ctx, clock))
+            rec.update(runner(stage))
         records.append(rec)
         if on_record is not None:
             on_record(records)
@@ -399,7 +408,7 @@ def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
     try:
         rec = dict(status="ok", result=stage.fn(ctx, time.perf_counter() + stage.budget_s))
     except Exception as exc:  # a failing stage must not stop the others
-        rec = dict(status="failed", error=error_line(exc))
+        rec = dict(status="failed", error=error_line(exc), traceback=traceback.format_exc()[-TRACEBACK_CHARS:])
         ctx.log(f"[{stage.name}] failed: {rec['error']}")
     rec["seconds"] = clock() - t0
     rec["over_budget"] = rec["seconds"] > stage.budget_s
@@ -407,6 +416,46 @@ def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
         rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
     _free(None, ctx.device)
     return rec
+
+
+TRACEBACK_CHARS = 4000  # the end of a failed stage's traceback (or a crashed child's stderr) kept in its record
+
+
+def run_isolated(stage: Stage, argv: list[str], timeout_s: float) -> dict:
+    """Run one stage in a child process (this script with ``--one-stage``) and return its record.
+
+    A CUDA error such as an illegal memory access poisons the process's CUDA context, so every later stage in
+    it would fail too; a child per stage keeps "a failing stage does not stop the others" true on a GPU. A
+    child that dies without writing its record (a crash, a kill at ``timeout_s``) is a ``failed`` record with
+    the end of its stderr. ``seconds`` is the stage's own time, measured in the child; ``process_s`` adds the
+    child's start (imports, CUDA context), which the budget of the whole run pays too.
+    """
+    with tempfile.TemporaryDirectory(prefix="gpu_check_stage_") as tmp:
+        record = Path(tmp) / "record.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-stage", stage.name]
+        cmd += ["--record", str(record)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
+            stderr, rc = proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:  # its stderr can be bytes even with text=True
+            err = exc.stderr or ""
+            stderr = err.decode(errors="replace") if isinstance(err, bytes) else err
+            rc = f"killed after {timeout_s:.0f} s"
+        sys.stderr.write(stderr)
+        if record.exists():
+            return {**json.loads(record.read_text()), "process_s": time.perf_counter() - t0}
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    error = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+    seconds = time.perf_counter() - t0
+    return dict(
+        status="failed",
+        error=f"child process ({rc}): {error.strip()}"[:500],
+        traceback=stderr[-TRACEBACK_CHARS:],
+        seconds=seconds,
+        process_s=seconds,
+        over_budget=seconds > stage.budget_s,
+    )
 
 
 def _timed(fn: Callable[..., object], device: torch.device, *args) -> tuple[object, float]:
@@ -428,6 +477,7 @@ def _gib(n: int | None) -> float | None:
 
 # --------------------------------------------------------------------------- 1. environment
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+SDPA_FLAGS = ("flash", "mem_efficient", "cudnn", "math")  # torch.backends.cuda.enable_<flag>_sdp
 
 
 def _nccl_version() -> str:
@@ -453,10 +503,7 @@ def stage_environment(ctx: Context, deadline: float) -> dict:
         out.update(
             gpu=prop.name, gpu_memory_gib=prop.total_memory / 2**30, capability=f"{prop.major}.{prop.minor}"
         )
-        out["sdpa_flags"] = {
-            k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")()
-            for k in ("flash", "mem_efficient", "cudnn", "math")
-        }
+    out["sdpa_flags"] = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in SDPA_FLAGS}
     shape = (1, 24, 1024, 128) if ctx.cuda else (1, 2, 16, 8)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
     q, k, v = (torch.randn(shape, generator=g, device=ctx.device, dtype=ctx.dtype) for _ in range(3))
@@ -1015,6 +1062,22 @@ def main(argv: list[str] | None = None) -> int:
         "--scratch", default=None, help="directory for the DCP write (default: the system temp dir)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sdpa",
+        nargs="+",
+        default=None,
+        choices=SDPA_FLAGS,
+        help="allow only these SDPA kernels (torch.backends.cuda.enable_*_sdp; default: torch's own choice)",
+    )
+    ap.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each stage in its own process, so a CUDA crash does not poison the next (default: on with CUDA)",
+    )
+    ap.add_argument("--one-stage", default=None, help=argparse.SUPPRESS)  # a child of --isolate
+    ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.budget_s <= 0:
         ap.error(f"--budget-s must be > 0 seconds, got {args.budget_s}")
@@ -1024,9 +1087,18 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     out = Path(args.out or default_out(cuda))
+    if args.scratch:
+        Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    if args.sdpa:
+        for flag in SDPA_FLAGS:
+            getattr(torch.backends.cuda, f"enable_{flag}_sdp")(flag in args.sdpa)
     ctx = Context(
         device=device, tiny=args.tiny or not cuda, seed=args.seed, batch=args.batch, scratch=args.scratch
     )
+    if args.one_stage:  # a child of run_isolated: one stage, its record to --record
+        stage = {s.name: s for s in STAGES}[args.one_stage]
+        atomic_write_text(Path(args.record), json.dumps(_run_stage(stage, ctx, time.perf_counter), default=str))
+        return 0
     if not cuda:
         print("gpu_check: no CUDA device: every stage runs its tiny version on the CPU (seconds);")
         print(f"gpu_check: these are not GPU numbers, and they go to {out}, not {GPU_OUT}.")
@@ -1055,7 +1127,10 @@ def main(argv: list[str] | None = None) -> int:
         return report
 
     selected = set(args.stages) if args.stages else None
-    report = write(run_stages(STAGES, ctx, args.budget_s, selected=selected, on_record=write))
+    isolate = cuda if args.isolate is None else args.isolate
+    runner = (lambda stage: run_isolated(stage, argv, 2 * stage.budget_s + 60)) if isolate else None
+    meta["isolated_stages"] = isolate
+    report = write(run_stages(STAGES, ctx, args.budget_s, selected=selected, on_record=write, runner=runner))
     md = to_markdown(report)
     atomic_write_text(out.with_suffix(".md"), md)
     print(md)

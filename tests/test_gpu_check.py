@@ -211,3 +211,38 @@ def test_settings_come_from_the_paper_configs():
     )
     assert gpu_check.RESOLUTIONS == {"flux": (720,), "qwenimage": (720, 512)}
     assert gpu_check.TEXT_TOKENS["flux"] == dance.model.max_sequence_length == 512
+
+
+def test_isolated_stage_runs_in_a_child_and_a_crashed_child_is_a_failed_record(tmp_path):
+    """On CUDA each stage runs in its own process (a CUDA error poisons its process): the child's record comes
+    back whole; a child that dies without one is ``failed`` with the end of its stderr, and the run goes on."""
+    argv = ["--tiny", "--scratch", str(tmp_path)]
+    by_name = {s.name: s for s in gpu_check.STAGES}
+    rec = gpu_check.run_isolated(by_name["adamw_dcp"], argv, timeout_s=120)
+    assert rec["status"] == "ok" and rec["result"]["written_gib"] > 0
+    assert rec["process_s"] >= rec["seconds"] > 0  # the child's start is on top of the stage's own time
+    missing = gpu_check.Stage("no_such_stage", 10, lambda ctx, deadline: {}, "not in STAGES: the child dies")
+    dead = gpu_check.run_isolated(missing, argv, timeout_s=120)
+    assert dead["status"] == "failed" and dead["error"].startswith("child process (1): KeyError")
+    assert "no_such_stage" in dead["traceback"] and "Traceback" in dead["traceback"]
+
+
+def test_failed_stage_keeps_its_traceback_and_sdpa_restricts_the_kernels(tmp_path, monkeypatch):
+    def broken(ctx, deadline):
+        raise RuntimeError("deep inside")
+
+    monkeypatch.setattr(gpu_check, "STAGES", [gpu_check.Stage("a", 10, broken, "raises")])
+    flags = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_FLAGS}
+    out = tmp_path / "gpu_check.json"
+    try:
+        assert gpu_check.main(["--out", str(out), "--sdpa", "mem_efficient", "math", "--no-isolate"]) == 0
+        now = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_FLAGS}
+    finally:
+        for k, on in flags.items():
+            getattr(torch.backends.cuda, f"enable_{k}_sdp")(on)
+    assert now == {"flash": False, "mem_efficient": True, "cudnn": False, "math": True}
+    report = json.loads(out.read_text())
+    (stage,) = report["stages"]
+    assert stage["status"] == "failed" and "in broken" in stage["traceback"]
+    assert report["meta"]["config"]["sdpa"] == ["mem_efficient", "math"]
+    assert report["meta"]["isolated_stages"] is False
