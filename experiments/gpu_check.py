@@ -408,7 +408,9 @@ def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
     try:
         rec = dict(status="ok", result=stage.fn(ctx, time.perf_counter() + stage.budget_s))
     except Exception as exc:  # a failing stage must not stop the others
-        rec = dict(status="failed", error=error_line(exc), traceback=traceback.format_exc()[-TRACEBACK_CHARS:])
+        rec = dict(
+            status="failed", error=error_line(exc), traceback=traceback.format_exc()[-TRACEBACK_CHARS:]
+        )
         ctx.log(f"[{stage.name}] failed: {rec['error']}")
     rec["seconds"] = clock() - t0
     rec["over_budget"] = rec["seconds"] > stage.budget_s
@@ -418,7 +420,8 @@ def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
     return rec
 
 
-TRACEBACK_CHARS = 4000  # the end of a failed stage's traceback (or a crashed child's stderr) kept in its record
+# the end of a failed stage's traceback (or of a crashed child's stderr) kept in its record
+TRACEBACK_CHARS = 4000
 
 
 def run_isolated(stage: Stage, argv: list[str], timeout_s: float) -> dict:
@@ -1097,7 +1100,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.one_stage:  # a child of run_isolated: one stage, its record to --record
         stage = {s.name: s for s in STAGES}[args.one_stage]
-        atomic_write_text(Path(args.record), json.dumps(_run_stage(stage, ctx, time.perf_counter), default=str))
+        atomic_write_text(
+            Path(args.record), json.dumps(_run_stage(stage, ctx, time.perf_counter), default=str)
+        )
         return 0
     if not cuda:
         print("gpu_check: no CUDA device: every stage runs its tiny version on the CPU (seconds);")
