@@ -412,11 +412,15 @@ def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
             status="failed", error=error_line(exc), traceback=traceback.format_exc()[-TRACEBACK_CHARS:]
         )
         ctx.log(f"[{stage.name}] failed: {rec['error']}")
+        sys.stderr.write(rec["traceback"])  # kept even if the cleanup below dies on a poisoned CUDA context
     rec["seconds"] = clock() - t0
     rec["over_budget"] = rec["seconds"] > stage.budget_s
-    if ctx.cuda:
-        rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
-    _free(None, ctx.device)
+    try:
+        if ctx.cuda:
+            rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+        _free(None, ctx.device)
+    except Exception as exc:  # after an illegal memory access every CUDA call fails: the record still counts
+        rec["cleanup_error"] = error_line(exc)
     return rec
 
 

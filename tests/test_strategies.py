@@ -258,3 +258,34 @@ def test_a_group_backward_rejects_non_decreasing_sigmas():
     module, velocity, latents, sigmas, step_loss = setup_group("mlp", 3)
     with pytest.raises(ValueError, match="strictly decreasing"):
         backward("jagg", velocity, latents, sigmas.flip(0), step_loss)
+
+
+def test_per_sample_weights_reach_signals_on_another_device():
+    """A plan lives on the CPU; its per-sample (B,) weights must follow the signals to their device.
+
+    The first H200 run of ``make gpu-check`` failed here ("Expected all tensors to be on the same device"):
+    ``Interpolation.stack`` kept a JAGG group's (W, 2, B) weights on the CPU and ``knot_signal`` multiplied them
+    with CUDA signals. The meta device stands in for the GPU on a CPU-only machine.
+    """
+    from jagg.engine.knots import Knots
+    from jagg.engine.routing import Routing
+    from jagg.engine.strategies import _Run
+
+    b = 3
+    per_sample = torch.stack([SIGMAS[:6] * f for f in (1.0, 0.9, 0.8)], dim=1)  # (T, B), distinct per sample
+    plans = (
+        Routing(strategy="jagg", group_size=3).interpolation(per_sample),
+        Knots(count=3, placement="index").interpolation(per_sample),
+    )
+    for plan in plans:
+        assert plan.weights.device.type == "cpu" and plan.weights.dtype == torch.float64
+        assert plan.weights.ndim == 3 and plan.weights.shape[2] == b
+        run = _Run(None, None, per_sample, None, None, plan)
+        run.signals = {j: torch.ones(b, 4, 2, 2, device="meta") for j in range(plan.num_steps)}
+        for k in range(len(plan.knots)):
+            g = run.knot_signal(k)
+            assert g.device.type == "meta" and g.shape == (b, 4, 2, 2)
+    cpu = _Run(None, None, per_sample, None, None, plans[0])  # the same sums on the CPU, by hand
+    cpu.signals = {j: torch.full((b, 1), float(j + 1)) for j in range(plans[0].num_steps)}
+    want = sum(plans[0].weights[j, 0] * (j + 1) for j in range(plans[0].num_steps)).float()
+    assert torch.allclose(cpu.knot_signal(0).squeeze(1), want)

@@ -245,7 +245,10 @@ class Interpolation:
     JAGG group is a (W, 2) block; knots are hat functions of t (``jagg.engine.knots``).
 
     knots: (K,) positions of the knot steps among the T steps, ascending.
-    weights: (T, K) or per-sample (T, K, B), float64. A step whose row is zero needs no signal (no forward).
+    weights: (T, K) or per-sample (T, K, B), float64, kept on the CPU whatever device the times it was built
+        from live on: it is small, its structure (``feeding``, ``is_plain``) is read without a device sync, and
+        ``knot_signal`` moves each weight it uses to its signal's device. A step whose row is zero needs no
+        signal (no forward).
     blocks: knot indices back-propagated together (one pass of ``GRAPH_MODES``), in order, covering 0..K-1
         once. A block of one knot fed only by its own step with weight 1 is a plain step: forward, loss,
         backward, exactly as DanceGRPO / Flow-GRPO train (it never reads stored outputs).
@@ -258,6 +261,7 @@ class Interpolation:
     name: str
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", self.weights.detach().to("cpu", torch.float64))
         t, k = self.weights.shape[:2]
         if len(self.knots) != k or list(self.knots) != sorted(set(self.knots)) or min(self.knots) < 0:
             raise ValueError(f"knots must be {k} ascending distinct step positions, got {self.knots}")
@@ -380,7 +384,7 @@ class _Run:
             if not bool((w_jk != 0).any()):
                 continue
             s_j = self.signals[j]
-            w_jk = w_jk.to(s_j.dtype)
+            w_jk = w_jk.to(s_j.device, s_j.dtype)  # a per-sample (B,) weight must be on the signal's device
             if w_jk.ndim == 1:  # per-sample weight: (B,) -> (B, 1, ...)
                 w_jk = w_jk.view(-1, *([1] * (s_j.ndim - 1)))
             total = w_jk * s_j if total is None else total + w_jk * s_j
