@@ -7,8 +7,9 @@ runs), or ``skipped`` with the reason (the time left was under its budget, or no
 if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
 (a stage that runs past its budget is flagged ``over_budget``). On CUDA each stage runs in its own process
 (``--isolate``), since a CUDA error such as an illegal memory access poisons every later call in its process; a
-failed stage keeps the end of its traceback. ``--sdpa`` restricts the attention kernels torch may pick, to test
-whether a failure follows one of them. Stages, in order:
+failed stage keeps the end of its traceback. ``--sdpa`` names the attention kernels torch may pick; by default
+those of the paper configs' ``train.sdpa_kernels``, which a training run enables too (all four: torch's own
+choice, which on torch 2.11 / H200 picked cuDNN attention and crashed the first update). Stages, in order:
 
 1. ``environment``: torch / CUDA / cuDNN / NCCL versions, the GPU, the SDPA flags and one tiny SDPA call per
    kernel (flash / mem-efficient / cuDNN / math) checked against the math kernel.
@@ -48,6 +49,7 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,13 +65,14 @@ import torch
 from torch import nn
 
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads
-from jagg.config import AlgorithmConfig, Config, load_config
+from jagg.config import SDPA_KERNELS, AlgorithmConfig, Config, load_config
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import TrainedSteps
 from jagg.engine.routing import Routing
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import GRAPH_MODES, GraphRun, group_interpolation
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
+from jagg.ops.node import apply_sdpa_kernels
 from jagg.scale.architectures import KNOWN_CONFIGS, VAE_SCALE
 from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
@@ -247,7 +250,9 @@ def run_variants(model, velocity, x, sigma, outputs, loss, device, deadline: flo
         except torch.OutOfMemoryError:
             rows.append({**row, "status": "out of memory"})
             continue
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # no list of the gradients: one kept past this row stays resident through the next variant (the first
+        # H200 run's full-parameter rows carried a whole stray gradient in their resident and peak memory)
+        grads = (p.grad for p in model.parameters() if p.grad is not None)
         finite = all(bool(torch.isfinite(gr).all()) for gr in grads) and math.isfinite(stats.loss)
         rows.append(
             {
@@ -428,6 +433,10 @@ def _run_stage(stage: Stage, ctx: Context, clock: Callable[[], float]) -> dict:
 TRACEBACK_CHARS = 4000
 
 
+# the last line of a Python traceback: "torch.AcceleratorError: CUDA error: ...", "KeyError: 'x'"
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+
+
 def run_isolated(stage: Stage, argv: list[str], timeout_s: float) -> dict:
     """Run one stage in a child process (this script with ``--one-stage``) and return its record.
 
@@ -453,7 +462,7 @@ def run_isolated(stage: Stage, argv: list[str], timeout_s: float) -> dict:
         if record.exists():
             return {**json.loads(record.read_text()), "process_s": time.perf_counter() - t0}
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
-    error = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+    error = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), lines[-1] if lines else "")
     seconds = time.perf_counter() - t0
     return dict(
         status="failed",
@@ -484,7 +493,6 @@ def _gib(n: int | None) -> float | None:
 
 # --------------------------------------------------------------------------- 1. environment
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
-SDPA_FLAGS = ("flash", "mem_efficient", "cudnn", "math")  # torch.backends.cuda.enable_<flag>_sdp
 
 
 def _nccl_version() -> str:
@@ -510,7 +518,7 @@ def stage_environment(ctx: Context, deadline: float) -> dict:
         out.update(
             gpu=prop.name, gpu_memory_gib=prop.total_memory / 2**30, capability=f"{prop.major}.{prop.minor}"
         )
-    out["sdpa_flags"] = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in SDPA_FLAGS}
+    out["sdpa_flags"] = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in SDPA_KERNELS}
     shape = (1, 24, 1024, 128) if ctx.cuda else (1, 2, 16, 8)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
     q, k, v = (torch.randn(shape, generator=g, device=ctx.device, dtype=ctx.dtype) for _ in range(3))
@@ -1073,8 +1081,9 @@ def main(argv: list[str] | None = None) -> int:
         "--sdpa",
         nargs="+",
         default=None,
-        choices=SDPA_FLAGS,
-        help="allow only these SDPA kernels (torch.backends.cuda.enable_*_sdp; default: torch's own choice)",
+        choices=SDPA_KERNELS,
+        help="allow only these SDPA kernels (default: the paper configs' train.sdpa_kernels, as training runs; "
+        "all four: torch's own choice)",
     )
     ap.add_argument(
         "--isolate",
@@ -1096,9 +1105,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or default_out(cuda))
     if args.scratch:
         Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    if args.sdpa:
-        for flag in SDPA_FLAGS:
-            getattr(torch.backends.cuda, f"enable_{flag}_sdp")(flag in args.sdpa)
+    args.sdpa = args.sdpa or _DANCE.train.sdpa_kernels  # what a training run enables (jagg.ops.node)
+    apply_sdpa_kernels(args.sdpa)
     ctx = Context(
         device=device, tiny=args.tiny or not cuda, seed=args.seed, batch=args.batch, scratch=args.scratch
     )

@@ -24,6 +24,15 @@ STAGE_NAMES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _sdpa_flags_restored():
+    """``main`` enables the attention kernels it checks (process-wide flags): each test leaves them as found."""
+    flags = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_KERNELS}
+    yield
+    for k, on in flags.items():
+        getattr(torch.backends.cuda, f"enable_{k}_sdp")(on)
+
+
 class FakeClock:
     """A clock that stages advance by hand."""
 
@@ -232,11 +241,11 @@ def test_failed_stage_keeps_its_traceback_and_sdpa_restricts_the_kernels(tmp_pat
         raise RuntimeError("deep inside")
 
     monkeypatch.setattr(gpu_check, "STAGES", [gpu_check.Stage("a", 10, broken, "raises")])
-    flags = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_FLAGS}
+    flags = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_KERNELS}
     out = tmp_path / "gpu_check.json"
     try:
         assert gpu_check.main(["--out", str(out), "--sdpa", "mem_efficient", "math", "--no-isolate"]) == 0
-        now = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_FLAGS}
+        now = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_KERNELS}
     finally:
         for k, on in flags.items():
             getattr(torch.backends.cuda, f"enable_{k}_sdp")(on)
@@ -246,3 +255,14 @@ def test_failed_stage_keeps_its_traceback_and_sdpa_restricts_the_kernels(tmp_pat
     assert stage["status"] == "failed" and "in broken" in stage["traceback"]
     assert report["meta"]["config"]["sdpa"] == ["mem_efficient", "math"]
     assert report["meta"]["isolated_stages"] is False
+
+
+def test_default_attention_kernels_are_the_paper_configs(tmp_path):
+    """Without --sdpa the check enables what a paper run enables (train.sdpa_kernels), and records it."""
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--out", str(out), "--stages", "environment", "--no-isolate"]) == 0
+    report = json.loads(out.read_text())
+    want = gpu_check.paper_config("flux_dancegrpo").train.sdpa_kernels
+    assert want == ["flash", "mem_efficient", "math"] and report["meta"]["config"]["sdpa"] == want
+    env = report["stages"][0]["result"]
+    assert env["sdpa_flags"] == {k: k in want for k in gpu_check.SDPA_KERNELS}

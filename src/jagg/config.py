@@ -45,6 +45,8 @@ TRACKER_NAMES = ("tensorboard", "wandb")
 # train.seed's largest value: jagg.common.generator seeds with seed * 1_000_003 + offsets, which must stay
 # inside torch's 64-bit seed range (the usual 32-bit seeds leave ample room)
 MAX_SEED = 2**32 - 1
+# train.sdpa_kernels: torch's scaled-dot-product-attention kernels, by their torch.backends.cuda flag names
+SDPA_KERNELS = ("flash", "mem_efficient", "cudnn", "math")
 
 # The one definition of a tiny run (tests, smoke modes of the drivers, notebooks): overrides on top of any world
 # config. TINY_OVERRIDES makes it need no `make pretrain`: random-init world backbones (model.source=tiny) scored
@@ -336,6 +338,11 @@ class TrainConfig:
     # seconds any collective (barriers included) may wait under torchrun: rank 0 alone loads the weights,
     # precomputes embeddings, exports or writes a slow checkpoint while the others wait (NCCL default: 10 min)
     dist_timeout_s: int = 3600
+    # the attention (SDPA) kernels a CUDA run may use (torch.backends.cuda.enable_<name>_sdp), a subset of
+    # SDPA_KERNELS; null: torch's own choice. The paper configs leave cuDNN out: on torch 2.11 / H200 its
+    # backward failed in the first Flux update ("mha_graph.execute", then an illegal memory access:
+    # results/gpu/README.md)
+    sdpa_kernels: list[str] | None = None
     # positive control (jagg.engine.control): the gradient mixed with a random direction at this cosine, the
     # direction drawn once per run (fixed: a bias, as JAGG's error is) or for every optimizer step (fresh: noise)
     control_cosine: float | None = None
@@ -930,6 +937,11 @@ def _validate_train(train: TrainConfig) -> None:
     _require(
         0 <= train.seed <= MAX_SEED,
         f"train.seed must be in [0, {MAX_SEED}] (it seeds torch generators), got {train.seed}",
+    )
+    _require(
+        train.sdpa_kernels is None
+        or (bool(train.sdpa_kernels) and set(train.sdpa_kernels) <= set(SDPA_KERNELS)),
+        f"train.sdpa_kernels must be null or a non-empty list from {list(SDPA_KERNELS)}, got {train.sdpa_kernels!r}",
     )
     for key in (
         "iterations",

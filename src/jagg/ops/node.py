@@ -18,6 +18,8 @@ match, and the environment a CUDA run sets before CUDA initialises.
                 ``TORCH_FR_DUMP_TEMP_FILE``: on a collective timeout every rank dumps its last collectives to
                 ``log.run_dir/nccl_trace_rank_<r>``), read when the process group starts.
     optimizer   with ``optim.fused``, one fused AdamW step on the run's device (``jagg.scale.optimizer.check_fused``)
+    attention   ``train.sdpa_kernels``: on a CUDA run only these SDPA kernels are enabled (``apply_sdpa_kernels``);
+                the report names them
 
 The driver version comes from ``/proc/driver/nvidia/version`` (Linux) or ``nvidia-smi``, not from CUDA, so it is
 known exactly when CUDA cannot start; the CUDA version the loaded ``libcuda`` supports comes from its
@@ -36,7 +38,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from jagg.config import Config
+from jagg.config import SDPA_KERNELS, Config
 from jagg.errors import ConfigError
 from jagg.scale.optimizer import check_fused
 
@@ -270,6 +272,22 @@ def uses_cuda(cfg: Config, facts: NodeFacts | None = None) -> bool:
     )
 
 
+def apply_sdpa_kernels(kernels: list[str] | None) -> None:
+    """Enable exactly ``kernels`` of ``SDPA_KERNELS`` for this process's scaled-dot-product attention
+    (``train.sdpa_kernels``); None leaves torch's choice."""
+    import torch
+
+    for name in SDPA_KERNELS if kernels is not None else ():
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(name in kernels)
+
+
+def sdpa_kernels_line(kernels: list[str] | None) -> str:
+    """The node report's line for ``train.sdpa_kernels``."""
+    if kernels is None:
+        return "node: attention kernels: torch's choice (train.sdpa_kernels: null)"
+    return f"node: attention kernels: {', '.join(k for k in SDPA_KERNELS if k in kernels)} only (train.sdpa_kernels)"
+
+
 def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> NodeFacts | None:
     """The CLI's node step: on a run that may use CUDA set its environment defaults (before CUDA starts), then
     on such a run or a dry run report the node (each node's LOCAL_RANK 0, its host named when the job spans
@@ -286,6 +304,7 @@ def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> 
             log.warning("CUDA was initialised before the allocator setting could be applied")
         for key, value in cuda_run_env(cfg.log.run_dir).items():
             log.debug(f"node: set {key}={value}")
+        apply_sdpa_kernels(cfg.train.sdpa_kernels)
     # each node's first process (LOCAL_RANK 0) reports its node: on several nodes, global rank 0 would show
     # only its own node's GPUs and driver
     main = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
@@ -293,7 +312,7 @@ def prepare_node(cfg: Config, dry_run: bool, facts: NodeFacts | None = None) -> 
     if main:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         several = 0 < local < int(os.environ.get("WORLD_SIZE", "1"))
-        for line in node_report(facts):
+        for line in [*node_report(facts), sdpa_kernels_line(cfg.train.sdpa_kernels)]:
             log.info(line.replace("node:", f"node {socket.gethostname()}:", 1) if several else line)
     check_node(facts, cfg.train.device)
     if not dry_run:  # the optimizer on this rank's own GPU (a dry run may plan for another machine)
