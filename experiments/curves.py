@@ -716,9 +716,8 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         f"{m[5:-5]} {sum(b[m] for b in stats['base'].values()) / len(stats['base']):.3f}"
         for m in stats["metrics"]
     )
-    ec = (
-        proto["recipes"].get(name, {}).get("equal_cost")
-    )  # an equal-cost recipe's arms end at different iterations
+    # an equal-cost recipe's arms end at different iterations
+    ec = proto["recipes"].get(name, {}).get("equal_cost")
     rows = analyse(stats, arms, specs, alpha, power, ref)
     controls = control_detected(rows, controls_named, alpha)
     if not controls:

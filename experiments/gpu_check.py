@@ -72,7 +72,7 @@ from jagg.engine.routing import Routing
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import GRAPH_MODES, GraphRun, group_interpolation
 from jagg.models import BACKBONES, TINY_CONFIGS, TextCond
-from jagg.ops.node import apply_sdpa_kernels
+from jagg.ops.node import apply_sdpa_kernels, sdpa_kernel_flags
 from jagg.scale.architectures import KNOWN_CONFIGS, VAE_SCALE
 from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
@@ -518,7 +518,7 @@ def stage_environment(ctx: Context, deadline: float) -> dict:
         out.update(
             gpu=prop.name, gpu_memory_gib=prop.total_memory / 2**30, capability=f"{prop.major}.{prop.minor}"
         )
-    out["sdpa_flags"] = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in SDPA_KERNELS}
+    out["sdpa_flags"] = sdpa_kernel_flags()
     shape = (1, 24, 1024, 128) if ctx.cuda else (1, 2, 16, 8)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
     q, k, v = (torch.randn(shape, generator=g, device=ctx.device, dtype=ctx.dtype) for _ in range(3))

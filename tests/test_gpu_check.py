@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import gpu_check  # noqa: E402
+from jagg.ops.node import apply_sdpa_kernels, sdpa_kernel_flags  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="covers the CPU path (no CUDA)")
 STAGE_NAMES = [
@@ -27,10 +28,9 @@ STAGE_NAMES = [
 @pytest.fixture(autouse=True)
 def _sdpa_flags_restored():
     """``main`` enables the attention kernels it checks (process-wide flags): each test leaves them as found."""
-    flags = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_KERNELS}
+    flags = sdpa_kernel_flags()
     yield
-    for k, on in flags.items():
-        getattr(torch.backends.cuda, f"enable_{k}_sdp")(on)
+    apply_sdpa_kernels([k for k, on in flags.items() if on])
 
 
 class FakeClock:
@@ -241,15 +241,9 @@ def test_failed_stage_keeps_its_traceback_and_sdpa_restricts_the_kernels(tmp_pat
         raise RuntimeError("deep inside")
 
     monkeypatch.setattr(gpu_check, "STAGES", [gpu_check.Stage("a", 10, broken, "raises")])
-    flags = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_KERNELS}
-    out = tmp_path / "gpu_check.json"
-    try:
-        assert gpu_check.main(["--out", str(out), "--sdpa", "mem_efficient", "math", "--no-isolate"]) == 0
-        now = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in gpu_check.SDPA_KERNELS}
-    finally:
-        for k, on in flags.items():
-            getattr(torch.backends.cuda, f"enable_{k}_sdp")(on)
-    assert now == {"flash": False, "mem_efficient": True, "cudnn": False, "math": True}
+    out = tmp_path / "gpu_check.json"  # the autouse fixture restores the flags main sets
+    assert gpu_check.main(["--out", str(out), "--sdpa", "mem_efficient", "math", "--no-isolate"]) == 0
+    assert sdpa_kernel_flags() == {"flash": False, "mem_efficient": True, "cudnn": False, "math": True}
     report = json.loads(out.read_text())
     (stage,) = report["stages"]
     assert stage["status"] == "failed" and "in broken" in stage["traceback"]

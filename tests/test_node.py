@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from jagg.config import SDPA_KERNELS, TINY_RUN, load_config
+from jagg.config import TINY_RUN, load_config
 from jagg.errors import ConfigError
 from jagg.ops import node
 from jagg.ops.node import NodeFacts, check_node, cuda_run_env, install_hint, node_report, parse_driver_file
@@ -232,28 +232,27 @@ def test_log_lines_are_rank_tagged_under_torchrun(monkeypatch, capsys):
 def test_sdpa_kernels_are_applied_on_a_cuda_run_and_reported(tmp_path, capsys, clean_env):
     """train.sdpa_kernels: a CUDA run enables exactly those attention kernels; the report names them (a dry run
     only reports, a CPU run touches nothing). The paper configs leave cuDNN out (results/gpu/README.md)."""
-    import torch
-
-    flags = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in SDPA_KERNELS}
+    flags = node.sdpa_kernel_flags()
     try:
         _mock(clean_env, FORWARD)
         assert main(["--config", PAPER, "--dry-run", "--world-size", "8", f"log.run_dir={tmp_path}/r"]) == 0
         assert "node: attention kernels: flash, mem_efficient, math only" in capsys.readouterr().out
-        assert {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in SDPA_KERNELS} == flags
+        assert node.sdpa_kernel_flags() == flags
         over = [*TINY_RUN, f"log.run_dir={tmp_path}/run", "train.sdpa_kernels=[math, flash]"]
         cfg = load_config(WORLD, [*over, "train.device=cuda"])
         clean_env.setattr(node, "check_fused", lambda cfg, device: None)
         node.prepare_node(cfg, dry_run=False)
-        now = {k: getattr(torch.backends.cuda, f"{k}_sdp_enabled")() for k in SDPA_KERNELS}
-        assert now == {"flash": True, "mem_efficient": False, "cudnn": False, "math": True}
+        assert node.sdpa_kernel_flags() == {
+            "flash": True,
+            "mem_efficient": False,
+            "cudnn": False,
+            "math": True,
+        }
         node.apply_sdpa_kernels(["mem_efficient"])
         node.prepare_node(load_config(WORLD, over), dry_run=False)  # a CPU run: the flags stay as they were
-        assert [k for k in SDPA_KERNELS if getattr(torch.backends.cuda, f"{k}_sdp_enabled")()] == [
-            "mem_efficient"
-        ]
+        assert [k for k, on in node.sdpa_kernel_flags().items() if on] == ["mem_efficient"]
     finally:
-        for k, on in flags.items():
-            getattr(torch.backends.cuda, f"enable_{k}_sdp")(on)
+        node.apply_sdpa_kernels([k for k, on in flags.items() if on])
     assert load_config(WORLD).train.sdpa_kernels is None  # torch's own choice unless a config says otherwise
     for bad in ("[flash, cudnn2]", "[]"):
         with pytest.raises(ConfigError, match=r"train\.sdpa_kernels must be null or a non-empty list from"):

@@ -281,6 +281,13 @@ def apply_sdpa_kernels(kernels: list[str] | None) -> None:
         getattr(torch.backends.cuda, f"enable_{name}_sdp")(name in kernels)
 
 
+def sdpa_kernel_flags() -> dict[str, bool]:
+    """Which of ``SDPA_KERNELS`` this process's scaled-dot-product attention may use now."""
+    import torch
+
+    return {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in SDPA_KERNELS}
+
+
 def sdpa_kernels_line(kernels: list[str] | None) -> str:
     """The node report's line for ``train.sdpa_kernels``."""
     if kernels is None:
