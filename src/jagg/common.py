@@ -66,7 +66,9 @@ def git_sha(short: bool = False) -> str:
 
 
 def hardware() -> str:
-    """Human-readable hardware string, e.g. "CPU (AMD EPYC), 2 cores (x86_64), 1 torch thread"."""
+    """Human-readable hardware string, e.g. "CPU (AMD EPYC), 2 cores (x86_64), 1 torch thread, AVX2 kernels".
+    The kernels are the ones torch dispatches to (``ATEN_CPU_CAPABILITY``, which ``make`` pins to AVX2): two
+    machines with the same model name can run different ones, and then their floats differ."""
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -74,7 +76,7 @@ def hardware() -> str:
     model = cpu_model()
     return (
         f"CPU{f' ({model})' if model else ''}, {cores} cores ({platform.machine()}), "
-        f"{threads} torch thread{'s' * (threads != 1)}"
+        f"{threads} torch thread{'s' * (threads != 1)}, {torch.backends.cpu.get_cpu_capability()} kernels"
     )
 
 
