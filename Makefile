@@ -14,10 +14,10 @@ export TRANSFORMERS_OFFLINE ?= $(HF_HUB_OFFLINE)
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 export PYTHONHASHSEED := 0
-# The CPU's float kernels: AVX2 by default on every x86-64 CPU, so that the world's build (results/world.json) and
-# every run on it come out bit for bit the same on AVX2 and AVX-512 machines (docs/decisions.md 26). KERNELS=native
-# takes the CPU's own: faster on AVX-512 (the world's pretraining about 1.3x), but another build. The tests run on
-# native kernels (they compare with tolerances, and CI's time is short). Nothing changes on GPUs or on ARM.
+# The CPU's float kernels: AVX2 by default on every x86-64 CPU, so that the world's build (results/world.json),
+# every run on it and the tests' golden runs (tests/golden/) come out bit for bit the same on AVX2 and AVX-512
+# machines (docs/decisions.md 26). KERNELS=native takes the CPU's own: faster on AVX-512 (the world's
+# pretraining about 1.3x), but another build, and the golden runs then fail there. Nothing changes on GPUs or ARM.
 KERNELS ?= avx2
 ifeq ($(KERNELS),avx2)
 export ATEN_CPU_CAPABILITY := avx2
@@ -26,7 +26,6 @@ export ONEDNN_MAX_CPU_ISA := AVX2
 else ifneq ($(KERNELS),native)
 $(error KERNELS must be avx2 (the default: the committed world's kernels) or native (the CPU's own), got '$(KERNELS)')
 endif
-NATIVE_KERNELS := env -u ATEN_CPU_CAPABILITY -u MKL_ENABLE_INSTRUCTIONS -u ONEDNN_MAX_CPU_ISA
 SCALE ?= world
 
 .PHONY: help venv kernels smoke test test-dist lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-v3 curves-long judges-ood world-rl figures notebooks all
@@ -43,7 +42,7 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP) ## Create .venv with the pinned dependencies (done automatically by every target)
 
-kernels: $(STAMP) ## The float kernels torch runs world targets on here (KERNELS=avx2, the default, or native)
+kernels: $(STAMP) ## The float kernels torch runs every target on here (KERNELS=avx2, the default, or native)
 	@$(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability())"
 
 smoke: $(STAMP) ## ~1 min: 2 GRPO iterations with JAGG on a random-init tiny Flux (no pretraining) -> runs/smoke/
@@ -55,10 +54,10 @@ smoke: $(STAMP) ## ~1 min: 2 GRPO iterations with JAGG on a random-init tiny Flu
 
 TEST_WORKERS ?= 2  # pytest-xdist processes, one torch thread each: both cores of a 2-core machine
 test: $(STAMP) ## Run the test suite on TEST_WORKERS processes (creates .venv if missing)
-	$(NATIVE_KERNELS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-dist: $(STAMP) ## 2-process FSDP2 tests on CPU (gloo): group backward, trainer, torchrun CLI, checkpoints / loading / export
-	$(NATIVE_KERNELS) $(PY) -m pytest -q tests/test_dist_harness.py tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py
+	$(PY) -m pytest -q tests/test_dist_harness.py tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py
 
 lint: $(STAMP) ## ruff check + format check
 	$(PY) -m ruff check src tests experiments examples

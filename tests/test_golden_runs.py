@@ -2,9 +2,11 @@
 plug-in refactor (``tests/golden/trainer_runs.py`` recorded it; that module says how and why).
 
 Each case's metrics rows (timings left out) and its checkpoint tensors (one sha256 over every tensor's name,
-dtype, shape and bytes) must be bitwise equal to the recording. On a CPU other than the recording's (another
-model, or torch's kernels on another instruction set) float kernels round differently, so there the rows'
-numbers and the per-part tensor sums are compared to 1e-6 instead; the recording names its CPU.
+dtype, shape and bytes) must be bitwise equal to the recording, which names its CPU model and torch's kernels
+(AMD EPYC / AVX2). ``make`` pins AVX2 kernels (``KERNELS``), so AVX-512 machines compare bitwise too. On another
+CPU model the cases are skipped, naming both: across kernels a 3-iteration run's numbers move by 1e-6 to a few
+percent (measured: AVX-512 against AVX2, up to 7% in a reward's std over 4 near-equal images), more than any
+tolerance that would still tell a changed number (the control below moves one by 1e-5).
 
 Checkpoints written by that trainer (``tests/golden/checkpoints``) resume with the current one.
 """
@@ -24,7 +26,6 @@ import old_checkpoints  # noqa: E402
 import trainer_runs  # noqa: E402
 
 GOLDEN = json.loads(trainer_runs.OUT.read_text())
-SAME_MACHINE = GOLDEN["cpu"] == trainer_runs.machine()
 
 
 def _close(a, b, path: str = "") -> list[str]:
@@ -41,17 +42,17 @@ def _close(a, b, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
+@pytest.mark.skipif(
+    GOLDEN["cpu"] != trainer_runs.machine(),
+    reason=f"bitwise only on the recording's CPU and kernels ({GOLDEN['cpu']}); here {trainer_runs.machine()}",
+)
 @pytest.mark.parametrize("case", sorted(GOLDEN["cases"]))
 def test_a_three_iteration_run_is_what_the_trainer_wrote_before(case, tmp_path):
     want = GOLDEN["cases"][case]
     got = json.loads(json.dumps(trainer_runs.run_case(want["config"], want["overrides"], tmp_path)))
-    if SAME_MACHINE:
-        assert not _close(got["rows"], want["rows"]), _close(got["rows"], want["rows"])  # says where
-        assert json.dumps(got["rows"], sort_keys=True) == json.dumps(want["rows"], sort_keys=True)
-        assert got["tensors"]["sha256"] == want["tensors"]["sha256"]
-    else:
-        assert not _close(got["rows"], want["rows"])
-        assert not _close(got["tensors"]["parts"], want["tensors"]["parts"])
+    assert not _close(got["rows"], want["rows"]), _close(got["rows"], want["rows"])  # says where
+    assert json.dumps(got["rows"], sort_keys=True) == json.dumps(want["rows"], sort_keys=True)
+    assert got["tensors"]["sha256"] == want["tensors"]["sha256"]
 
 
 def test_the_comparison_detects_a_changed_number():

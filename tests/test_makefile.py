@@ -1,9 +1,10 @@
-"""The Makefile's float kernels (``KERNELS``): world targets run torch on AVX2 kernels on every x86-64 CPU, so that
-the world's build and its runs are the same bit for bit on AVX2 and AVX-512 machines; the tests run on the CPU's own.
+"""The Makefile's float kernels (``KERNELS``): every target runs torch on AVX2 kernels on every x86-64 CPU, so that
+the world's build, its runs and the tests' golden runs are the same bit for bit on AVX2 and AVX-512 machines.
 Each check runs ``make`` itself, with this interpreter as its Python."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -24,10 +25,10 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def make(*args: str) -> subprocess.CompletedProcess:
-    # STAMP= : no .venv needed; PY= : this interpreter, which has torch.
+def make(*args: str, py: str = sys.executable) -> subprocess.CompletedProcess:
+    # STAMP= : no .venv needed; PY= : by default this interpreter, which has torch.
     return subprocess.run(
-        ["make", "-s", "--no-print-directory", *args, "STAMP=", f"PY={sys.executable}"],
+        ["make", "-s", "--no-print-directory", *args, "STAMP=", f"PY={py}"],
         cwd=ROOT,
         env=clean_env(),
         capture_output=True,
@@ -37,7 +38,7 @@ def make(*args: str) -> subprocess.CompletedProcess:
 
 
 def native_capability() -> str:
-    """The kernels torch picks here by itself: this process's (``make test`` unsets the variables), else a fresh
+    """The kernels torch picks here by itself: this process's where none of the variables is set, else a fresh
     interpreter's without them."""
     if not any(name in os.environ for name in KERNEL_VARIABLES):
         return torch.backends.cpu.get_cpu_capability()
@@ -74,10 +75,17 @@ def test_an_unknown_kernel_level_names_the_key_and_its_values_and_exits_2():
     assert done.stdout == ""  # refused before any recipe ran
 
 
-def test_the_tests_run_on_native_kernels():
-    recipe = make("-n", "test").stdout
-    assert "pytest" in recipe
-    assert all(f"-u {name}" in recipe for name in KERNEL_VARIABLES)
+def test_the_tests_run_on_the_pinned_kernels():
+    """``make test`` keeps the pin: the golden runs (tests/test_golden_runs.py) are bitwise only on the kernels
+    that recorded them."""
+    # a PY that prints the test recipe's kernel variables instead of running pytest ($$: make's escape)
+    done = make(
+        "test", py="sh -c 'echo $$ATEN_CPU_CAPABILITY $$MKL_ENABLE_INSTRUCTIONS $$ONEDNN_MAX_CPU_ISA' --"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["avx2", "AVX2", "AVX2"]
+    golden = json.loads((ROOT / "tests/golden/trainer_runs.json").read_text())
+    assert golden["cpu"].endswith("/ AVX2")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU run names its device instead")

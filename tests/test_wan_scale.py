@@ -5,6 +5,7 @@ fit, the published Wan architectures, and the weights check of a two-expert pipe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from jagg.capacity.memory_model import (
+    PER_TOKEN_MODULATION_BYTES,
     block_bytes,
+    expand_timesteps,
     expert_boundaries,
     experts,
     memory_plan,
@@ -25,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WAN = sorted(str(p.relative_to(ROOT)) for p in paper_config_paths(ROOT) if p.parent.name == "wan")
 ONE_THREE_B = "configs/paper/wan/wan21_flashgrpo_knots.yaml"
 A14B = "configs/paper/wan/wan22_a14b_flowfactory_knots.yaml"
+TI2V = "configs/paper/wan/wan22_ti2v_dancegrpo.yaml"
 VIDEO_480P = ["sampling.latent_size=60", "sampling.latent_width=104", "sampling.latent_frames=21"]
 
 
@@ -99,12 +103,14 @@ def test_per_knot_activations_equal_the_exact_loops_and_stacked_knots_hold_k():
     assert stacked == pytest.approx(4 * exact)  # every term of the graph and its recompute x 4
 
 
-def test_the_plans_wan_block_figure_is_what_a_real_wan_block_saves():
-    """The plan's bytes per token x hidden saved by one recomputed Wan block (53, read off the simulated node)
-    against the saved-tensor meter on a real WanTransformerBlock of Wan2.1-1.3B's proportions (head dim 128,
-    FFN 5.83x the width, q/k RMSNorm across heads, cross-attention to 512 text tokens), bf16, frozen weights
-    and an input that needs its gradient, as LoRA trains: the marginal bytes of 1,024 more video tokens (the
-    text's keys and values do not grow with them). GPT's 34 would fail this by a third."""
+@functools.cache
+def real_block_saved_bytes(per_token_timesteps: bool = False) -> float:
+    """Bytes per token x hidden that a real WanTransformerBlock at a quarter of Wan2.1-1.3B's width saves for its
+    backward (head dim 128, FFN 5.83x the width, q/k RMSNorm across heads, cross-attention to 512 text tokens),
+    bf16, frozen weights and an input that needs its gradient, as LoRA trains: the marginal bytes of 1,024 more
+    video tokens (the text's keys and values do not grow with them). ``per_token_timesteps``: the six
+    modulations come per token (B, S, 6, D), as Wan2.2-TI2V's ``expand_timesteps`` feeds them. Cached: two
+    tests read the per-sample block."""
     from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 
     from jagg.engine.profiling import SavedActivationMeter
@@ -117,14 +123,40 @@ def test_the_plans_wan_block_figure_is_what_a_real_wan_block_saves():
     for tokens in (1024, 2048):
         x = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
         text = torch.randn(1, 512, dim, dtype=torch.bfloat16)
-        temb = torch.randn(1, 6, dim, dtype=torch.bfloat16)
+        temb = torch.randn(1, *((tokens,) if per_token_timesteps else ()), 6, dim, dtype=torch.bfloat16)
         with SavedActivationMeter() as meter:
             block(x, text, temb, rope(torch.zeros(1, 16, 1, 64, tokens // 16)))
         saved.append(meter.peak_bytes)
-    per_token_hidden = (saved[1] - saved[0]) / (1024 * dim)
+    return (saved[1] - saved[0]) / (1024 * dim)
+
+
+def test_the_plans_wan_block_figure_is_what_a_real_wan_block_saves():
+    """The plan's bytes per token x hidden saved by one recomputed Wan block (53, read off the simulated node)
+    against the saved-tensor meter on a real block (``real_block_saved_bytes``). GPT's 34 would fail this by a
+    third."""
+    per_token_hidden = real_block_saved_bytes()
     wan_saved, wan_temporaries = block_bytes(load_config(ONE_THREE_B))
     assert wan_saved == pytest.approx(per_token_hidden, rel=0.1) and wan_temporaries > 0
     assert per_token_hidden > 34 * 1.3
+
+
+def test_per_token_timesteps_add_their_modulations_to_the_plans_block(tmp_path):
+    """Wan2.2-TI2V-5B embeds one timestep per token: the plan adds ``PER_TOKEN_MODULATION_BYTES`` to its block,
+    what the meter reads on the same real block fed per-token modulations (32.0 bytes: the fp32 sum of the six,
+    and the fp32 (1 + scale) of the two modulated norms). The known TI2V pipeline and a local folder whose
+    model_index.json sets ``expand_timesteps`` get it; Wan2.1 and a folder without the key do not."""
+    extra = real_block_saved_bytes(per_token_timesteps=True) - real_block_saved_bytes()
+    assert extra == pytest.approx(PER_TOKEN_MODULATION_BYTES, rel=0.1)
+    wan21 = load_config(ONE_THREE_B)
+    assert not expand_timesteps(wan21)
+    ti2v = load_config(TI2V)
+    assert expand_timesteps(ti2v)
+    assert block_bytes(ti2v) == (block_bytes(wan21)[0] + PER_TOKEN_MODULATION_BYTES, block_bytes(wan21)[1])
+    for flag in (True, False):
+        folder = tmp_path / f"ti2v_{flag}"
+        folder.mkdir()
+        (folder / "model_index.json").write_text(json.dumps({"expand_timesteps": flag} if flag else {}))
+        assert expand_timesteps(load_config(ONE_THREE_B, [f"model.path={folder}"])) is flag
 
 
 def test_the_dry_run_picks_the_per_knot_mode_where_a_stacked_graph_does_not_fit(capsys):

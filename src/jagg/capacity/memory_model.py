@@ -80,6 +80,11 @@ HOST_BASELINE = 4 * GIB  # one rank's Python + torch + CUDA libraries on the hos
 #     cross-attention and q/k RMSNorm) and 29 of temporaries (TEMP at the same peak). GPT's 34 and no
 #     temporaries under-counted Wan's update activations by a third (9.35 against 14.72 GiB).
 BLOCK_BYTES_PER_TOKEN_HIDDEN = {"default": (34, 0), "wan": (53, 29)}
+# Wan2.2-TI2V embeds one timestep per token (``expand_timesteps``), so each block's six modulations are per token
+# too: diffusers' WanTransformerBlock adds them to its table in fp32, (B, S, 6, D), 24 bytes per token x hidden,
+# kept by the gates that multiply views of it, and saves the fp32 (1 + scale) of its two modulated norms, 8 more.
+# The saved-tensor meter on a real block reads 32.0 over the per-sample block at two widths (tests/test_wan_scale.py).
+PER_TOKEN_MODULATION_BYTES = 32
 PROMPT_LRU = 512  # CachedTextEncoder's default in-memory cache (jagg.scale.pipelines)
 HPDV2_TRAIN_PROMPTS = 100_000  # order of magnitude of HPDv2's train prompts, when data.*_limit is unset
 
@@ -128,7 +133,20 @@ def experts(cfg: Config) -> int:
 def block_bytes(cfg: Config) -> tuple[int, int]:
     """(saved, backward temporaries) bytes per token x hidden of one block of the config's backbone."""
     table = BLOCK_BYTES_PER_TOKEN_HIDDEN
-    return table.get(cfg.model.backbone, table["default"])
+    saved, temporaries = table.get(cfg.model.backbone, table["default"])
+    return saved + PER_TOKEN_MODULATION_BYTES * expand_timesteps(cfg), temporaries
+
+
+def expand_timesteps(cfg: Config) -> bool:
+    """Whether the Wan pipeline embeds one timestep per token (Wan2.2-TI2V-5B): a local pipeline folder's
+    model_index.json, else the published pipeline ``model.path`` names."""
+    if cfg.model.backbone != "wan" or cfg.model.source != "pretrained":
+        return False
+    index = os.path.join(os.path.expanduser(cfg.model.path or ""), "model_index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            return bool(json.load(fh).get("expand_timesteps", False))
+    return known_wan(cfg.model.path).expand_timesteps
 
 
 def latent_cells(cfg: Config) -> int:

@@ -77,11 +77,13 @@ VAE_SCALE = 8  # pixels per latent cell for both real VAEs (Wan2.2-TI2V-5B's: 16
 class WanModel:
     """One published Wan pipeline as the plan needs it: the transformer config (``transformer/config.json``), its
     experts (Wan2.2-A14B: two of the same config, ``boundary_ratio`` in model_index.json), its VAE (a key of
-    ``AUX_MODELS``) and that VAE's pixels per latent cell."""
+    ``AUX_MODELS``) and that VAE's pixels per latent cell, and whether it embeds one timestep per token
+    (``expand_timesteps`` in model_index.json: Wan2.2-TI2V-5B)."""
 
     config: dict
     experts: int = 1
     boundary_ratio: float | None = None  # sigma where the low-noise expert takes over (two experts)
+    expand_timesteps: bool = False
     vae: str = "wan_vae"
     vae_scale: int = 8
 
@@ -94,6 +96,7 @@ KNOWN_WAN = {
         dict(KNOWN_CONFIGS["wan"], num_attention_heads=24, ffn_dim=14336, in_channels=48, out_channels=48),
         vae="wan22_vae",
         vae_scale=16,
+        expand_timesteps=True,
     ),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": WanModel(  # two experts of 14.29B each, boundary_ratio 0.875
         dict(KNOWN_CONFIGS["wan"], num_attention_heads=40, ffn_dim=13824, num_layers=40),
