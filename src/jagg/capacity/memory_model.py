@@ -83,7 +83,8 @@ BLOCK_BYTES_PER_TOKEN_HIDDEN = {"default": (34, 0), "wan": (53, 29)}
 # Wan2.2-TI2V embeds one timestep per token (``expand_timesteps``), so each block's six modulations are per token
 # too: diffusers' WanTransformerBlock adds them to its table in fp32, (B, S, 6, D), 24 bytes per token x hidden,
 # kept by the gates that multiply views of it, and saves the fp32 (1 + scale) of its two modulated norms, 8 more.
-# The saved-tensor meter on a real block reads 32.0 over the per-sample block at two widths (tests/test_wan_scale.py).
+# The saved-tensor meter on a real block reads 32.0 over the per-sample block at a quarter of the 1.3B's width
+# (tests/test_wan_scale.py) and at a quarter of the TI2V-5B's.
 PER_TOKEN_MODULATION_BYTES = 32
 PROMPT_LRU = 512  # CachedTextEncoder's default in-memory cache (jagg.scale.pipelines)
 HPDV2_TRAIN_PROMPTS = 100_000  # order of magnitude of HPDv2's train prompts, when data.*_limit is unset

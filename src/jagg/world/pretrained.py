@@ -201,8 +201,9 @@ def read_manifest(name: str, cache_dir: Path | None = None) -> dict | None:
 def world_build(cache_dir: Path | None = None, artefacts: tuple[str, ...] = ARTEFACTS) -> dict[str, str]:
     """The sha256 (16 hex) of every cached artefact: which build of the world a run loaded. Pretraining is
     bitwise reproducible on CPUs that run the same float kernels (``make`` pins AVX2 on x86-64: AVX-512
-    kernels give another build), so runs compare exactly only on the same build. By default the image world's artefacts only (what every image run records);
-    ``artefacts=VIDEO_ARTEFACTS``: the video world's (a video run records both)."""
+    kernels give another build), so runs compare exactly only on the same build. By default the image world's
+    artefacts only (what every image run records); ``artefacts=VIDEO_ARTEFACTS``: the video world's (a video
+    run records both)."""
     manifests = {name: read_manifest(name, cache_dir) for name in artefacts}
     return {name: m["sha256"][:16] for name, m in manifests.items() if m is not None}
 
