@@ -115,14 +115,22 @@ def expert_boundaries(cfg: Config) -> tuple[float, ...]:
     folder's model_index.json, else the published pipeline ``model.path`` names), () for one network."""
     if cfg.model.backbone != "wan" or cfg.model.source != "pretrained":
         return ()
-    index = os.path.join(os.path.expanduser(cfg.model.path or ""), "model_index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            data = json.load(fh)
+    data = local_pipeline_index(cfg)
+    if data is not None:
         two = (data.get("transformer_2") or [None])[0] is not None
         return (float(data["boundary_ratio"]),) if two and data.get("boundary_ratio") else ()
     ratio = known_wan(cfg.model.path).boundary_ratio
     return () if ratio is None else (ratio,)
+
+
+def local_pipeline_index(cfg: Config) -> dict | None:
+    """The model_index.json of the local pipeline folder ``model.path`` names, or None (a hub id, a bare
+    transformer folder): then the published pipeline it names (``known_wan``) says."""
+    index = os.path.join(os.path.expanduser(cfg.model.path or ""), "model_index.json")
+    if not os.path.isfile(index):
+        return None
+    with open(index) as fh:
+        return json.load(fh)
 
 
 def experts(cfg: Config) -> int:
@@ -143,11 +151,8 @@ def expand_timesteps(cfg: Config) -> bool:
     model_index.json, else the published pipeline ``model.path`` names."""
     if cfg.model.backbone != "wan" or cfg.model.source != "pretrained":
         return False
-    index = os.path.join(os.path.expanduser(cfg.model.path or ""), "model_index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            return bool(json.load(fh).get("expand_timesteps", False))
-    return known_wan(cfg.model.path).expand_timesteps
+    data = local_pipeline_index(cfg)
+    return known_wan(cfg.model.path).expand_timesteps if data is None else bool(data.get("expand_timesteps"))
 
 
 def latent_cells(cfg: Config) -> int:
