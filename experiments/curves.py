@@ -64,6 +64,7 @@ from jagg.stats import (
     holm,
     located_cosine,
     minimum_detectable_difference,
+    one_sided_above,
     one_sided_below,
     paired_interval,
     sign_flip_test,
@@ -868,35 +869,32 @@ def contrast_lines(stats: dict, proto: dict) -> list[str]:
 
 def one_contrast_lines(stats: dict, proto: dict, c: dict) -> list[str]:
     """The contrast ``c``'s interval, its two one-sided tests (both must pass) and their power."""
-    import numpy as np
-
     if c["metric"] not in stats["metrics"]:
         return []
     d = paired_diffs(stats["runs"], c["better"], c["metric"], SUMMARIES[c["summary"]], c["worse"])
     if len(d) < 2:
         return []
-    ci, p_t, p_flip = paired_interval(d), one_sided_below([-x for x in d]), sign_flip_test(d, "greater")
-    ok = p_t < proto["alpha"] and p_flip < proto["alpha"]
+    # the power reported is that of the test that judged it: the effect its seeds detect at the paired SD seen
+    test = one_sided_above(d, proto["alpha"], proto["power"])
     planned = len(set(proto["seeds"]) | set(c.get("seeds", [])))
     # the test is pre-registered at its planned seeds: a look at fewer is not the test (stopping early on a
     # small p would inflate the error rate), so it carries no verdict
     if proto.get("is_pilot"):  # a pilot sizes the test on other seeds: its look is not the test
         verdict = "the pilot's look (it sizes the test), NOT the test: no verdict"
     elif len(d) >= planned:
-        verdict = f"**{'shown' if ok else 'not shown'}** at alpha {proto['alpha']} (both tests must pass)"
+        verdict = (
+            f"**{'shown' if test.passed else 'not shown'}** at alpha {proto['alpha']} (both tests must pass)"
+        )
     else:
         verdict = (
             f"an interim look at {len(d)} of the {planned} pre-registered seeds, NOT the test: no verdict"
         )
-    # the power of the test that judged it: the effect its seeds detect at the paired SD it saw
-    sd = float(np.std(d, ddof=1))
-    mdd = minimum_detectable_difference(sd, len(d), proto["alpha"], proto["power"], "greater")
     return [
         f"### Pre-registered contrast: {c['better']} - {c['worse']} ({c['metric'][5:-5]}, {c['summary']})",
         "",
-        f"{ci} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {_p(p_t)}, sign-flip p = "
-        f"{_p(p_flip)}: {verdict}. Paired SD {sd:.3f}: {len(d)} seeds detect a true difference of {mdd:.3f} "
-        f"with power {proto['power']} (one-sided t-test at alpha {proto['alpha']}).",
+        f"{paired_interval(d)} over {len(d)} seeds; one-sided ({c['better']} better) t-test p = {_p(test.p_t)}, "
+        f"sign-flip p = {_p(test.p_flip)}: {verdict}. Paired SD {test.sd:.3f}: {len(d)} seeds detect a true "
+        f"difference of {test.mdd:.3f} with power {proto['power']} (one-sided t-test at alpha {proto['alpha']}).",
         "",
     ]
 

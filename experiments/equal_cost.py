@@ -104,32 +104,26 @@ def goal_lines(
     paired differences ``d`` = arm - reference. One-sided t-test and sign-flip test of mean(d) > -margin, both
     required, as the contrasts; a claim only where the positive control is detected (``control``), and none
     from a ``pilot``, which sizes the test on other seeds."""
-    import numpy as np
-
-    from jagg.stats import minimum_detectable_difference, one_sided_below, paired_interval, sign_flip_test
+    from jagg.stats import one_sided_above, paired_interval
 
     m = goal["margin"]
-    shifted = [x + m for x in d]
-    p_t, p_flip = one_sided_below([-x for x in shifted]), sign_flip_test(shifted, "greater")
-    passed = p_t < alpha and p_flip < alpha
+    test = one_sided_above([x + m for x in d], alpha, power)  # mean(d) > -m; the shift leaves the SD as it is
     if pilot:
         reading = "the pilot's look (it sizes the test), NOT the test: no verdict"
-    elif not passed:
+    elif not test.passed:
         reading = "**not shown**"
     elif control:
         reading = "**reached** (non-inferior within the margin; the positive control is detected)"
     else:
         reading = "the tests pass, NO claim: the positive control is not detected"
-    sd = float(np.std(d, ddof=1))
-    mdd = minimum_detectable_difference(sd, len(d), alpha, power, "greater")
     return [
         f"### Goal: {goal['arm']} within {m} of {goal['reference']}'s {goal['metric'][5:-5]} at the end of the "
         "budget (non-inferiority)",
         "",
         f"{goal['arm']} - {goal['reference']}: {paired_interval(d)} over {len(d)} seeds; one-sided tests of a "
-        f"difference above -{m}: t-test p = {p_t:.4f}, sign-flip p = {p_flip:.4f}: {reading} at alpha {alpha} "
-        f"(both tests must pass). Paired SD {sd:.3f}: {len(d)} seeds show non-inferiority with power {power} "
-        f"where the true difference is at least {mdd - m:+.3f}.",
+        f"difference above -{m}: t-test p = {test.p_t:.4f}, sign-flip p = {test.p_flip:.4f}: {reading} at alpha "
+        f"{alpha} (both tests must pass). Paired SD {test.sd:.3f}: {len(d)} seeds show non-inferiority with power "
+        f"{power} where the true difference is at least {test.mdd - m:+.3f}.",
         "",
     ]
 

@@ -10,6 +10,7 @@ from jagg.stats import (
     area_under_curve,
     holm,
     minimum_detectable_difference,
+    one_sided_above,
     one_sided_below,
     paired_interval,
     paired_t_power,
@@ -32,6 +33,22 @@ def test_paired_interval_matches_scipy_t_interval():
 def test_one_sided_below_matches_scipy():
     shifted = [d - 0.2 for d in D]
     assert one_sided_below(shifted) == pytest.approx(sps.ttest_1samp(shifted, 0.0, alternative="less").pvalue)
+
+
+def test_one_sided_above_needs_both_tests_and_reports_the_t_tests_power():
+    import itertools
+
+    r = one_sided_above(D, alpha=0.05, power=0.8)
+    assert r.p_t == pytest.approx(sps.ttest_1samp(D, 0.0, alternative="greater").pvalue)
+    flips = [np.dot(s, D) for s in itertools.product([1, -1], repeat=len(D))]
+    assert r.p_flip == pytest.approx(np.mean([f >= sum(D) - 1e-12 for f in flips]))
+    assert r.sd == pytest.approx(np.std(D, ddof=1))
+    assert paired_t_power(r.mdd, r.sd, len(D), 0.05, "greater") == pytest.approx(0.8, abs=1e-9)
+    assert r.passed == (r.p_t < 0.05 and r.p_flip < 0.05)
+    # four clear gains: the t-test passes, but 4 signs cannot go below 1/16 > 0.05, so the contrast does not
+    four = one_sided_above([1.0, 1.1, 0.9, 1.05])
+    assert four.p_t < 1e-3 and four.p_flip == 1 / 16 and not four.passed
+    assert one_sided_above([1.0, 1.1, 0.9, 1.05, 0.95]).passed  # five: 1/32 < 0.05
 
 
 def test_tost_is_two_one_sided_tests_and_agrees_with_the_90_percent_interval():
