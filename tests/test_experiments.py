@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,21 +35,38 @@ def _meta_ok(csv: Path) -> dict:
     return meta
 
 
-# Each driver's --quick run writes under one module-wide results folder, once; every driver has its own test
-# (one failure does not hide the others) and ``figures`` regenerates from what they wrote.
-QUICK_RUNS: dict[str, Path] = {}
+# Each driver's --quick run writes under one results folder, once per test session; every driver has its own
+# test (one failure does not hide the others) and ``figures`` regenerates from what they wrote.
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive lock on ``path`` (POSIX ``flock``; released when the file closes, even on a crash)."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """``quick(driver)`` -> (results, figures) folders after the driver's --quick run (run once per module)."""
-    root = tmp_path_factory.mktemp("drivers")
+    """``quick(driver)`` -> (results, figures) folders after the driver's --quick run.
+
+    Under pytest-xdist the workers share one folder (their base temps' parent, unique to the session), and each
+    driver runs under its own lock: the figures test needs every driver's results, and without the sharing it
+    reran on its worker the drivers whose tests another worker had taken (about 170 s of a CI run)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "drivers"
     res, figs = root / "results", root / "figures"
+    root.mkdir(exist_ok=True)
 
     def run(driver: str) -> tuple[Path, Path]:
-        if driver not in QUICK_RUNS:
-            DRIVERS[driver](res, figs, root)
-            QUICK_RUNS[driver] = res
+        done = root / f"{driver}.done"
+        with _exclusive(root / f"{driver}.lock"):
+            if not done.is_file():  # a driver that failed leaves no mark: the next test to need it reruns it
+                DRIVERS[driver](res, figs, root)
+                done.touch()
         return res, figs
 
     return run
@@ -135,8 +155,6 @@ def _curves_v4(res, figs, root):
     short = ["sampling.num_steps=9", "sampling.eval_num_steps=3", "train.iterations=2", "log.eval_every=1"]
     args += ["--out", str(res / "curves_v4"), "--figures", str(figs), *TINY, *short, "log.fidelity_every=1"]
     curves.main(args)
-    import shutil
-
     shutil.rmtree(root / "runs_v4_quick")
     curves.main(args)  # a later session: every CSV is current, nothing runs again
     assert not (root / "runs_v4_quick").exists()
@@ -330,11 +348,11 @@ def test_knots_video_quick(tmp_path):
     _meta_ok(out)
 
 
-def test_figures_regenerate_from_results_alone(quick):
+def test_figures_regenerate_from_results_alone(quick, tmp_path):
     for driver in DRIVERS:
-        res, figs = quick(driver)
-    for f in figs.glob("*.png"):
-        f.unlink()
+        res, _ = quick(driver)
+    # a copy of the results, and an empty figures folder: nothing but the CSVs can feed the figures
+    res, figs = shutil.copytree(res, tmp_path / "results"), tmp_path / "figures"
     figures.main(["--results", str(res), "--figures", str(figs)])
     assert {p.name for p in figs.glob("*.png")} == {
         "theorem1.png",
@@ -741,8 +759,6 @@ def test_pilot_sizing_counts_the_seeds_each_metric_needs_and_says_where_a_contro
 def test_a_partial_design_renders_and_names_the_arms_it_leaves_out(tmp_path):
     """A design interrupted after one seed of an arm (seed-major runs stop anywhere) still renders: the arm is
     left out of the statistics until it has 2 seeds paired with exact, and the summary says so."""
-    import shutil
-
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "curves_v4_pilot"
     shutil.copytree(root / "results" / "curves_v4_pilot", out)
