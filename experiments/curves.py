@@ -572,7 +572,10 @@ def judge_table(stats: dict, df, arms: list[str]) -> list[str]:
     names = [m for m in ATTRIBUTE_JUDGES if m in stats["metrics"]]
     if len(names) < 2:
         return []
-    last = df[df.iteration == df.iteration.max()]
+    # each run's own last evaluation: an equal-cost recipe's arms end at different iterations (the recipe's
+    # last iteration alone read only the longest arm's runs and left every other arm's agreement nan)
+    judged = df.dropna(subset=["judges_agree"]) if "judges_agree" in df else df.iloc[:0]
+    last = judged.sort_values("iteration").groupby(["strategy", "seed"]).tail(1)
     head = " | ".join(f"{m[5:-5]} gain [95% CI]" for m in names)
     lines = [
         f"| arm | {head} | attr / attr_judge agree (last eval) | verdict |",
@@ -581,7 +584,7 @@ def judge_table(stats: dict, df, arms: list[str]) -> list[str]:
     for arm in arms:
         cis = {m: paired_interval(gains(stats, arm, m)) for m in names}
         up = {m: ci.lo > 0 for m, ci in cis.items()}
-        agree = last[last.strategy == arm].judges_agree.mean() if "judges_agree" in last else float("nan")
+        agree = last[last.strategy == arm].judges_agree.mean()  # nan where no run saved its judges' samples
         learned = up["eval_attr_mean"] or up.get("eval_attr_judge_mean", False)
         if "eval_attr_geom_mean" in up:
             if up["eval_attr_geom_mean"] and learned:

@@ -514,6 +514,25 @@ def test_curves_claims_an_attribute_gain_only_where_the_eval_only_judge_confirms
     assert "| jagg |" in table and "a learned judge rose, NOT confirmed by the geometric judge |" in table
 
 
+def test_judge_agreement_is_read_at_each_runs_own_last_evaluation():
+    """At equal cost the arms end at different iterations: exact after 24, a window after 72. Each run's
+    agreement comes from its own last evaluation (reading only the longest run's iteration gave nan elsewhere)."""
+    rows = []
+    for seed in range(3):
+        for arm, end, agree in (("exact", 24, 0.6), ("window2", 72, 0.9)):
+            rows += [
+                dict(strategy=arm, seed=seed, iteration=0, eval_attr_mean=0.4, eval_attr_judge_mean=0.4),
+                dict(strategy=arm, seed=seed, iteration=end // 2, judges_agree=0.1)
+                | dict(eval_attr_mean=0.45, eval_attr_judge_mean=0.45),
+                dict(strategy=arm, seed=seed, iteration=end, judges_agree=agree + 0.01 * seed)
+                | dict(eval_attr_mean=0.5, eval_attr_judge_mean=0.5),
+            ]
+    df = pd.DataFrame(rows)
+    table = curves.judge_table(curves.per_run(df), df, ["exact", "window2"])
+    assert next(r for r in table if r.startswith("| exact |")).split(" | ")[3] == "0.610"
+    assert next(r for r in table if r.startswith("| window2 |")).split(" | ")[3] == "0.910"
+
+
 def _runs_frame(effects: dict[str, float], n: int = 8) -> pd.DataFrame:
     """Synthetic curves CSV rows: per arm a per-seed end value of eval_pref_mean = 1 + effect + seed noise."""
     rows = []
