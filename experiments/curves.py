@@ -104,11 +104,20 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
         proto["arms"] = {**proto["arms"], **proto.get("retired_arms", {})}
         proto.update({k: proto["pilot"][k] for k in ("reference", "baselines") if k in proto["pilot"]})
         proto["seeds"] = proto["pilot"]["seeds"]
+        # the pilot's controls are its arms that mix a control direction into exact's gradient, retired ones
+        # included (v4's pilot ran control_0.8 / 0.5, which amendment 1 replaced with control_blocks_*)
+        proto["control_arms"] = [
+            a
+            for a in proto["pilot"]["arms"]
+            if any("train.control_cosine=" in o for o in proto["arms"].get(a, []))
+        ]
         for spec in proto["recipes"].values():  # the pilot's seeds replace a recipe's own
             spec.pop("seeds", None)
-        for where in (proto, *proto["recipes"].values()):  # a recipe may name its own arms
+        for where in (proto, *proto["recipes"].values()):  # a recipe may name its own arms and controls
             if "arms" in where:
                 where["arms"] = {a: o for a, o in where["arms"].items() if a in proto["pilot"]["arms"]}
+            if "control_arms" in where:
+                where["control_arms"] = [a for a in where["control_arms"] if a in proto["pilot"]["arms"]]
     proto["arms"] = {
         name: overrides
         for name, overrides in proto["arms"].items()

@@ -631,6 +631,9 @@ def test_every_arm_of_a_committed_protocol_is_a_valid_config(protocol):
         ran = {**seen["arms"], **proto.get("retired_arms", {})}  # the pilot may have run arms retired since
         assert set(pilot["arms"]) == set(ran) & set(proto["pilot"]["arms"])
         assert curves.reference(pilot) in pilot["arms"]
+        # the pilot's controls are its own (v4's ran control_0.8 / 0.5, retired since), so its summary labels them
+        controls = {a for a in pilot["arms"] if a.startswith("control_")}
+        assert controls and set(pilot["control_arms"]) == controls
     assert curves.default_out(path, True).endswith("_pilot")
     planned = {k for name in proto["recipes"] for ks in curves.arm_seeds(proto, name).values() for k in ks}
     assert not planned & set(proto["pilot"]["seeds"])  # the analysis never reuses a pilot's seed
