@@ -109,7 +109,7 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
         proto["control_arms"] = [
             a
             for a in proto["pilot"]["arms"]
-            if any("train.control_cosine=" in o for o in proto["arms"].get(a, []))
+            if any(o.startswith("train.control_cosine=") for o in proto["arms"].get(a, []))
         ]
         for spec in proto["recipes"].values():  # the pilot's seeds replace a recipe's own
             spec.pop("seeds", None)
