@@ -21,7 +21,7 @@ def _autograd_exact(trainer, ro):
     for idx in trainer._micro_batches(ro):
         loss, _ = trainer._update_inputs(ro, idx)
         v = trainer.velocity(ro.cond.select(idx))
-        total = sum(loss.loss(i, v(loss.x[i], loss.sigma[i])) for i in range(len(loss.x)))
+        total = sum(loss(i, v(loss.x[i], loss.sigma[i])) for i in range(len(loss.x)))
         for g, d in zip(grads, torch.autograd.grad(total, trainer.params, allow_unused=True), strict=True):
             if d is not None:
                 g += d
@@ -133,7 +133,7 @@ def test_block_cosines_of_a_two_step_group_are_exact(tiny_trainer):
         ro, idx = trainer.rollout(0), slice(0, 3)
         loss, outputs = trainer._update_inputs(ro, idx)
         velocity = trainer.velocity(ro.cond.select(idx))
-        cosines = block_cosines(trainer.backward, velocity, loss.loss, trainer.params, outputs)
+        cosines = block_cosines(trainer.setting, velocity, loss, trainer.params, outputs)
         assert cosines
         assert all((abs(c - 1) < 1e-10) == exact for c in cosines.values()), (size, cosines)
 

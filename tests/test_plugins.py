@@ -66,7 +66,7 @@ def test_a_new_plugin_is_one_registry_entry(tiny_cfg, monkeypatch, tmp_path):
     assert update[3] == ("begin", 1, 2) and calls[-1][:2] == ("evaluated", 2)
     assert [r["recorder_steps"] for r in rows if "recorder_steps" in r] == [2, 4]
     progress = torch.load(tmp_path / "checkpoint" / "progress.pt", weights_only=False)
-    assert progress["components"]["recorder"] == {"steps": 4}
+    assert progress["plugins"]["recorder"] == {"steps": 4}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["recorder_steps"] == 4
 

@@ -37,7 +37,7 @@ class Rollout:
     traj: Trajectory  # latents (S + 1, n, C, H, W), log_probs (S, n)
     trained: Tensor  # (n, T) trained step indices per sample, ascending
     rewards: Tensor  # (N,) weighted total, global batch (all ranks)
-    components: dict[str, Tensor]  # per-reward scores (N,), global batch
+    scores: dict[str, Tensor]  # per-reward scores (N,), global batch
     advantages: Tensor  # (n,) this rank's share
     timing: dict[str, float]  # time_sample_s, time_reward_s
     # the trainer's optimizer steps when sampled: the stored outputs are valid while that count is unchanged
@@ -60,7 +60,7 @@ class Rollout:
     def reward_row(self) -> dict:
         """The metrics of its rewards over the global batch: the training reward's and each reward's mean / std."""
         row = {"reward_mean": self.rewards.mean().item(), "reward_std": self.rewards.std().item()}
-        for name, score in self.components.items():
+        for name, score in self.scores.items():
             row[f"reward_{name}_mean"], row[f"reward_{name}_std"] = score.mean().item(), score.std().item()
         return row
 
@@ -187,7 +187,7 @@ class Sampler:
             traj=traj,
             trained=trained,
             rewards=rewards,
-            components=scores,
+            scores=scores,
             advantages=rollout_advantages(self.cfg, rewards, scores, group_ids)[mine],
             timing={"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled},
             weights_version=weights_version,

@@ -147,15 +147,15 @@ def update_with(trainer: Trainer, ro: Rollout, setting: BackwardSetting) -> dict
     """The metrics of ``trainer.update(ro)`` with ``setting`` as the trainer's backward, plus its seconds
     (``time_update_s``, the update alone); weights, optimizer state, EMA and the trainer's own setting are left
     as they were, so the next update starts from the rollout's weights again."""
-    own = trainer.backward
-    trainer.backward = setting
+    own = trainer.setting
+    trainer.setting = setting
     try:
         with _weights_kept(trainer):
             t0 = time.perf_counter()
             upd = trainer.update(ro)
             return upd | {"time_update_s": time.perf_counter() - t0}
     finally:
-        trainer.backward = own
+        trainer.setting = own
 
 
 def time_settings(

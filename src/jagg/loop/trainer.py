@@ -2,8 +2,8 @@
 
     rollout (no grad; SDE where the algorithm explores) -> rewards -> group advantages
     -> [calibrate: the run's calibrator measures the backward when due, ``jagg.loop.calibration``]
-    -> update: each micro-batch's trained steps (``Rollout.at``) and GRPO loss go through ``self.backward``
-       (a ``BackwardSetting``: one plan of knots), an optimizer step every ``grad_accum`` micro-batches;
+    -> update: each micro-batch's trained steps (``Rollout.at``) and GRPO loss go through the backward setting
+       (``self.setting``, a ``BackwardSetting``: one plan of knots), an optimizer step every ``grad_accum`` micro-batches;
        the plug-ins (``jagg.plugins``) act at its touch points
     -> metrics, held-out evaluation, checkpoints when due.
 
@@ -30,10 +30,10 @@ from jagg.common import SeedStream, generator, peak_memory_mb
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.grpo import GRPOStepLoss, RecordingLoss, StepStats, TrainedSteps
+from jagg.engine.grpo import GRPOStepLoss, StepStats, TrainedSteps
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import GroupStats
-from jagg.loop.calibration import Probe, calibrator_for, window_losses
+from jagg.loop.calibration import Probe, calibrator_for
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.rollout import Rollout, Sampler, schedules
 from jagg.models import Backbone, Components, TextCond
@@ -91,12 +91,12 @@ class Trainer:
         )
         # How the update runs its backward: fixed by the config, or measured by the run's calibrator (None until
         # its first measurement; jagg.loop.calibration)
-        self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
-        self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1)
-        # instruments and controls, each acting at its touch points of the update (jagg.plugins)
+        self.setting: BackwardSetting | None = cfg.backward.fixed_setting()
+        self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1, train.seed)
+        # instruments, controls and the calibrator, each acting at its touch points of the update (jagg.plugins):
+        # the one list; whatever is in it when a checkpoint is written is checkpointed (drivers append their own)
         self.plugins = build_plugins(cfg, RunView(self.params, train.seed, self.run_dir, self.dist))
-        # what keeps its own checkpoint state (state_dict / load_state_dict, by name)
-        self.stateful = [*self.plugins, *([self.calibrator] if self.calibrator else [])]
+        self.plugins += [self.calibrator] if self.calibrator else []
         # metrics.jsonl, trackers (log.report_to), per-sample scores and grids of evaluations (rank 0)
         self.run_log = RunLog(
             self.run_dir, self.dist.is_main, cfg.log.report_to, cfg.to_dict(), cfg.log.grid_every
@@ -133,7 +133,7 @@ class Trainer:
     ) -> GRPOStepLoss:
         """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps (or ``steps`` (b, T)):
         ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the inputs and times, ``loss(i, v)`` the scaled loss
-        of the i-th step; with ``algorithm.kl_beta > 0`` the frozen reference model gives the KL term."""
+        of the i-th step (``step_loss``)."""
         return self.step_loss(ro.at(idx, self.sigmas.to(self.device), steps), ro, idx, scale=scale)
 
     def step_loss(
@@ -151,15 +151,15 @@ class Trainer:
         return [slice(start, start + size) for start in range(0, len(ro.prompts), size)]
 
     def update(self, ro: Rollout) -> dict:
-        """Backward over every micro-batch as ``self.backward`` says; optimizer step every grad_accum.
+        """Backward over every micro-batch as ``self.setting`` says; optimizer step every grad_accum.
 
         The plug-ins (``self.plugins``) act at the touch points (``jagg.plugins.base``): when the update begins,
         before each optimizer step, and with their metrics at the end. Stored outputs are read only while the
         weights are the rollout's (``_update_inputs``).
         """
         train = self.cfg.train
-        backward = self.backward.at_window(int(ro.trained[0, 0]))  # routed per window position (MixGRPO)
-        view = self._view(ro, backward)
+        setting = self.setting.at_window(int(ro.trained[0, 0]))  # routed per window position (MixGRPO)
+        view = self._view(ro, setting)
         self.optimizer.zero_grad(set_to_none=True)
         for plugin in self.plugins:
             plugin.begin_update(view)
@@ -169,7 +169,8 @@ class Trainer:
         steps: list[tuple[float, bool]] = []  # (gradient norm, stepped) per optimizer step
         for k, rows in enumerate(view.micro_batches):
             loss, outputs = view.inputs(rows)
-            stats = backward.backward(view.velocity(rows), loss, outputs)
+            loss = loss.recording()  # keeps each step's StepStats for the row and the plug-ins
+            stats = setting.backward(view.velocity(rows), loss, outputs)
             total = stats if total is None else total.merge(stats)
             step_stats += loss.stats
             pending.append(MicroBatch(rows, loss.stats))
@@ -206,17 +207,15 @@ class Trainer:
             ),
         )
 
-    def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[RecordingLoss, Tensor | None]:
+    def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[GRPOStepLoss, Tensor | None]:
         """The micro-batch's GRPO loss over its T trained steps (scaled 1 / (grad_accum * T)) and its stored
         outputs where they are valid (on the rollout's weights), else None."""
-        steps = ro.at(idx, self.sigmas.to(self.device))
-        loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (self.cfg.train.grad_accum * len(steps.x)))
-        on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
-        return loss.recording(), steps.outputs.to(self.device) if on_rollout_weights else None
+        trained = ro.at(idx, self.sigmas.to(self.device))
+        loss = self.step_loss(trained, ro, idx, scale=1.0 / (self.cfg.train.grad_accum * len(trained.x)))
+        on_rollout_weights = ro.weights_version == self.weights_version and trained.outputs is not None
+        return loss, trained.outputs.to(self.device) if on_rollout_weights else None
 
-    def _optimizer_step(
-        self, view: UpdateView | None = None, pending: list[MicroBatch] = ()
-    ) -> tuple[float, bool]:
+    def _optimizer_step(self, view: UpdateView, pending: list[MicroBatch]) -> tuple[float, bool]:
         """The plug-ins' touch point before the step (a control degrades the gradient, then fidelity measures
         it), clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
         for plugin in self.plugins:
@@ -270,34 +269,23 @@ class Trainer:
         Returns the measurement's metrics and its seconds."""
         self.watch.enter("calibrate", it)
         t0 = time.perf_counter()
-        rows = slice(0, self.cfg.train.train_batch_size)
-        velocity = self.velocity(ro.cond.select(rows))
-        probe = Probe(
+        metrics = self.calibrator.measure(self.probe(ro, it))
+        self.setting = self.calibrator.setting
+        return metrics | {"time_calibrate_s": time.perf_counter() - t0}
+
+    def probe(self, ro: Rollout, it: int) -> Probe:
+        """What the calibrator measures from: the first micro-batch of ``ro``, the rollout of iteration ``it``."""
+        rows, sigmas = slice(0, self.cfg.train.train_batch_size), self.sigmas.to(self.device)
+        return Probe(
             iteration=it,
-            velocity=velocity,
-            loss=self.grpo_loss(ro, idx=rows, scale=1.0),
+            velocity=self.velocity(ro.cond.select(rows)),
+            loss=self.step_loss(ro.at(rows, sigmas), ro, rows),
             params=self.params,
             micro_batches=len(self._micro_batches(ro)),
             grad_accum=self.cfg.train.grad_accum,
-            window_losses=lambda windows: self._window_losses(velocity, ro, rows, windows, it),
-        )
-        metrics = self.calibrator.measure(probe)
-        self.backward = self.calibrator.setting
-        return metrics | {"time_calibrate_s": time.perf_counter() - t0}
-
-    def _window_losses(self, velocity, ro: Rollout, idx: slice, windows: list[range], it: int) -> dict:
-        """``window_losses`` of the samples ``ro[idx]``, their SDE noise from ``SeedStream.CALIBRATION``."""
-        algorithm, gen = self.cfg.algorithm, generator(self.cfg.train.seed, SeedStream.CALIBRATION, it)
-        return window_losses(
-            velocity,
-            ro.traj,
-            idx,
-            self.sigmas.to(self.device),
-            windows,
-            lambda trained: self.step_loss(trained, ro, idx),
-            kind=algorithm.sde_kind,
-            noise_level=algorithm.noise_level,
-            seed=int(torch.randint(2**62, (1,), generator=gen)),
+            traj=ro.traj,
+            rows=rows,
+            sigmas=sigmas,
         )
 
     def train_iteration(self, it: int) -> dict:
@@ -331,8 +319,10 @@ class Trainer:
             consecutive_skips=self.consecutive_skips,
             metrics=self.metrics,
             ema=self.ema,
-            components={c.name: c.state_dict() for c in self.stateful},
+            plugins={p.name: p.state_dict() for p in self.plugins},
         )
+        if len(progress.plugins) != len(self.plugins):  # one state per name
+            raise ValueError(f"two plug-ins share a name: {[p.name for p in self.plugins]}")
         self.checkpoints.save(
             model=self.backbone, optimizer=self.optimizer, progress=progress, config=self.cfg.to_dict()
         )
@@ -349,10 +339,10 @@ class Trainer:
         self._apply_optim_config()
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
-        for component in self.stateful:
-            component.load_state_dict(progress.components.get(component.name, {}))
+        for plugin in self.plugins:
+            plugin.load_state_dict(progress.plugins.get(plugin.name, {}))
         if self.calibrator is not None:
-            self.backward = self.calibrator.setting or self.backward
+            self.setting = self.calibrator.setting or self.setting
         self.checkpointed_at = self.iteration
         self.run_log.restart(progress.metrics)
 

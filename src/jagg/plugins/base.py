@@ -30,7 +30,7 @@ from torch import Tensor
 
 from jagg.config import Config
 from jagg.distributed import DistInfo
-from jagg.engine.grpo import RecordingLoss, StepStats
+from jagg.engine.grpo import GRPOStepLoss, StepStats
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Velocity
 
@@ -56,7 +56,7 @@ class UpdateView:
     params: Sequence[torch.nn.Parameter]
     setting: BackwardSetting
     micro_batches: list[slice]
-    inputs: Callable[[slice], tuple[RecordingLoss, Tensor | None]]
+    inputs: Callable[[slice], tuple[GRPOStepLoss, Tensor | None]]
     velocity: Callable[[slice], Velocity]
     dist: DistInfo
     # the parameter change the optimizer step would make from the gradient now in ``.grad``, leaving weights,
@@ -68,7 +68,7 @@ class UpdateView:
         plain per-step backward, forwards recomputed: the reference an instrument compares with)."""
         for batch in batches:
             loss, _ = self.inputs(batch.rows)
-            self.setting.exact.backward(self.velocity(batch.rows), loss.loss)
+            self.setting.exact.backward(self.velocity(batch.rows), loss)
 
 
 class Plugin:
@@ -88,8 +88,8 @@ class Plugin:
     def begin_update(self, view: UpdateView) -> None:
         pass
 
-    def before_step(self, view: UpdateView | None, pending: Sequence[MicroBatch]) -> None:
-        """``view`` is None (and ``pending`` empty) for an optimizer step taken outside an update."""
+    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
+        pass
 
     def metrics(self) -> dict:
         return {}
