@@ -9,6 +9,7 @@ import torch
 
 from jagg.engine.routing import Routing
 from jagg.engine.strategies import Interpolation
+from jagg.loop.rollout import micro_batches
 from jagg.plugins.fidelity import block_cosines, block_parts
 
 FP64 = ("train.precision=fp64", "optim.max_grad_norm=1e9", "train.grad_accum=2")  # one optimizer step
@@ -18,7 +19,7 @@ def _autograd_exact(trainer, ro):
     """Exact's gradient of the whole update by plain autograd on the sum of every step loss (independent of
     the strategies' code), at the current weights; ``.grad`` untouched."""
     grads = [torch.zeros_like(p) for p in trainer.params]
-    for idx in trainer._micro_batches(ro):
+    for idx in micro_batches(len(ro.prompts), trainer.cfg.train.train_batch_size):
         loss, _ = trainer._update_inputs(ro, idx)
         v = trainer.velocity(ro.cond.select(idx))
         total = sum(loss(i, v(loss.x[i], loss.sigma[i])) for i in range(len(loss.x)))

@@ -71,6 +71,12 @@ def at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Te
     return per_step[:, idx][steps.T + offset, cols]
 
 
+def micro_batches(n: int, size: int) -> list[slice]:
+    """The micro-batches of ``n`` samples: consecutive rows, ``size`` each (the last may have fewer). A rollout
+    samples in them and its update trains on the same ones, so before the first optimizer step every ratio is 1."""
+    return [slice(start, start + size) for start in range(0, n, size)]
+
+
 def sample_micro_batches(
     velocity: Callable[[slice], Velocity],
     noise: Tensor,
@@ -90,9 +96,8 @@ def sample_micro_batches(
     ``sde_seed + k`` on the noise's device. ``stored_outputs`` keeps every step's model output too.
     """
     chunks = []
-    for start in range(0, noise.shape[0], batch_size):
-        rows = slice(start, start + batch_size)
-        index = (first_sample + start) // batch_size  # global micro-batch index
+    for rows in micro_batches(noise.shape[0], batch_size):
+        index = (first_sample + rows.start) // batch_size  # global micro-batch index
         sde_gen = torch.Generator(device=noise.device).manual_seed(sde_seed + index)
         chunks.append(
             sample_trajectory(

@@ -2,9 +2,9 @@
 
     rollout (no grad; SDE where the algorithm explores) -> rewards -> group advantages
     -> [calibrate: the run's calibrator measures the backward when due, ``jagg.loop.calibration``]
-    -> update: each micro-batch's trained steps (``Rollout.at``) and GRPO loss go through the backward setting
-       (``self.setting``, a ``BackwardSetting``: one plan of knots), an optimizer step every ``grad_accum`` micro-batches;
-       the plug-ins (``jagg.plugins``) act at its touch points
+    -> update: each micro-batch's GRPO loss over its trained steps (``Rollout.at``) goes through the backward
+       setting (``self.setting``, a ``BackwardSetting``: one plan of knots), an optimizer step every
+       ``grad_accum`` micro-batches; the plug-ins (``jagg.plugins``) act at its touch points
     -> metrics, held-out evaluation, checkpoints when due.
 
 Follows the DanceGRPO / Flow-GRPO loops (docs/references.md). Rollouts and updates use the same micro-batches, so
@@ -30,12 +30,12 @@ from jagg.common import SeedStream, generator, peak_memory_mb
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.grpo import GRPOStepLoss, StepStats, TrainedSteps
+from jagg.engine.grpo import GRPOStepLoss, StepStats
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import GroupStats
 from jagg.loop.calibration import Probe, calibrator_for
 from jagg.loop.evaluate import evaluate, swapped_in
-from jagg.loop.rollout import Rollout, Sampler, schedules
+from jagg.loop.rollout import Rollout, Sampler, micro_batches, schedules
 from jagg.models import Backbone, Components, TextCond
 from jagg.ops.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.ops.heartbeat import PhaseWatch
@@ -65,12 +65,11 @@ class Trainer:
         auto_cuda = train.device == "auto" and torch.cuda.is_available()
         self.device = torch.device("cuda" if auto_cuda else train.device)
         self.dtype = DTYPES[train.precision]
-        # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, and
-        # under FSDP2 the shards of rank 0's weights (jagg.scale.placement)
-        # and with a KL term an unsharded frozen reference copy (small models; no KL at paper scale)
-        kl = cfg.algorithm.kl_beta > 0
+        # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, under
+        # FSDP2 the shards of rank 0's weights, and with a KL term an unsharded frozen reference copy (small
+        # models; no KL at paper scale): jagg.scale.placement
         self.backbone, self.reference = place_backbone(
-            cfg, comp.backbone, device=self.device, dist=self.dist, reference=kl
+            cfg, comp.backbone, device=self.device, dist=self.dist, reference=cfg.algorithm.kl_beta > 0
         )
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
@@ -80,13 +79,12 @@ class Trainer:
         self.iteration, self.consecutive_skips = 0, 0
         self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
         self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
-        # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
-        asynchronous = cfg.log.writes_async(self.device.type)
         self.checkpoints = CheckpointWriter(
             self.run_dir,
             self.dist,
             keep=cfg.log.keep_checkpoints,
-            asynchronous=asynchronous,
+            # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
+            asynchronous=cfg.log.writes_async(self.device.type),
             timeout_s=train.dist_timeout_s,
         )
         # How the update runs its backward: fixed by the config, or measured by the run's calibrator (None until
@@ -106,7 +104,6 @@ class Trainer:
         self.sampler = Sampler(
             cfg, comp, self.algorithm, self.sigmas, self.velocity, self.dist, self.device, self.watch
         )
-        self.eval_rewards = self.sampler.eval_rewards  # the held-out judges (the training reward's too)
 
     # ------------------------------------------------------------------ model calls and rollouts
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -131,24 +128,15 @@ class Trainer:
     def grpo_loss(
         self, ro: Rollout, steps: Tensor | None = None, idx: slice = slice(None), *, scale: float = 1.0
     ) -> GRPOStepLoss:
-        """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps (or ``steps`` (b, T)):
-        ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the inputs and times, ``loss(i, v)`` the scaled loss
-        of the i-th step (``step_loss``)."""
-        return self.step_loss(ro.at(idx, self.sigmas.to(self.device), steps), ro, idx, scale=scale)
-
-    def step_loss(
-        self, trained: TrainedSteps, ro: Rollout, idx: slice, *, scale: float = 1.0
-    ) -> GRPOStepLoss:
-        """The per-step GRPO loss of ``trained`` steps of the samples ``ro[idx]`` (their advantages, and the
-        frozen reference model's KL term with ``algorithm.kl_beta > 0``)."""
+        """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps (or ``steps`` (b, T)), held
+        whole in ``loss.steps`` (``Rollout.at``): ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the inputs
+        and times, ``loss(i, v)`` the scaled loss of the i-th step; with ``algorithm.kl_beta > 0`` the frozen
+        reference model gives the KL term."""
+        trained = ro.at(idx, self.sigmas.to(self.device), steps)
         ref = self.velocity(ro.cond.select(idx), self.reference) if self.reference else None
         return self.cfg.algorithm.step_loss(
             trained, ro.advantages[idx].to(self.device), scale=scale, ref_velocity=ref
         )
-
-    def _micro_batches(self, ro: Rollout) -> list[slice]:
-        size = self.cfg.train.train_batch_size
-        return [slice(start, start + size) for start in range(0, len(ro.prompts), size)]
 
     def update(self, ro: Rollout) -> dict:
         """Backward over every micro-batch as ``self.setting`` says; optimizer step every grad_accum.
@@ -198,7 +186,7 @@ class Trainer:
             iteration=self.iteration,
             params=self.params,
             setting=setting,
-            micro_batches=self._micro_batches(ro),
+            micro_batches=micro_batches(len(ro.prompts), self.cfg.train.train_batch_size),
             inputs=functools.partial(self._update_inputs, ro),
             velocity=lambda rows: self.velocity(ro.cond.select(rows)),
             dist=self.dist,
@@ -210,10 +198,10 @@ class Trainer:
     def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[GRPOStepLoss, Tensor | None]:
         """The micro-batch's GRPO loss over its T trained steps (scaled 1 / (grad_accum * T)) and its stored
         outputs where they are valid (on the rollout's weights), else None."""
-        trained = ro.at(idx, self.sigmas.to(self.device))
-        loss = self.step_loss(trained, ro, idx, scale=1.0 / (self.cfg.train.grad_accum * len(trained.x)))
-        on_rollout_weights = ro.weights_version == self.weights_version and trained.outputs is not None
-        return loss, trained.outputs.to(self.device) if on_rollout_weights else None
+        loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (self.cfg.train.grad_accum * ro.trained.shape[1]))
+        outputs = loss.steps.outputs
+        on_rollout_weights = ro.weights_version == self.weights_version and outputs is not None
+        return loss, outputs.to(self.device) if on_rollout_weights else None
 
     def _optimizer_step(self, view: UpdateView, pending: list[MicroBatch]) -> tuple[float, bool]:
         """The plug-ins' touch point before the step (a control degrades the gradient, then fidelity measures
@@ -255,7 +243,7 @@ class Trainer:
             return evaluate(
                 velocity=self.velocity,
                 components=self.comp,
-                rewards=self.eval_rewards,
+                rewards=self.sampler.eval_rewards,  # the held-out judges (the training reward's too)
                 prompts=prompts,
                 noise=noise,
                 sigmas=self.eval_sigmas.to(self.device),
@@ -264,9 +252,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def calibrate(self, ro: Rollout, it: int = 0) -> dict:
-        """Measure the backward on the first micro-batch of the rollout ``ro`` of iteration ``it`` with the run's
-        calibrator and use it from now on (``jagg.loop.calibration``); gradients are left as they were.
-        Returns the measurement's metrics and its seconds."""
+        """Measure the backward on ``probe(ro, it)`` with the run's calibrator and use it from now on (gradients
+        are left as they were); returns the measurement's metrics and its seconds."""
         self.watch.enter("calibrate", it)
         t0 = time.perf_counter()
         metrics = self.calibrator.measure(self.probe(ro, it))
@@ -275,17 +262,17 @@ class Trainer:
 
     def probe(self, ro: Rollout, it: int) -> Probe:
         """What the calibrator measures from: the first micro-batch of ``ro``, the rollout of iteration ``it``."""
-        rows, sigmas = slice(0, self.cfg.train.train_batch_size), self.sigmas.to(self.device)
+        rows = slice(0, self.cfg.train.train_batch_size)
         return Probe(
             iteration=it,
             velocity=self.velocity(ro.cond.select(rows)),
-            loss=self.step_loss(ro.at(rows, sigmas), ro, rows),
+            loss=self.grpo_loss(ro, idx=rows),
             params=self.params,
-            micro_batches=len(self._micro_batches(ro)),
+            micro_batches=len(micro_batches(len(ro.prompts), self.cfg.train.train_batch_size)),
             grad_accum=self.cfg.train.grad_accum,
             traj=ro.traj,
             rows=rows,
-            sigmas=sigmas,
+            sigmas=self.sigmas.to(self.device),
         )
 
     def train_iteration(self, it: int) -> dict:
@@ -309,10 +296,9 @@ class Trainer:
         return checkpoint_dir(self.run_dir)
 
     def save_checkpoint(self) -> None:
-        """Start the sharded checkpoint of now (a collective: every rank writes its own shards); it becomes the
-        run's checkpoint, atomically, at once or, with ``log.async_checkpoint``, at ``self.checkpoints.poll()``
-        once every rank's write is done (the CLI polls after every iteration, in ``fit``'s progress callback) or
-        at ``self.checkpoints.finish()`` (the next save, the end of ``fit``, an abort, a resume)."""
+        """Start the sharded checkpoint of now (a collective: every rank writes its shards, every plug-in's state
+        goes in); it becomes the run's checkpoint, atomically, at once or (``log.async_checkpoint``) at
+        ``self.checkpoints.poll()`` / ``.finish()`` once every rank's write is done."""
         self.watch.enter("checkpoint", self.iteration)
         progress = Progress(
             iteration=self.iteration,
@@ -329,9 +315,8 @@ class Trainer:
         self.checkpointed_at = self.iteration
 
     def load_checkpoint(self) -> None:
-        """Restore weights, optimizer, EMA, RNG states, counters, metrics and a measured backward from the run's
-        newest checkpoint that verifies (each rank reads its shards; the checkpoint may come from another world
-        size)."""
+        """Restore weights, optimizer, EMA, RNG states, counters, metrics and every plug-in's state from the run's
+        newest checkpoint that verifies (each rank its shards; it may come from another world size)."""
         self.checkpoints.finish()  # this trainer's save in flight, if any, is the newest checkpoint
         progress, _ = resume_checkpoint(
             self.run_dir, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jagg.rewards import register_reward
+from jagg.scale.architectures import QWEN_VL_7B_TEXT
 from jagg.scale.hub import hub_file, load_or_explain
 from jagg.scale.rewards import CLIP_MEAN, CLIP_STD
 
@@ -75,16 +76,7 @@ REWARD_TOKEN = "<|Reward|>"
 DTYPE = torch.bfloat16
 # Qwen/Qwen2-VL-7B-Instruct's config.json (its architecture, for the dry-run plan's parameter count)
 QWEN2_VL_7B = dict(
-    text_config=dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-    ),
+    text_config=dict(QWEN_VL_7B_TEXT, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
     vision_config=dict(
         depth=32,
         embed_dim=1280,
