@@ -9,6 +9,7 @@ and the tests all use it (docs/conventions.md, docs/references.md).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -217,6 +218,9 @@ class GRPOStepLoss:
     ref_velocity: Callable[[Tensor, Tensor], Tensor] | None = None
     scale: float = 1.0
     kl_std: str = "flow_grpo"  # "flow_grpo": Flow-GRPO's std_dev_t; "step": the step std (the exact step KL)
+    stats: list[StepStats] | None = (
+        None  # where a list: the StepStats of every call, in order (``recording``)
+    )
 
     def __post_init__(self) -> None:
         if self.kl_std not in KL_STD:
@@ -289,11 +293,14 @@ class GRPOStepLoss:
         return cls(steps, advantages, **objective)
 
     def __call__(self, i: int, v: Tensor) -> Tensor:
-        return self.evaluate(i, v)[0]
+        value, stats = self.evaluate(i, v)
+        if self.stats is not None:
+            self.stats.append(stats)
+        return value
 
-    def recording(self) -> RecordingLoss:
-        """This loss as a ``StepLoss`` that keeps the ``StepStats`` of every evaluation (the trainer's metrics)."""
-        return RecordingLoss(self)
+    def recording(self) -> GRPOStepLoss:
+        """This loss keeping the ``StepStats`` of every call in ``stats`` (the trainer's metrics)."""
+        return dataclasses.replace(self, stats=[])
 
     def evaluate(self, i: int, v: Tensor) -> tuple[Tensor, StepStats]:
         """``(scale * L_i, StepStats(L_i, PPOStats))`` for the model output ``v`` of the i-th trained step."""
@@ -318,24 +325,3 @@ class GRPOStepLoss:
             loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, std).mean()
         scaled = loss if self.scale == 1.0 else loss * self.scale
         return scaled, StepStats(loss.item(), stats)
-
-
-class RecordingLoss:
-    """A ``GRPOStepLoss`` that appends the ``StepStats`` of every evaluation to ``stats``, in call order; ``x`` and
-    ``sigma`` read through to the loss, so a backward setting reads it like the loss itself (``StepLoss``)."""
-
-    def __init__(self, loss: GRPOStepLoss) -> None:
-        self._loss, self.stats = loss, []
-
-    @property
-    def x(self) -> Tensor:
-        return self._loss.x
-
-    @property
-    def sigma(self) -> Tensor:
-        return self._loss.sigma
-
-    def __call__(self, i: int, v: Tensor) -> Tensor:
-        value, stats = self._loss.evaluate(i, v)
-        self.stats.append(stats)
-        return value
