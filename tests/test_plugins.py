@@ -83,11 +83,12 @@ def test_plugins_act_in_registry_order_control_before_fidelity(tiny_cfg):
     from jagg.plugins.base import RunView
 
     cfg = tiny_cfg("train.control_cosine=0.5", "log.fidelity_every=1")
-    run = RunView(
-        params=[torch.nn.Parameter(torch.zeros(2))], seed=0, run_dir=cfg.log.run_dir, dist=DistInfo.current()
-    )
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW(params)
+    run = RunView(params, 0, cfg.log.run_dir, DistInfo.current(), torch.device("cpu"), optimizer)
     names = [p.name for p in build_plugins(cfg, run)]
-    assert names == ["control", "fidelity", "onpolicy"]  # eval_state off; on-policy always on
+    # eval_state off; on-policy and peak memory always on
+    assert names == ["control", "fidelity", "onpolicy", "peak_memory"]
 
 
 class Counter(Plugin):

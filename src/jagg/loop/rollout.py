@@ -40,8 +40,9 @@ class Rollout:
     scores: dict[str, Tensor]  # per-reward scores (N,), global batch
     advantages: Tensor  # (n,) this rank's share
     timing: dict[str, float]  # time_sample_s, time_reward_s
-    # the trainer's optimizer steps when sampled: the stored outputs are valid while that count is unchanged
-    weights_version: int
+    # the optimizer steps applied when it was sampled (``jagg.scale.optimizer.optimizer_steps``; a skipped step
+    # changes no weight): the stored outputs are valid while that count is unchanged
+    optimizer_steps: int
 
     def at(self, idx: slice, sigmas: Tensor, steps: Tensor | None = None) -> TrainedSteps:
         """The trained steps of the samples ``idx`` (or ``steps`` (b, T), ascending, instead of theirs): inputs,
@@ -148,7 +149,7 @@ class Sampler:
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device, self.latent_dtype)
 
     @torch.no_grad()
-    def __call__(self, it: int, stream: SeedStream, weights_version: int) -> Rollout:
+    def __call__(self, it: int, stream: SeedStream, optimizer_steps: int) -> Rollout:
         """N = prompts x images trajectories of draw ``it`` of ``stream``, scored, with their advantages."""
         t_start = time.perf_counter()
         train, algorithm = self.cfg.train, self.cfg.algorithm
@@ -195,7 +196,7 @@ class Sampler:
             scores=scores,
             advantages=rollout_advantages(self.cfg, rewards, scores, group_ids)[mine],
             timing={"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled},
-            weights_version=weights_version,
+            optimizer_steps=optimizer_steps,
         )
 
 

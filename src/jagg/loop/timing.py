@@ -128,7 +128,7 @@ def _weights_kept(trainer: Trainer) -> Iterator[None]:
         for k, state in trainer.optimizer.state.items()
     }
     ema = None if trainer.ema is None else [e.clone() for e in trainer.ema]
-    counters = trainer.weights_version, trainer.consecutive_skips
+    skips = trainer.consecutive_skips  # the optimizer's step count comes back with its state
     try:
         yield
     finally:
@@ -140,7 +140,7 @@ def _weights_kept(trainer: Trainer) -> Iterator[None]:
         if ema is not None:
             for e, saved in zip(trainer.ema, ema, strict=True):
                 e.copy_(saved)
-        trainer.weights_version, trainer.consecutive_skips = counters
+        trainer.consecutive_skips = skips
 
 
 def update_with(trainer: Trainer, ro: Rollout, setting: BackwardSetting) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg.common import SeedStream, generator, peak_memory_mb
+from jagg.common import SeedStream, generator
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
@@ -42,7 +42,7 @@ from jagg.ops.heartbeat import PhaseWatch
 from jagg.ops.trackers import RunLog
 from jagg.plugins import build_plugins
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
-from jagg.scale.optimizer import build_optimizer, ema_decay_at, optimizer_steps, shadow_step, update_ema
+from jagg.scale.optimizer import build_optimizer, ema_decay_at, optimizer_steps, update_ema
 from jagg.scale.placement import DTYPES, place_backbone
 
 
@@ -77,7 +77,6 @@ class Trainer:
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
         self.sigmas, self.eval_sigmas = schedules(comp, cfg)
         self.iteration, self.consecutive_skips = 0, 0
-        self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
         self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
         self.checkpoints = CheckpointWriter(
             self.run_dir,
@@ -93,7 +92,8 @@ class Trainer:
         self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1, train.seed)
         # instruments, controls and the calibrator, each acting at its touch points of the update (jagg.plugins):
         # the one list; whatever is in it when a checkpoint is written is checkpointed (drivers append their own)
-        self.plugins = build_plugins(cfg, RunView(self.params, train.seed, self.run_dir, self.dist))
+        run = RunView(self.params, train.seed, self.run_dir, self.dist, self.device, self.optimizer)
+        self.plugins = build_plugins(cfg, run)
         self.plugins += [self.calibrator] if self.calibrator else []
         # metrics.jsonl, trackers (log.report_to), per-sample scores and grids of evaluations (rank 0)
         self.run_log = RunLog(
@@ -122,7 +122,7 @@ class Trainer:
         """The rollout of draw ``it`` of ``stream`` on the current weights (``jagg.loop.rollout.Sampler``):
         training iteration ``it`` by default; drivers take extra rollouts from their own named stream."""
         self.watch.enter("rollout", it)
-        return self.sampler(it, stream, self.weights_version)
+        return self.sampler(it, stream, optimizer_steps(self.optimizer))
 
     # ------------------------------------------------------------------ update
     def grpo_loss(
@@ -190,9 +190,6 @@ class Trainer:
             inputs=functools.partial(self._update_inputs, ro),
             velocity=lambda rows: self.velocity(ro.cond.select(rows)),
             dist=self.dist,
-            shadow_step=functools.partial(
-                shadow_step, self.optimizer, self.params, self.cfg.optim.max_grad_norm
-            ),
         )
 
     def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[GRPOStepLoss, Tensor | None]:
@@ -200,7 +197,7 @@ class Trainer:
         outputs where they are valid (on the rollout's weights), else None."""
         loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (self.cfg.train.grad_accum * ro.trained.shape[1]))
         outputs = loss.steps.outputs
-        on_rollout_weights = ro.weights_version == self.weights_version and outputs is not None
+        on_rollout_weights = ro.optimizer_steps == optimizer_steps(self.optimizer) and outputs is not None
         return loss, outputs.to(self.device) if on_rollout_weights else None
 
     def _optimizer_step(self, view: UpdateView, pending: list[MicroBatch]) -> tuple[float, bool]:
@@ -217,7 +214,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
-        self.weights_version += 1
         decay = ema_decay_at(self.cfg.optim, optimizer_steps(self.optimizer))  # None: no EMA, or not due
         if self.ema is not None and decay is not None:
             update_ema(self.ema, self.params, decay)
@@ -285,9 +281,8 @@ class Trainer:
         self.watch.enter("update", it)
         row = {"iteration": it + 1, **ro.reward_row(), **self.update(ro), **cal, **ro.timing}
         t3 = time.perf_counter()
-        lr, memory = self.optimizer.param_groups[0]["lr"], peak_memory_mb(self.device)
         times = {"time_rollout_s": t1 - t0, "time_update_s": t3 - t2, "time_iteration_s": t3 - t0}
-        return row | times | {"lr": lr, "peak_memory_mb": memory}
+        return row | times | {"lr": self.optimizer.param_groups[0]["lr"]}
 
     # ------------------------------------------------------------------ checkpoints
     @property

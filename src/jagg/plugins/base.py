@@ -15,7 +15,7 @@ Plug-ins run in the order of ``jagg.plugins.PLUGINS``; one that degrades the gra
 comes before one that measures it (fidelity), so the measurement sees what is applied.
 
 What a plug-in sees is ``UpdateView``: the trained parameters, the update's backward setting, for any
-micro-batch its loss, its velocity and an exact backward, and the step the optimizer would make (undone). It never sees the trainer. This follows the component
+micro-batch its loss, its velocity and an exact backward. It never sees the trainer. This follows the component
 style of torchtitan's trainer (each component decides when it acts and holds its own state).
 """
 
@@ -59,9 +59,6 @@ class UpdateView:
     inputs: Callable[[slice], tuple[GRPOStepLoss, Tensor | None]]
     velocity: Callable[[slice], Velocity]
     dist: DistInfo
-    # the parameter change the optimizer step would make from the gradient now in ``.grad``, leaving weights,
-    # gradients and optimizer state as they were (``jagg.scale.optimizer.shadow_step``); None if not finite
-    shadow_step: Callable[[], list[Tensor] | None]
 
     def exact_backward(self, batches: Sequence[MicroBatch]) -> None:
         """Exact's backward of ``batches`` at the current weights, ADDED to ``.grad`` (every trained step a
@@ -106,9 +103,12 @@ class Plugin:
 
 @dataclass(frozen=True)
 class RunView:
-    """What a plug-in is built from: the run's trained parameters, its seed, its directory and this rank."""
+    """What a plug-in is built from: the run's trained parameters, its seed, its directory, this rank, the
+    device it trains on and its optimizer (read, never stepped: ``jagg.scale.optimizer.shadow_step``)."""
 
     params: Sequence[torch.nn.Parameter]
     seed: int
     run_dir: Path
     dist: DistInfo
+    device: torch.device
+    optimizer: torch.optim.Optimizer

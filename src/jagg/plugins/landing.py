@@ -24,9 +24,10 @@ Config key: ``log.landing`` (needs ``log.fidelity_every``).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -34,6 +35,7 @@ from torch import Tensor
 from jagg.config import Config
 from jagg.engine.diagnostics import grads_held, reduced, sharded_sums
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
+from jagg.scale.optimizer import shadow_step
 
 
 def _local(t: Tensor) -> Tensor:
@@ -90,13 +92,20 @@ class Landing(Plugin):
     name = "landing"
     KEYS = ("log.landing", "log.fidelity_every")
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, every: int, shadow: Callable[[], list[Tensor] | None]) -> None:
+        # the parameter change the optimizer step would make from the gradient now in ``.grad``, leaving
+        # weights, gradients and optimizer state as they were (``shadow_step``); None if not finite
+        self.every, self.shadow_step = every, shadow
         self.active = False
 
     @classmethod
     def from_config(cls, cfg: Config, run: RunView) -> Landing | None:
-        return cls(cfg.log.fidelity_every) if cfg.log.landing else None
+        if not cfg.log.landing:
+            return None
+        return cls(
+            cfg.log.fidelity_every,
+            functools.partial(shadow_step, run.optimizer, run.params, cfg.optim.max_grad_norm),
+        )
 
     def begin_update(self, view: UpdateView) -> None:
         self.active = view.iteration % self.every == 0
@@ -107,10 +116,10 @@ class Landing(Plugin):
         if not self.active:
             return
         t0 = time.perf_counter()
-        arm = view.shadow_step()
+        arm = self.shadow_step()
         with grads_held(view.params):
             view.exact_backward(pending)
-            exact = view.shadow_step()
+            exact = self.shadow_step()
         if arm is not None and exact is not None:
             sharded = any(hasattr(p, "to_local") for p in view.params)
             row = step_agreement(arm, exact, sharded)
