@@ -160,6 +160,21 @@ QWEN25_VL_7B = dict(
     ),
     tie_word_embeddings=False,
 )
+# HPSv3's backbone (``jagg.scale.hpsv3``): Qwen/Qwen2-VL-7B-Instruct's config.json, for the dry-run plan's
+# parameter count
+QWEN2_VL_7B = dict(
+    text_config=dict(QWEN_VL_7B_TEXT, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+    vision_config=dict(
+        depth=32,
+        embed_dim=1280,
+        hidden_size=3584,
+        num_heads=16,
+        mlp_ratio=4,
+        patch_size=14,
+        spatial_merge_size=2,
+    ),
+    tie_word_embeddings=False,
+)
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json (its other values are AutoencoderKLWan's defaults)
 WAN22_VAE = dict(
@@ -207,7 +222,7 @@ def _build_aux(name: str):
 
         return ImageRewardModel.from_med_config(MED_CONFIG)
     if name == "hpsv3":
-        from jagg.scale.hpsv3 import QWEN2_VL_7B, hpsv3_model
+        from jagg.scale.hpsv3 import hpsv3_model
 
         vocab = QWEN2_VL_7B["text_config"]["vocab_size"]  # + <|Reward|>
         return hpsv3_model(tf.Qwen2VLConfig(**QWEN2_VL_7B), vocab, vocab + 1)

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jagg.rewards import register_reward
-from jagg.scale.architectures import QWEN_VL_7B_TEXT
 from jagg.scale.hub import hub_file, load_or_explain
 from jagg.scale.rewards import CLIP_MEAN, CLIP_STD
 
@@ -74,20 +73,6 @@ REWARD_TOKEN = "<|Reward|>"
 # hpsv3/config/HPSv3_7B.yaml (torch_dtype: "bfloat16", bf16: True) with hpsv3/train.py : create_model_and_processor
 # (model.to(torch.bfloat16), then model.rm_head.to(torch.float32)): the model in bf16, the head in float32
 DTYPE = torch.bfloat16
-# Qwen/Qwen2-VL-7B-Instruct's config.json (its architecture, for the dry-run plan's parameter count)
-QWEN2_VL_7B = dict(
-    text_config=dict(QWEN_VL_7B_TEXT, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
-    vision_config=dict(
-        depth=32,
-        embed_dim=1280,
-        hidden_size=3584,
-        num_heads=16,
-        mlp_ratio=4,
-        patch_size=14,
-        spatial_merge_size=2,
-    ),
-    tie_word_embeddings=False,
-)
 PIXELS = 256 * 28 * 28  # inference.py : prepare_batch (min_pixels = max_pixels)
 IMAGE_FACTOR = 28
 
