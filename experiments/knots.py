@@ -164,8 +164,6 @@ def measure(study: Study, args, progress: ProgressETA) -> tuple[list[dict], dict
         for k in (k for k in study.knot_counts if k <= t):
             chosen = calibrate_knots(
                 cal_velocity,
-                cal.x,
-                cal.sigma,
                 cal,
                 trainer.params,
                 count=k,

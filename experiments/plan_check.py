@@ -400,7 +400,7 @@ def simulate(cfg: Config, units: tuple[int, ...], *, fake: bool = True, arch: di
         optimizer.zero_grad(set_to_none=cfg.train.grad_accum == 1)
         cond, loss, outputs = update_inputs(cfg, backbone, device)
         tracker = node_mem_tracker(backbone.transformer, optimizer)
-        tracker.track_inputs((cond.embeds, loss.x, loss.x_next, outputs))
+        tracker.track_inputs((cond.embeds, loss.x, loss.steps.x_next, outputs))
         velocity = velocity_fn(backbone, cond, device)
         with tracker:
             stats = backward.planned_setting().backward(velocity, loss, outputs)

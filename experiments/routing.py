@@ -51,7 +51,7 @@ def measure(
     strategies = [
         cfg.backward.setting(Routing(strategy="exact", group_size=3, jagg_frac=0.6)),
         cfg.backward.setting(Routing(strategy="jagg", group_size=3, jagg_frac=0.6)),
-        trainer.backward,  # the measured routing and W
+        trainer.setting,  # the measured routing and W
     ]
     rows = time_settings(trainer, strategies, iterations, progress)
     keys = [s.key for s in strategies]

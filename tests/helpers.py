@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from jagg.engine.grpo import GRPOStepLoss, clipped_ppo_loss, gaussian_mean_kl
+from jagg.engine.grpo import GRPOStepLoss, TrainedSteps, clipped_ppo_loss, gaussian_mean_kl
 from jagg.engine.routing import BackwardSetting, Routing
 from jagg.engine.sde import sde_step_with_logprob
 from jagg.models import TextCond, build_tiny_backbone
@@ -109,11 +109,13 @@ def make_grpo_step_loss(velocity, latents, sigmas, sigma_next, *, kind="flow_grp
             # perturb the old log-probs a little so that ratios differ from 1 but stay inside the clip
             old_lp.append(step.log_prob + 1e-3 * torch.randn(b, generator=g, dtype=torch.float64))
     return GRPOStepLoss(
-        x=latents,
-        x_next=torch.stack(stored),
-        sigma=sigmas,
-        sigma_next=sigma_next,
-        old_log_prob=torch.stack(old_lp),
+        TrainedSteps(
+            x=latents,
+            x_next=torch.stack(stored),
+            sigma=sigmas,
+            sigma_next=sigma_next,
+            old_log_prob=torch.stack(old_lp),
+        ),
         advantages=adv,
         kind=kind,
         noise_level=noise,

@@ -244,3 +244,22 @@ def test_the_concept_table_names_everything_one_iteration_meets():
     assert not missing, (
         f"names one iteration meets that docs/architecture.md's table does not place: {missing}"
     )
+
+
+def test_the_architecture_doc_lists_the_registered_plugins():
+    """docs/architecture.md's row of ``jagg.plugins`` names the package's modules (the surface, then one per
+    plug-in module of ``PLUGINS``, in registry order) and the registry's classes in the order they act, so a
+    plug-in added to or dropped from ``PLUGINS`` without the docs fails here."""
+    import re
+
+    from jagg.plugins import PLUGINS
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `jagg.plugins` |"))
+    modules = re.findall(r"`(\w+)`", row.split("|")[2])
+    plugin_modules = list(dict.fromkeys(cls.__module__.rsplit(".", 1)[1] for cls in PLUGINS))
+    assert modules == ["base", *plugin_modules]
+    assert sorted(p.stem for p in (SRC / "plugins").glob("*.py") if p.stem != "__init__") == sorted(modules)
+    listed = re.search(r"the registry `PLUGINS` \(([^)]*)\)", row)
+    assert listed, "the jagg.plugins row names the registry's classes: the registry `PLUGINS` (`A`, `B`, ...)"
+    assert re.findall(r"`(\w+)`", listed.group(1)) == [cls.__name__ for cls in PLUGINS]

@@ -28,7 +28,7 @@ from helpers import (
 )
 from jagg.config import AlgorithmConfig, BackwardConfig, load_config
 from jagg.engine.algorithms import DanceGRPO
-from jagg.engine.grpo import GRPOStepLoss
+from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.routing import BackwardSetting, Routing, plan_groups
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.engine.strategies import GRAPH_MODES, jagg_index_weights, jagg_weights
@@ -65,11 +65,13 @@ def authors_setting(strategy: str, **how) -> BackwardSetting:
 def _dance_step_loss(latents, sigmas, old_lp, steps, adv, scale):
     """This repository's per-step DanceGRPO loss on the trained ``steps`` of one authors-style rollout."""
     return GRPOStepLoss(
-        x=latents[steps],
-        x_next=latents[steps + 1],
-        sigma=sigmas[steps],
-        sigma_next=sigmas[steps + 1],
-        old_log_prob=old_lp[steps],
+        TrainedSteps(
+            x=latents[steps],
+            x_next=latents[steps + 1],
+            sigma=sigmas[steps],
+            sigma_next=sigmas[steps + 1],
+            old_log_prob=old_lp[steps],
+        ),
         advantages=adv,
         kind="dance",
         noise_level=ETA,

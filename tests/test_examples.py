@@ -129,10 +129,10 @@ def rollout_batch(velocity, latents, sigmas, *, stored: bool, seed: int = 3) -> 
     loss = make_grpo_step_loss(velocity, latents, sigmas[:t], sigmas[1 : t + 1], seed=seed)
     batch = {
         "latents": latents.transpose(0, 1),
-        "next_latents": loss.x_next.transpose(0, 1),
+        "next_latents": loss.steps.x_next.transpose(0, 1),
         "sigmas": sigmas[:t],
         "sigmas_next": sigmas[1 : t + 1],
-        "old_log_probs": loss.old_log_prob.T,
+        "old_log_probs": loss.steps.old_log_prob.T,
         "advantages": loss.advantages,
     }
     if stored:

@@ -9,6 +9,7 @@ import torch
 
 from jagg.engine.routing import Routing
 from jagg.engine.strategies import Interpolation
+from jagg.loop.rollout import micro_batches
 from jagg.plugins.fidelity import block_cosines, block_parts
 
 FP64 = ("train.precision=fp64", "optim.max_grad_norm=1e9", "train.grad_accum=2")  # one optimizer step
@@ -18,10 +19,10 @@ def _autograd_exact(trainer, ro):
     """Exact's gradient of the whole update by plain autograd on the sum of every step loss (independent of
     the strategies' code), at the current weights; ``.grad`` untouched."""
     grads = [torch.zeros_like(p) for p in trainer.params]
-    for idx in trainer._micro_batches(ro):
+    for idx in micro_batches(len(ro.prompts), trainer.cfg.train.train_batch_size):
         loss, _ = trainer._update_inputs(ro, idx)
         v = trainer.velocity(ro.cond.select(idx))
-        total = sum(loss.loss(i, v(loss.x[i], loss.sigma[i])) for i in range(len(loss.x)))
+        total = sum(loss(i, v(loss.x[i], loss.sigma[i])) for i in range(len(loss.x)))
         for g, d in zip(grads, torch.autograd.grad(total, trainer.params, allow_unused=True), strict=True):
             if d is not None:
                 g += d
@@ -133,7 +134,7 @@ def test_block_cosines_of_a_two_step_group_are_exact(tiny_trainer):
         ro, idx = trainer.rollout(0), slice(0, 3)
         loss, outputs = trainer._update_inputs(ro, idx)
         velocity = trainer.velocity(ro.cond.select(idx))
-        cosines = block_cosines(trainer.backward, velocity, loss.loss, trainer.params, outputs)
+        cosines = block_cosines(trainer.setting, velocity, loss, trainer.params, outputs)
         assert cosines
         assert all((abs(c - 1) < 1e-10) == exact for c in cosines.values()), (size, cosines)
 

@@ -88,7 +88,7 @@ def test_a_checkpoint_written_before_the_refactor_resumes(case, tmp_path):
     resumed = build_trainer(cfg(run))
     resumed.load_checkpoint()
     assert resumed.iteration == 2
-    assert resumed.backward is not None and resumed.backward == resumed.calibrator.setting
+    assert resumed.setting is not None and resumed.setting == resumed.calibrator.setting
     state = resumed.calibrator.state_dict()
     assert state == {k: old[k] for k in state}  # what the old code measured, read back
     resumed.fit()

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from helpers import make_model, previous_step_loss
-from jagg.engine.grpo import GRPOStepLoss, clipped_ppo_loss, gaussian_mean_kl, group_advantages
+from jagg.engine.grpo import (
+    GRPOStepLoss,
+    TrainedSteps,
+    clipped_ppo_loss,
+    gaussian_mean_kl,
+    group_advantages,
+)
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.models import Backbone, TextCond
 
@@ -110,6 +116,10 @@ def _problem(model_name: str, kind: str, dtype, t: int = 3, b: int = 3):
     return module, velocity, ref_velocity, x, torch.stack(x_next), s, s_next, torch.stack(old_lp), adv
 
 
+def _steps(x, x_next, sigma, sigma_next, old_log_prob) -> TrainedSteps:
+    return TrainedSteps(x=x, x_next=x_next, sigma=sigma, sigma_next=sigma_next, old_log_prob=old_log_prob)
+
+
 @pytest.mark.parametrize("scale", [1.0, 1 / 6])
 @pytest.mark.parametrize("kl_beta", [0.0, 0.1])
 @pytest.mark.parametrize("kind", ["dance", "flow_grpo", "cps"])
@@ -120,7 +130,9 @@ def test_grpo_step_loss_equals_the_previous_trainer_formula_bit_for_bit(
     module, velocity, ref_velocity, x, x_next, s, s_next, old_lp, adv = _problem(model_name, kind, dtype)
     ref_velocity = ref_velocity if kl_beta > 0 else None
     a = dict(kind=kind, noise_level=0.7, clip_range=0.2, kl_beta=kl_beta)
-    new = GRPOStepLoss(x, x_next, s, s_next, old_lp, adv, kind, 0.7, 0.2, kl_beta, ref_velocity, scale)
+    new = GRPOStepLoss(
+        _steps(x, x_next, s, s_next, old_lp), adv, kind, 0.7, 0.2, kl_beta, ref_velocity, scale
+    )
     old_log: list = []
     old = previous_step_loss(x, x_next, s, s_next, old_lp, adv, a, ref_velocity, scale, old_log)
     assert len(new) == x.shape[0]
@@ -144,7 +156,7 @@ def test_grpo_step_loss_equals_the_previous_trainer_formula_bit_for_bit(
     assert [lo for lo, _ in new_log] == [lo for lo, _ in old_log]
     assert [st for _, st in new_log] == [st for _, st in old_log]
     if kl_beta > 0:  # the KL term is there: the loss differs from the KL-free one
-        plain = GRPOStepLoss(x, x_next, s, s_next, old_lp, adv, kind, 0.7, 0.2, scale=scale)
+        plain = GRPOStepLoss(_steps(x, x_next, s, s_next, old_lp), adv, kind, 0.7, 0.2, scale=scale)
         with torch.no_grad():
             assert plain(0, velocity(x[0], s[0])) != new(0, velocity(x[0], s[0]))
 
@@ -157,11 +169,13 @@ def test_grpo_step_loss_on_policy_ratios_are_one_and_kl_needs_a_reference():
             for i in range(x.shape[0])
         ]
     loss = GRPOStepLoss(
-        x,
-        torch.stack([st.prev_sample for st in steps]),
-        s,
-        s_next,
-        torch.stack([st.log_prob for st in steps]),
+        _steps(
+            x,
+            torch.stack([st.prev_sample for st in steps]),
+            s,
+            s_next,
+            torch.stack([st.log_prob for st in steps]),
+        ),
         adv,
         "dance",
         0.7,
@@ -175,7 +189,7 @@ def test_grpo_step_loss_on_policy_ratios_are_one_and_kl_needs_a_reference():
             stats.append(st)
     assert len(stats) == 3 and all(st.ppo.ratio_max_dev == 0.0 for st in stats)
     with pytest.raises(ValueError, match="ref_velocity"):
-        GRPOStepLoss(x, x, s, s_next, adv, adv, "dance", 0.7, 0.2, kl_beta=0.1)
+        GRPOStepLoss(_steps(x, x, s, s_next, adv), adv, "dance", 0.7, 0.2, kl_beta=0.1)
 
 
 @pytest.mark.parametrize(
@@ -202,11 +216,7 @@ def test_kl_divides_by_flow_grpo_std_dev_t(kind, noise_level, kl):
     s, s_next = torch.tensor([0.6], dtype=torch.float64), torch.tensor([0.4], dtype=torch.float64)
     step = sde_step_with_logprob(x[0], v, s[0], s_next[0], kind=kind, noise_level=noise_level)
     loss = GRPOStepLoss(
-        x,
-        step.prev_sample[None],
-        s,
-        s_next,
-        step.log_prob[None],
+        _steps(x, step.prev_sample[None], s, s_next, step.log_prob[None]),
         torch.zeros(2, dtype=torch.float64),
         kind,
         noise_level,
@@ -227,7 +237,10 @@ def test_kl_std_step_is_the_exact_step_kl(kind, noise_level):
     v = torch.randn(2, 3, 4, dtype=torch.float64)
     s, s_next = torch.tensor([0.6], dtype=torch.float64), torch.tensor([0.4], dtype=torch.float64)
     step = sde_step_with_logprob(x[0], v, s[0], s_next[0], kind=kind, noise_level=noise_level)
-    args = (x, step.prev_sample[None], s, s_next, step.log_prob[None], torch.zeros(2, dtype=torch.float64))
+    args = (
+        _steps(x, step.prev_sample[None], s, s_next, step.log_prob[None]),
+        torch.zeros(2, dtype=torch.float64),
+    )
     kw = dict(
         kind=kind, noise_level=noise_level, clip_range=0.2, kl_beta=1.0, ref_velocity=lambda z, t: v - 1.0
     )

@@ -394,8 +394,8 @@ def test_measured_placement_is_logged_and_restored_on_resume(tiny_cfg):
     trainer = build_trainer(cfg)
     rows = trainer.fit()
     assert rows[0]["placement"] in PLACEMENTS and set(rows[0]["placement_cosines"]) == set(PLACEMENTS)
-    chosen = trainer.backward.routing
+    chosen = trainer.setting.routing
     again = build_trainer(cfg)
-    assert again.backward is None  # measured at run time
+    assert again.setting is None  # measured at run time
     again.load_checkpoint()
-    assert again.backward.routing == chosen
+    assert again.setting.routing == chosen

@@ -42,7 +42,7 @@ def test_shadow_step_is_the_step_the_trainer_takes_and_leaves_everything_as_it_w
     trainer.update(trainer.rollout(0))
     ro = trainer.rollout(1)
     loss, outputs = trainer._update_inputs(ro, slice(0, 3))
-    trainer.backward.backward(trainer.velocity(ro.cond.select(slice(0, 3))), loss, outputs)
+    trainer.setting.backward(trainer.velocity(ro.cond.select(slice(0, 3))), loss, outputs)
     before = [(p.detach().clone(), p.grad.clone()) for p in trainer.params]
     state = {k: v.clone() for k, v in trainer.optimizer.state[trainer.params[0]].items()}
     delta = shadow_step(trainer.optimizer, trainer.params, max_norm)

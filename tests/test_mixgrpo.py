@@ -22,7 +22,7 @@ import torch
 from helpers import build_trainer, grads_of, make_model, rel_err, tiny_config
 from jagg.config import AlgorithmConfig, load_config
 from jagg.engine.algorithms import ALGORITHMS, MixGRPO
-from jagg.engine.grpo import GRPOStepLoss
+from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.routing import BackwardSetting, Routing, plan_groups
 from jagg.engine.sampling import sample_trajectory
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
@@ -330,11 +330,13 @@ def test_window_gradient_equals_their_loss_exactly_and_jagg_is_one_group_of_two_
     steps = algo.trained_steps(list(kinds), 1, torch.Generator())  # (1, T)
     idx = steps[0]  # one sample: the trainer's at_steps(latents, idx, steps) is latents[steps[0]]
     loss = GRPOStepLoss(
-        x=traj.latents[idx],
-        x_next=traj.latents[idx + 1],
-        sigma=sigmas[steps.T],
-        sigma_next=sigmas[steps.T + 1],
-        old_log_prob=traj.log_probs[idx],
+        TrainedSteps(
+            x=traj.latents[idx],
+            x_next=traj.latents[idx + 1],
+            sigma=sigmas[steps.T],
+            sigma_next=sigmas[steps.T + 1],
+            old_log_prob=traj.log_probs[idx],
+        ),
         advantages=adv.clamp(-ADV_CLIP, ADV_CLIP),  # group_advantages(clip=adv_clip) clamps
         kind="flow_grpo",
         noise_level=ETA,

@@ -175,7 +175,7 @@ def test_trainer_rollout_advantages(tiny_trainer, aggregation):
     cfg = trainer.cfg
     ro = trainer.rollout(0)
     weights = dict(cfg.reward.weights)
-    comps = {k: ro.components[k].double().numpy() for k in weights}
+    comps = {k: ro.scores[k].double().numpy() for k in weights}
     size = cfg.train.images_per_prompt
     per_reward = mixgrpo_advantage_aggr(comps, weights, size)
     summed = sum(w * comps[k] for k, w in weights.items())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import jagg.plugins
@@ -66,7 +67,7 @@ def test_a_new_plugin_is_one_registry_entry(tiny_cfg, monkeypatch, tmp_path):
     assert update[3] == ("begin", 1, 2) and calls[-1][:2] == ("evaluated", 2)
     assert [r["recorder_steps"] for r in rows if "recorder_steps" in r] == [2, 4]
     progress = torch.load(tmp_path / "checkpoint" / "progress.pt", weights_only=False)
-    assert progress["components"]["recorder"] == {"steps": 4}
+    assert progress["plugins"]["recorder"] == {"steps": 4}
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["recorder_steps"] == 4
 
@@ -82,8 +83,58 @@ def test_plugins_act_in_registry_order_control_before_fidelity(tiny_cfg):
     from jagg.plugins.base import RunView
 
     cfg = tiny_cfg("train.control_cosine=0.5", "log.fidelity_every=1")
-    run = RunView(
-        params=[torch.nn.Parameter(torch.zeros(2))], seed=0, run_dir=cfg.log.run_dir, dist=DistInfo.current()
-    )
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW(params)
+    run = RunView(params, 0, cfg.log.run_dir, DistInfo.current(), torch.device("cpu"), optimizer)
     names = [p.name for p in build_plugins(cfg, run)]
-    assert names == ["control", "fidelity", "onpolicy"]  # eval_state off; on-policy always on
+    # eval_state off; on-policy and peak memory always on
+    assert names == ["control", "fidelity", "onpolicy", "peak_memory"]
+
+
+class Counter(Plugin):
+    """Counts optimizer steps (its state); appended by hand, not built from the registry."""
+
+    name = "counter"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_step(self, view, pending):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state.get("steps", 0)
+
+
+def test_a_plugin_appended_after_construction_is_checkpointed(tiny_cfg, tmp_path):
+    """The trainer's one list: a plug-in a driver appends after construction (as ``experiments/landing.py``
+    appends its gradient tap) acts, and its state goes into the checkpoint and comes back on resume; two
+    plug-ins of one name would share one state, so a save refuses them."""
+    trainer = build_trainer(tiny_cfg("train.iterations=1"))
+    trainer.plugins.append(Counter())
+    trainer.fit()
+    progress = torch.load(tmp_path / "checkpoint" / "progress.pt", weights_only=False)
+    assert progress["plugins"]["counter"] == {"steps": 2}  # two micro-batches, a step after each
+    resumed = build_trainer(tiny_cfg("train.iterations=1"))
+    resumed.plugins.append(Counter())
+    resumed.load_checkpoint()
+    assert resumed.plugin("counter").steps == 2
+    resumed.plugins.append(Counter())
+    with pytest.raises(ValueError, match="two plug-ins share a name"):
+        resumed.save_checkpoint()
+
+
+def test_a_checkpoint_from_before_plugins_were_named_so_keeps_their_state():
+    """progress.pt files written before the rename hold the plug-ins' state as ``components`` (the pre-rename
+    fixtures of the resume tests have them); both read as the plug-ins' state, the newer name first."""
+    from jagg.ops.checkpoint import legacy_plugins
+
+    state = {"recorder": {"steps": 4}, "calibration": {"placement": "time"}}
+    assert legacy_plugins({"components": state}) == state
+    assert legacy_plugins({"plugins": state, "components": {}}) == state
+    assert legacy_plugins({"placement": "time"}) == {
+        "calibration": {"placement": "time", **dict.fromkeys(("routing", "group_size", "windows"))}
+    }

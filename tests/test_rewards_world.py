@@ -79,7 +79,7 @@ def test_registry_has_world_rewards_and_weighted_sum(tmp_path, world, batch):
             build_reward(name, cache_dir=tmp_path)
     total = build_rewards({"jpeg": 2.0})
     images, prompts = batch
-    assert torch.allclose(total(images, prompts), 2 * total.components["jpeg"])
+    assert torch.allclose(total(images, prompts), 2 * total.scores["jpeg"])
 
 
 def test_few_step_judges_learn_something(world):

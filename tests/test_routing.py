@@ -137,8 +137,6 @@ def test_calibrate_routing_measures_routes_and_keeps_the_cheapest_w(min_cosine):
     kw = dict(micro_batches=2, grad_accum=1)
     cal = calibrate_routing(
         velocity,
-        latents,
-        sigmas,
         step_loss,
         params,
         setting=setting,

@@ -142,7 +142,7 @@ def test_eval_rewards_score_training_batches_only_when_asked(tmp_path, monkeypat
         f"log.eval_rewards_on_train={str(on_train).lower()}",
     )
     rows = trainer.fit()
-    calls = trainer.eval_rewards["counting_test"].batches
+    calls = trainer.sampler.eval_rewards["counting_test"].batches
     assert calls == 2 + on_train  # the evaluations at iterations 0 and 1 (+ the one training batch)
     assert ("reward_counting_test_mean" in rows[-1]) == on_train and "eval_counting_test_mean" in rows[-1]
     assert "reward_jpeg_mean" in rows[-1]  # the training reward's own score is always logged

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,12 +10,12 @@ import torch
 
 from helpers import build_trainer, previous_step_loss
 from jagg.common import SeedStream, generator
-from jagg.engine.grpo import GRPOStepLoss
 from jagg.engine.routing import BackwardSetting, Routing
 from jagg.engine.strategies import GRAPH_MODES, STRATEGIES
 from jagg.loop.trainer import TrainingAborted
 from jagg.ops.checkpoint import find_checkpoint, read_checkpoint, trainable_names
 from jagg.rewards import REWARDS
+from jagg.scale.optimizer import optimizer_steps
 
 TIME_KEYS = ("time_", "peak_memory")
 
@@ -75,7 +76,7 @@ def test_pass_counts_follow_routing_and_the_cost_model(tmp_path, strategy, graph
     )
     first, second = (setting.cost(3, stored_outputs=r) for r in (reuse, False))
     expected = first + second
-    assert expected == trainer.backward.update_cost(3, micro_batches=2, grad_accum=1)
+    assert expected == trainer.setting.update_cost(3, micro_batches=2, grad_accum=1)
     for key in ("forward_passes", "forward_calls", "forwards_skipped", "backward_passes", "backward_calls"):
         assert m[key] == getattr(expected, key), key
     if strategy == "jagg":
@@ -322,11 +323,11 @@ def test_a_second_update_on_one_rollout_does_not_reuse_its_outputs(tiny_cfg):
     first = trainer.update(ro)
     assert first["forwards_skipped"] == 2 and first["onpolicy_ratio_max_dev"] == 0.0
     second = trainer.update(ro)
-    assert second["optimizer_steps"] == 1 and trainer.weights_version == 2
+    assert second["optimizer_steps"] == 1 and optimizer_steps(trainer.optimizer) == 2
     assert second["forwards_skipped"] == 0
     assert second["onpolicy_ratio_max_dev"] > 1e-4  # off-policy now: the stale outputs would have given 0
-    assert trainer.backward.graph_mode == "batched"
-    fresh = trainer.backward.cost(ro.trained.shape[1], stored_outputs=False)
+    assert trainer.setting.graph_mode == "batched"
+    fresh = trainer.setting.cost(ro.trained.shape[1], stored_outputs=False)
     assert second["forward_passes"] == 2 * fresh.forward_passes
 
 
@@ -369,7 +370,7 @@ def test_grpo_loss_equals_the_previous_inline_step_loss_bit_for_bit(tmp_path, kl
     assert len(new) == steps.shape[1] and new.kl_beta == 0.1 and new.kl_std == kl_std
     with torch.no_grad():  # the KL term is really there
         v0 = velocity(new.x[0], new.sigma[0])
-        assert new(0, v0).item() != GRPOStepLoss(**{**vars(new), "kl_beta": 0.0})(0, v0).item()
+        assert new(0, v0).item() != dataclasses.replace(new, kl_beta=0.0)(0, v0).item()
     for i in range(len(new)):
         out = []
         for fn in (old, new):
@@ -416,8 +417,8 @@ def test_auto_routing_calibrates_logs_and_routes(tmp_path, min_cosine, routed, t
     assert all(r["backward_passes_per_sample"] == per_sample for r in rows)
     resumed = build_trainer(cfg)
     resumed.load_checkpoint()
-    assert resumed.backward == trainer.backward
-    assert trainer.backward.routing.measured == (routed == "jagg",)
+    assert resumed.setting == trainer.setting
+    assert trainer.setting.routing.measured == (routed == "jagg",)
 
 
 def test_jagg_frac_auto_is_validated(tmp_path, tiny_cfg):
@@ -448,18 +449,18 @@ def test_group_size_auto_keeps_the_cheapest_qualifying_w(tmp_path, min_cosine, w
     trainer = build_trainer(cfg)
     rows = trainer.fit()
     cal = rows[0]
-    assert cal["group_size"] == w == trainer.backward.routing.group_size
+    assert cal["group_size"] == w == trainer.setting.routing.group_size
     by_w = cal["calibration_by_group_size"]
     assert set(by_w) == {"2", "3"} and by_w["2"]["routing"][0] is True  # a 2-step group always qualifies
     assert by_w[str(w)]["predicted_cost"] <= min(c["predicted_cost"] for c in by_w.values())
     # the cost of the whole update: 2 micro-batches, a step after each, stored outputs for the first only
-    assert trainer.backward.graph_mode == "batched"
-    stored, fresh = (trainer.backward.cost(3, stored_outputs=r) for r in (True, False))
+    assert trainer.setting.graph_mode == "batched"
+    stored, fresh = (trainer.setting.cost(3, stored_outputs=r) for r in (True, False))
     assert by_w[str(w)]["predicted_cost"] == (stored + fresh).time()
     assert all(r["backward_passes_per_sample"] == passes for r in rows)
     resumed = build_trainer(cfg)
     resumed.load_checkpoint()
-    assert resumed.backward.routing.group_size == w and resumed.backward == trainer.backward
+    assert resumed.setting.routing.group_size == w and resumed.setting == trainer.setting
 
 
 def test_group_size_auto_is_validated(tmp_path, tiny_cfg):

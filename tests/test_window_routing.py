@@ -64,7 +64,7 @@ def test_a_rebuilt_window_starts_where_a_rollout_with_the_window_there_starts(tm
     trainer = build_trainer(window_cfg(tmp_path, *AUTO))
     ro, idx = trainer.rollout(1), slice(0, 3)  # the rollout's window starts at 1
     windows = trainer.algorithm.windows(8, range(0, 3))
-    losses = trainer._window_losses(trainer.velocity(ro.cond.select(idx)), ro, idx, windows, 1)
+    losses = trainer.calibrator.rebuilt(trainer.probe(ro, 1), windows)
     sigmas = trainer.sigmas.to(trainer.device)
     ode = sample_trajectory(
         trainer.velocity(ro.cond.select(idx)), ro.traj.latents[0, idx], sigmas, ["ode"] * 8
@@ -94,7 +94,7 @@ def test_a_window_below_min_cosine_runs_exact_and_one_above_runs_jagg(tmp_path):
         assert (
             rel_err(g, g_ref) < 1e-12 and row["backward_passes"] == ref_row["backward_passes"] == 2 * passes
         )
-        assert trainer.backward.routing.at(start).measured == (passes == 2,)
+        assert trainer.setting.routing.at(start).measured == (passes == 2,)
     g_exact, g_jagg = update_gradient(exact, int(hi))[0], update_gradient(jagg, int(hi))[0]
     assert rel_err(g_jagg, g_exact) > 1e-6  # the two references differ: equality above is not trivial
 
@@ -133,7 +133,7 @@ def test_resume_restores_the_window_table(tmp_path):
     resumed = build_trainer(cfg)
     resumed.load_checkpoint()
     assert resumed.iteration == 1
-    assert isinstance(resumed.backward.routing, WindowRouting) and resumed.backward == full_trainer.backward
+    assert isinstance(resumed.setting.routing, WindowRouting) and resumed.setting == full_trainer.setting
     again = resumed.fit()
 
     def strip(rows):

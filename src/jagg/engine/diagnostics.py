@@ -10,7 +10,8 @@ a routing (``jagg.engine.routing.calibrate_routing``, ``backward.jagg_frac: auto
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +52,33 @@ def local_grads(params: Sequence[torch.nn.Parameter]) -> list[Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def grads_held(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+    """Inside the block every ``.grad`` of ``params`` starts from None (a measurement's own backward); after it,
+    whatever happened, the gradients from before are put back (the ones the update goes on with)."""
+    params = list(params)
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, held, strict=True):
+            p.grad = g
+
+
+def reduced(sums: Tensor, sharded: bool) -> Tensor:
+    """``sums``, partial sums over this rank's shards, added over the ranks when the tensors are sharded (one
+    all-reduce, on the GPU under NCCL), so no rank ever holds a full tensor."""
+    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+        sums = sums.to("cuda" if torch.distributed.get_backend() == "nccl" else sums.device)
+        torch.distributed.all_reduce(sums)
+    return sums
+
+
 def sharded_sums(a: list[Tensor], b: list[Tensor], sharded: bool) -> tuple[float, float, float, float]:
     """(<a, b>, |a|^2, |b|^2, |a - b|^2) over all parameters: local sums, then one all-reduce across the ranks
-    when the gradients are sharded, so no rank ever holds a full gradient."""
+    when the gradients are sharded (``reduced``)."""
     sums = torch.stack(
         [
             sum((x * y).sum() for x, y in zip(a, b)),
@@ -62,11 +87,7 @@ def sharded_sums(a: list[Tensor], b: list[Tensor], sharded: bool) -> tuple[float
             sum(((x - y) ** 2).sum() for x, y in zip(a, b)),
         ]
     )
-    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
-        device = a[0].device if a else torch.device("cpu")
-        sums = sums.to("cuda" if torch.distributed.get_backend() == "nccl" else device)
-        torch.distributed.all_reduce(sums)
-    return tuple(float(x) for x in sums.cpu())
+    return tuple(float(x) for x in reduced(sums, sharded).cpu())
 
 
 def compare_grads(a: list[Tensor], ref: list[Tensor], sharded: bool) -> tuple[float, float]:
@@ -110,9 +131,8 @@ def group_gradient_cosines(
     run = run or GraphRun()
     params = list(params)
     sharded = any(hasattr(p, "to_local") for p in params)  # FSDP2 parameters are DTensors
-    saved = [p.grad for p in params]
     out = []
-    try:
+    with grads_held(params):
         num_steps = latents.shape[0]
         for g, start in enumerate(range(0, num_steps, group_size)):
             idx = list(range(start, min(start + group_size, num_steps)))
@@ -135,9 +155,6 @@ def group_gradient_cosines(
             for strategy in strategies:
                 cos, rel = compare_grads(grads[strategy], ref, sharded)
                 out.append(GroupCosine(g, tuple(idx), strategy, cos, rel))
-    finally:
-        for p, grad in zip(params, saved, strict=True):
-            p.grad = grad
     return out
 
 
@@ -157,18 +174,14 @@ def plan_gradient_cosines(
     run = run or GraphRun()
     params = list(params)
     sharded = any(hasattr(p, "to_local") for p in params)
-    saved = [p.grad for p in params]
     identity = Interpolation.identity(latents.shape[0])
     grads = {}
-    try:
+    with grads_held(params):
         for name, plan in {"": identity, **plans}.items():
             for p in params:
                 p.grad = None
             run.run_plan(plan, velocity, latents, sigmas, step_loss)
             grads[name] = local_grads(params)
-    finally:
-        for p, grad in zip(params, saved, strict=True):
-            p.grad = grad
     return {name: compare_grads(grads[name], grads[""], sharded) for name in plans}
 
 

@@ -9,6 +9,7 @@ and the tests all use it (docs/conventions.md, docs/references.md).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -204,15 +205,11 @@ class GRPOStepLoss:
     the clipped surrogate and KL of ``scripts/train_sd3.py`` / ``scripts/train_flux.py`` (docs/references.md
     lists the deliberate differences).
 
-    Shapes: x, x_next (T, B, ...); sigma, sigma_next (T,) or per-sample (T, B); old_log_prob (T, B);
-    advantages (B,). ``kind`` / ``noise_level`` as in ``sde_step_with_logprob``; ``clip_range`` is eps.
+    ``steps`` holds the T trained steps whole (``TrainedSteps``: x, x_next (T, B, ...); sigma, sigma_next (T,)
+    or per-sample (T, B); old_log_prob (T, B)); ``x`` / ``sigma`` read through to it. advantages (B,). ``kind`` / ``noise_level`` as in ``sde_step_with_logprob``; ``clip_range`` is eps.
     """
 
-    x: Tensor
-    x_next: Tensor
-    sigma: Tensor
-    sigma_next: Tensor
-    old_log_prob: Tensor
+    steps: TrainedSteps
     advantages: Tensor
     kind: str
     noise_level: float
@@ -221,6 +218,9 @@ class GRPOStepLoss:
     ref_velocity: Callable[[Tensor, Tensor], Tensor] | None = None
     scale: float = 1.0
     kl_std: str = "flow_grpo"  # "flow_grpo": Flow-GRPO's std_dev_t; "step": the step std (the exact step KL)
+    stats: list[StepStats] | None = (
+        None  # where a list: the StepStats of every call, in order (``recording``)
+    )
 
     def __post_init__(self) -> None:
         if self.kl_std not in KL_STD:
@@ -230,6 +230,16 @@ class GRPOStepLoss:
 
     def __len__(self) -> int:
         return self.x.shape[0]
+
+    @property
+    def x(self) -> Tensor:
+        """The inputs of the trained steps (T, B, ...): what a backward setting reads (``StepLoss``)."""
+        return self.steps.x
+
+    @property
+    def sigma(self) -> Tensor:
+        """Their times (T,) or (T, B)."""
+        return self.steps.sigma
 
     @classmethod
     @torch.no_grad()
@@ -261,12 +271,15 @@ class GRPOStepLoss:
             )
             for i in range(x.shape[0])
         ]
-        return cls(
+        trained = TrainedSteps(
             x=x,
             x_next=torch.stack([st.prev_sample for st in steps]),
             sigma=sigma,
             sigma_next=sigma_next,
             old_log_prob=torch.stack([st.log_prob for st in steps]),
+        )
+        return cls(
+            trained,
             advantages=advantages,
             kind=kind,
             noise_level=noise_level,
@@ -275,32 +288,28 @@ class GRPOStepLoss:
 
     @classmethod
     def of(cls, steps: TrainedSteps, advantages: Tensor, **objective) -> GRPOStepLoss:
-        """The loss of ``steps`` (``TrainedSteps``) with ``advantages`` (B,) and the objective's keywords (kind,
-        noise_level, clip_range, ...; ``AlgorithmConfig.step_loss`` fills them from a config)."""
-        return cls(
-            x=steps.x,
-            x_next=steps.x_next,
-            sigma=steps.sigma,
-            sigma_next=steps.sigma_next,
-            old_log_prob=steps.old_log_prob,
-            advantages=advantages,
-            **objective,
-        )
+        """The loss of ``steps`` with ``advantages`` (B,) and the objective's keywords (kind, noise_level,
+        clip_range, ...; ``AlgorithmConfig.step_loss`` fills them from a config)."""
+        return cls(steps, advantages, **objective)
 
     def __call__(self, i: int, v: Tensor) -> Tensor:
-        return self.evaluate(i, v)[0]
+        value, stats = self.evaluate(i, v)
+        if self.stats is not None:
+            self.stats.append(stats)
+        return value
 
-    def recording(self) -> RecordingLoss:
-        """This loss as a ``StepLoss`` that keeps the ``StepStats`` of every evaluation (the trainer's metrics)."""
-        return RecordingLoss(self)
+    def recording(self) -> GRPOStepLoss:
+        """This loss keeping the ``StepStats`` of every call in ``stats`` (the trainer's metrics)."""
+        return dataclasses.replace(self, stats=[])
 
     def evaluate(self, i: int, v: Tensor) -> tuple[Tensor, StepStats]:
         """``(scale * L_i, StepStats(L_i, PPOStats))`` for the model output ``v`` of the i-th trained step."""
-        x, s, s_next = self.x[i], self.sigma[i], self.sigma_next[i]
+        steps = self.steps
+        x, s, s_next, x_next = steps.x[i], steps.sigma[i], steps.sigma_next[i], steps.x_next[i]
         step = sde_step_with_logprob(
-            x, v, s, s_next, kind=self.kind, noise_level=self.noise_level, prev_sample=self.x_next[i]
+            x, v, s, s_next, kind=self.kind, noise_level=self.noise_level, prev_sample=x_next
         )
-        loss, stats = clipped_ppo_loss(step.log_prob, self.old_log_prob[i], self.advantages, self.clip_range)
+        loss, stats = clipped_ppo_loss(step.log_prob, steps.old_log_prob[i], self.advantages, self.clip_range)
         if self.ref_velocity is not None and self.kl_beta != 0:
             with torch.no_grad():
                 ref = sde_step_with_logprob(
@@ -310,23 +319,9 @@ class GRPOStepLoss:
                     s_next,
                     kind=self.kind,
                     noise_level=self.noise_level,
-                    prev_sample=self.x_next[i],
+                    prev_sample=x_next,
                 )
             std = step.std_dev_t if self.kl_std == "flow_grpo" else step.std
             loss = loss + self.kl_beta * gaussian_mean_kl(step.mean, ref.mean, std).mean()
         scaled = loss if self.scale == 1.0 else loss * self.scale
         return scaled, StepStats(loss.item(), stats)
-
-
-class RecordingLoss:
-    """A ``GRPOStepLoss`` that appends the ``StepStats`` of every evaluation to ``stats``, in call order; ``x`` and
-    ``sigma`` are the loss's, so a backward setting reads it like the loss itself."""
-
-    def __init__(self, loss: GRPOStepLoss) -> None:
-        self.loss, self.stats = loss, []
-        self.x, self.sigma = loss.x, loss.sigma
-
-    def __call__(self, i: int, v: Tensor) -> Tensor:
-        value, stats = self.loss.evaluate(i, v)
-        self.stats.append(stats)
-        return value

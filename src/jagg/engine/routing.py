@@ -433,9 +433,7 @@ class Calibration:
 
 def calibrate_routing(
     velocity: Velocity,
-    latents: Tensor,
-    sigmas: Tensor,
-    step_loss: StepLoss,
+    loss: StepLoss,
     params: Sequence[torch.nn.Parameter],
     *,
     setting: BackwardSetting,
@@ -444,8 +442,10 @@ def calibrate_routing(
     micro_batches: int = 1,
     grad_accum: int = 1,
 ) -> Calibration:
-    """Measured routing on one micro-batch: ``latents`` (T, B, ...) and ``sigmas`` (T,) or (T, B) sorted by time
-    (sigma decreasing), ``step_loss(i, v)`` indexed by the trained-step position i; gradients over ``params``.
+    """Measured routing on one micro-batch, its per-step loss ``loss`` (``loss.x`` (T, B, ...) and ``loss.sigma``
+    (T,) or (T, B) sorted by time, sigma decreasing; ``loss(i, v)`` indexed by the trained-step position i);
+    gradients over ``params``. The three ``calibrate_*`` take (velocity, the loss, params, *, their choices);
+    ``calibrate_windows`` one loss per window.
 
     ``setting`` is the run's backward with any routing of its strategy: what is measured replaces the routing,
     and its graph mode, stored outputs, signals and row bound are kept (the measurement runs in its graph mode). Per W in ``group_sizes``:
@@ -455,14 +455,14 @@ def calibrate_routing(
     kept (ties: the smaller W, closer to exact): every routed group of every candidate has passed the cosine
     test, so W is chosen by cost among gradients of known quality. ``.grad`` of ``params`` is left as it was.
     """
-    strategy, num_steps = setting.routing.strategy, latents.shape[0]
+    strategy, num_steps = setting.routing.strategy, loss.x.shape[0]
     candidates = {}
     for w in sorted(set(group_sizes)):
         cosines = group_gradient_cosines(
             velocity,
-            latents,
-            sigmas,
-            step_loss,
+            loss.x,
+            loss.sigma,
+            loss,
             params,
             group_size=w,
             strategies=(strategy,),
@@ -552,23 +552,21 @@ class KnotsCalibration:
 
 def calibrate_knots(
     velocity: Velocity,
-    latents: Tensor,
-    sigmas: Tensor,
-    step_loss: StepLoss,
+    loss: StepLoss,
     params: Sequence[torch.nn.Parameter],
     *,
     count: int,
     graph_mode: str,
 ) -> KnotsCalibration:
-    """The measured placement (``backward.placement: auto``) on one micro-batch: every rule of ``PLACEMENTS``
-    with ``count`` knots, its gradient's cosine to the exact one (``plan_gradient_cosines`` in the run's
-    ``graph_mode``: T + |rules| K backward passes), and the best kept. ``.grad`` of ``params`` is left as it
-    was."""
-    sigmas = torch.as_tensor(sigmas)
+    """The measured placement (``backward.placement: auto``) on one micro-batch's ``loss``: every rule of
+    ``PLACEMENTS`` with ``count`` knots, its gradient's cosine to the exact one (``plan_gradient_cosines`` in the
+    run's ``graph_mode``: T + |rules| K backward passes), and the best kept. ``.grad`` of ``params`` is left as
+    it was."""
+    sigmas = torch.as_tensor(loss.sigma)
     rules = {name: Knots(count=count, placement=name) for name in PLACEMENTS}
     plans = {name: k.interpolation(sigmas, expert_boundaries(velocity)) for name, k in rules.items()}
     measured = plan_gradient_cosines(
-        velocity, latents, sigmas, step_loss, params, plans, run=GraphRun(graph_mode=graph_mode)
+        velocity, loss.x, sigmas, loss, params, plans, run=GraphRun(graph_mode=graph_mode)
     )
     cosines = {name: cos for name, (cos, _) in measured.items()}
     best = max(rules, key=lambda name: cosines[name])  # max keeps the first of equal cosines

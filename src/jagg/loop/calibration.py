@@ -10,7 +10,8 @@ velocity, loss, parameters; ``.grad`` is left as it was) and keeps what it measu
                        by the cost model; ``calibrate_routing``)
     WindowsCalibrator  the same under MixGRPO, whose trained steps are one window sliding along the trajectory:
                        how well interpolation does depends on where it is, so each window position the coming
-                       iterations train is measured (``window_losses``, ``calibrate_windows``)
+                       iterations train is measured on a rollout of that window rebuilt from the probe's
+                       samples (``window_losses``, ``calibrate_windows``)
     KnotsCalibrator    ``backward.placement: auto``: the placement rule whose gradient is closest to exact
                        (``calibrate_knots``)
 
@@ -19,12 +20,14 @@ velocity, loss, parameters; ``.grad`` is left as it was) and keeps what it measu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from jagg.common import SeedStream, generator
 from jagg.config import BackwardConfig
 from jagg.engine.algorithms import Algorithm
 from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
@@ -38,16 +41,17 @@ from jagg.engine.routing import (
     calibrate_windows,
 )
 from jagg.engine.sampling import Trajectory, sample_trajectory
-from jagg.engine.strategies import StepLoss, Velocity
+from jagg.engine.strategies import Velocity
+from jagg.plugins.base import Plugin
 
 
 @dataclass(frozen=True)
 class Probe:
-    """What a calibration measures from: the first micro-batch of the rollout of ``iteration``.
+    """What a calibration measures from: the micro-batch ``rows`` of the rollout ``traj`` of ``iteration``.
 
-    ``loss`` is its unscaled GRPO loss over its trained steps; ``window_losses(windows)`` the loss of a rollout
-    of each window on the same samples (``window_losses``); ``micro_batches`` and ``grad_accum`` describe the
-    update whose cost decides W under ``group_size: auto``."""
+    ``loss`` is its unscaled GRPO loss over its trained steps (the same loss of other steps of these samples is
+    ``dataclasses.replace(loss, steps=...)``); ``sigmas`` the run's schedule, on the device; ``micro_batches``
+    and ``grad_accum`` describe the update whose cost decides W under ``group_size: auto``."""
 
     iteration: int
     velocity: Velocity
@@ -55,12 +59,15 @@ class Probe:
     params: Sequence[torch.nn.Parameter]
     micro_batches: int
     grad_accum: int
-    window_losses: Callable[[list[range]], dict[int, StepLoss]]
+    traj: Trajectory
+    rows: slice
+    sigmas: Tensor
 
 
-class Calibrator:
+class Calibrator(Plugin):
     """One routing kind's measurement (module docstring); ``setting`` is the last one measured or restored.
-    Its checkpoint state sits under ``name`` beside the plug-ins' (``jagg.plugins.base``)."""
+    The trainer measures with it before an update when it is due; to the update it is a plug-in that does
+    nothing but keep its checkpoint state under ``name`` in the trainer's one list (``jagg.plugins.base``)."""
 
     name = "calibration"
 
@@ -84,12 +91,10 @@ class Calibrator:
 
 class GroupsCalibrator(Calibrator):
     def measure(self, probe: Probe) -> dict:
-        backward, loss = self.config, probe.loss
+        backward = self.config
         calibration = calibrate_routing(
             probe.velocity,
-            loss.x,
-            loss.sigma,
-            loss,
+            probe.loss,
             probe.params,
             setting=backward.planned_setting(),
             group_sizes=backward.candidate_group_sizes,
@@ -115,18 +120,18 @@ class GroupsCalibrator(Calibrator):
 
 
 class WindowsCalibrator(Calibrator):
-    def __init__(self, backward: BackwardConfig, algorithm: Algorithm, num_steps: int) -> None:
+    def __init__(self, backward: BackwardConfig, algorithm: Algorithm, num_steps: int, seed: int) -> None:
         super().__init__(backward)
-        self.algorithm, self.num_steps = algorithm, num_steps
+        self.algorithm, self.num_steps, self.seed = algorithm, num_steps, seed
 
     def measure(self, probe: Probe) -> dict:
         """The windows trained until the next calibration (positions further on would be measured on weights
-        they are not used with), each on a rollout of its own (``window_losses``)."""
+        they are not used with), each on a rollout of its own (``rebuilt``)."""
         backward, it = self.config, probe.iteration
         windows = self.algorithm.windows(self.num_steps, range(it, it + backward.calibrate_every))
         calibration = calibrate_windows(
             probe.velocity,
-            probe.window_losses(windows),
+            self.rebuilt(probe, windows),
             probe.params,
             strategy=backward.strategy,
             group_size=backward.group_size,
@@ -135,6 +140,15 @@ class WindowsCalibrator(Calibrator):
         )
         self.setting = backward.setting(calibration.routing)
         return calibration.as_metrics()
+
+    def rebuilt(self, probe: Probe, windows: list[range]) -> dict[int, GRPOStepLoss]:
+        """``window_losses`` of the probe's samples, their SDE noise drawn from (seed, ``SeedStream.CALIBRATION``,
+        iteration)."""
+        gen = generator(self.seed, SeedStream.CALIBRATION, probe.iteration)
+        seed = int(torch.randint(2**62, (1,), generator=gen))
+        return window_losses(
+            probe.velocity, probe.traj, probe.rows, probe.sigmas, windows, probe.loss, seed=seed
+        )
 
     def state_dict(self) -> dict:
         routing = None if self.setting is None else self.setting.routing
@@ -152,12 +166,10 @@ class WindowsCalibrator(Calibrator):
 
 class KnotsCalibrator(Calibrator):
     def measure(self, probe: Probe) -> dict:
-        backward, loss = self.config, probe.loss
+        backward = self.config
         measured = calibrate_knots(
             probe.velocity,
-            loss.x,
-            loss.sigma,
-            loss,
+            probe.loss,
             probe.params,
             count=backward.knots,
             graph_mode=backward.graph_mode,
@@ -173,15 +185,17 @@ class KnotsCalibrator(Calibrator):
             self.setting = self.config.setting(Knots(count=self.config.knots, placement=state["placement"]))
 
 
-def calibrator_for(backward: BackwardConfig, algorithm: Algorithm, num_steps: int) -> Calibrator | None:
-    """The calibrator of a run with this backward config and algorithm over ``num_steps`` steps, or None where
-    nothing is measured (the setting is fixed by the config)."""
+def calibrator_for(
+    backward: BackwardConfig, algorithm: Algorithm, num_steps: int, seed: int
+) -> Calibrator | None:
+    """The calibrator of a run with this backward config and algorithm over ``num_steps`` steps and this seed
+    (``train.seed``), or None where nothing is measured (the setting is fixed by the config)."""
     if not backward.calibrated:
         return None
     if backward.strategy == "knots":
         return KnotsCalibrator(backward)
     if algorithm.windows(num_steps, range(0)) is not None:  # trained steps are one sliding window (MixGRPO)
-        return WindowsCalibrator(backward, algorithm, num_steps)
+        return WindowsCalibrator(backward, algorithm, num_steps, seed)
     return GroupsCalibrator(backward)
 
 
@@ -192,24 +206,23 @@ def window_losses(
     rows: slice,
     sigmas: Tensor,
     windows: Sequence[range],
-    loss_of: Callable[[TrainedSteps], StepLoss],
+    loss: GRPOStepLoss,
     *,
-    kind: str,
-    noise_level: float,
     seed: int,
-) -> dict[int, StepLoss]:
-    """Per window, by first step, the loss (``loss_of``) of a rollout of that window on the samples ``rows`` of
-    the rollout ``traj`` (``velocity`` is theirs; ``sigmas`` the run's schedule).
+) -> dict[int, GRPOStepLoss]:
+    """Per window, by first step, ``loss`` (the samples' own, at any steps) at a rollout of that window on the
+    samples ``rows`` of the rollout ``traj`` (``velocity`` is theirs; ``sigmas`` the run's schedule).
 
     Why not the stored trajectory at the window's steps: outside the rollout's own window its steps are ODE
     steps, whose next latent is the deterministic Euler step, not an SDE sample, so the SDE log-prob's gradient
     there is not the one a rollout with the window there would train. What a MixGRPO rollout with the window at
     p does is rebuilt instead, for the price of the window's forwards: the ODE path from the samples' initial
     noise to step p (stored up to the rollout's first SDE step, continued from there at most to the last
-    window's start), then the window's SDE steps (``kind``, ``noise_level``, drawn from ``seed``) with their old
-    log-probs at the current weights (ratios 1, as in the update's first micro-batches). The advantages are the
-    samples' own (``loss_of``): the rebuilt windows have no reward, and the cosine compares two estimates of the
-    same advantage-weighted gradient (with one sample per micro-batch it does not depend on the advantage).
+    window's start), then the window's SDE steps (the loss's ``kind`` and ``noise_level``, drawn from ``seed``)
+    with their old log-probs at the current weights (ratios 1, as in the update's first micro-batches). The
+    advantages are the samples' own (``loss``'s): the rebuilt windows have no reward, and the cosine compares
+    two estimates of the same advantage-weighted gradient (with one sample per micro-batch it does not depend
+    on the advantage).
     """
     states = _ode_states(velocity, traj, rows, sigmas, last=max(w.start for w in windows))
     gen = torch.Generator(device=states.device).manual_seed(seed)
@@ -217,7 +230,12 @@ def window_losses(
     for w in windows:
         times = sigmas[w.start : w.stop + 1]
         sde = sample_trajectory(
-            velocity, states[w.start], times, [kind] * len(w), noise_level=noise_level, generator=gen
+            velocity,
+            states[w.start],
+            times,
+            [loss.kind] * len(w),
+            noise_level=loss.noise_level,
+            generator=gen,
         )
         trained = TrainedSteps(
             x=sde.latents[:-1],
@@ -226,7 +244,7 @@ def window_losses(
             sigma_next=times[1:],
             old_log_prob=sde.log_probs,
         )
-        losses[w.start] = loss_of(trained)
+        losses[w.start] = dataclasses.replace(loss, steps=trained)
     return losses
 
 

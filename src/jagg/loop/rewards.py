@@ -84,10 +84,10 @@ def build_run_rewards(cfg: Config, device: torch.device) -> tuple[WeightedReward
 def score_samples(
     images: Tensor, prompts: list[str], train: WeightedRewards, evals: dict[str, Reward]
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """(training reward (B,), every reward's scores {name: (B,)}): the training reward's components, and
+    """(training reward (B,), every reward's scores {name: (B,)}): the training reward's per-reward scores, and
     each eval reward not trained on (e.g. the attribute accuracy of the training samples)."""
     total = train(images, prompts)
-    scores = dict(train.components)
+    scores = dict(train.scores)
     for name, fn in evals.items():
         if name not in scores:
             scores[name] = fn(images, prompts).float()

@@ -37,11 +37,12 @@ class Rollout:
     traj: Trajectory  # latents (S + 1, n, C, H, W), log_probs (S, n)
     trained: Tensor  # (n, T) trained step indices per sample, ascending
     rewards: Tensor  # (N,) weighted total, global batch (all ranks)
-    components: dict[str, Tensor]  # per-reward scores (N,), global batch
+    scores: dict[str, Tensor]  # per-reward scores (N,), global batch
     advantages: Tensor  # (n,) this rank's share
     timing: dict[str, float]  # time_sample_s, time_reward_s
-    # the trainer's optimizer steps when sampled: the stored outputs are valid while that count is unchanged
-    weights_version: int
+    # the optimizer steps applied when it was sampled (``jagg.scale.optimizer.optimizer_steps``; a skipped step
+    # changes no weight): the stored outputs are valid while that count is unchanged
+    optimizer_steps: int
 
     def at(self, idx: slice, sigmas: Tensor, steps: Tensor | None = None) -> TrainedSteps:
         """The trained steps of the samples ``idx`` (or ``steps`` (b, T), ascending, instead of theirs): inputs,
@@ -60,7 +61,7 @@ class Rollout:
     def reward_row(self) -> dict:
         """The metrics of its rewards over the global batch: the training reward's and each reward's mean / std."""
         row = {"reward_mean": self.rewards.mean().item(), "reward_std": self.rewards.std().item()}
-        for name, score in self.components.items():
+        for name, score in self.scores.items():
             row[f"reward_{name}_mean"], row[f"reward_{name}_std"] = score.mean().item(), score.std().item()
         return row
 
@@ -69,6 +70,12 @@ def at_steps(per_step: Tensor, idx: slice, steps: Tensor, offset: int = 0) -> Te
     """(S[+1], n, ...) per-step rollout tensor -> (T, b, ...) at each sample's trained steps (+ offset)."""
     cols = torch.arange(steps.shape[0])[None, :]  # (1, b)
     return per_step[:, idx][steps.T + offset, cols]
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    """The micro-batches of ``n`` samples: consecutive rows, ``size`` each (the last may have fewer). A rollout
+    samples in them and its update trains on the same ones, so before the first optimizer step every ratio is 1."""
+    return [slice(start, start + size) for start in range(0, n, size)]
 
 
 def sample_micro_batches(
@@ -90,9 +97,8 @@ def sample_micro_batches(
     ``sde_seed + k`` on the noise's device. ``stored_outputs`` keeps every step's model output too.
     """
     chunks = []
-    for start in range(0, noise.shape[0], batch_size):
-        rows = slice(start, start + batch_size)
-        index = (first_sample + start) // batch_size  # global micro-batch index
+    for rows in micro_batches(noise.shape[0], batch_size):
+        index = (first_sample + rows.start) // batch_size  # global micro-batch index
         sde_gen = torch.Generator(device=noise.device).manual_seed(sde_seed + index)
         chunks.append(
             sample_trajectory(
@@ -143,7 +149,7 @@ class Sampler:
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device, self.latent_dtype)
 
     @torch.no_grad()
-    def __call__(self, it: int, stream: SeedStream, weights_version: int) -> Rollout:
+    def __call__(self, it: int, stream: SeedStream, optimizer_steps: int) -> Rollout:
         """N = prompts x images trajectories of draw ``it`` of ``stream``, scored, with their advantages."""
         t_start = time.perf_counter()
         train, algorithm = self.cfg.train, self.cfg.algorithm
@@ -187,10 +193,10 @@ class Sampler:
             traj=traj,
             trained=trained,
             rewards=rewards,
-            components=scores,
+            scores=scores,
             advantages=rollout_advantages(self.cfg, rewards, scores, group_ids)[mine],
             timing={"time_sample_s": t_sampled - t_start, "time_reward_s": time.perf_counter() - t_sampled},
-            weights_version=weights_version,
+            optimizer_steps=optimizer_steps,
         )
 
 

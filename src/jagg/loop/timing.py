@@ -128,7 +128,7 @@ def _weights_kept(trainer: Trainer) -> Iterator[None]:
         for k, state in trainer.optimizer.state.items()
     }
     ema = None if trainer.ema is None else [e.clone() for e in trainer.ema]
-    counters = trainer.weights_version, trainer.consecutive_skips
+    skips = trainer.consecutive_skips  # the optimizer's step count comes back with its state
     try:
         yield
     finally:
@@ -140,22 +140,22 @@ def _weights_kept(trainer: Trainer) -> Iterator[None]:
         if ema is not None:
             for e, saved in zip(trainer.ema, ema, strict=True):
                 e.copy_(saved)
-        trainer.weights_version, trainer.consecutive_skips = counters
+        trainer.consecutive_skips = skips
 
 
 def update_with(trainer: Trainer, ro: Rollout, setting: BackwardSetting) -> dict:
     """The metrics of ``trainer.update(ro)`` with ``setting`` as the trainer's backward, plus its seconds
     (``time_update_s``, the update alone); weights, optimizer state, EMA and the trainer's own setting are left
     as they were, so the next update starts from the rollout's weights again."""
-    own = trainer.backward
-    trainer.backward = setting
+    own = trainer.setting
+    trainer.setting = setting
     try:
         with _weights_kept(trainer):
             t0 = time.perf_counter()
             upd = trainer.update(ro)
             return upd | {"time_update_s": time.perf_counter() - t0}
     finally:
-        trainer.backward = own
+        trainer.setting = own
 
 
 def time_settings(

@@ -2,9 +2,9 @@
 
     rollout (no grad; SDE where the algorithm explores) -> rewards -> group advantages
     -> [calibrate: the run's calibrator measures the backward when due, ``jagg.loop.calibration``]
-    -> update: each micro-batch's trained steps (``Rollout.at``) and GRPO loss go through ``self.backward``
-       (a ``BackwardSetting``: one plan of knots), an optimizer step every ``grad_accum`` micro-batches;
-       the plug-ins (``jagg.plugins``) act at its touch points
+    -> update: each micro-batch's GRPO loss over its trained steps (``Rollout.at``) goes through the backward
+       setting (``self.setting``, a ``BackwardSetting``: one plan of knots), an optimizer step every
+       ``grad_accum`` micro-batches; the plug-ins (``jagg.plugins``) act at its touch points
     -> metrics, held-out evaluation, checkpoints when due.
 
 Follows the DanceGRPO / Flow-GRPO loops (docs/references.md). Rollouts and updates use the same micro-batches, so
@@ -26,23 +26,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from jagg.common import SeedStream, generator, peak_memory_mb
+from jagg.common import SeedStream, generator
 from jagg.config import Config, validate_world_size
 from jagg.distributed import DistInfo, full_tensor
 from jagg.engine.algorithms import ALGORITHMS
-from jagg.engine.grpo import GRPOStepLoss, RecordingLoss, StepStats, TrainedSteps
+from jagg.engine.grpo import GRPOStepLoss, StepStats
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import GroupStats
-from jagg.loop.calibration import Probe, calibrator_for, window_losses
+from jagg.loop.calibration import Probe, calibrator_for
 from jagg.loop.evaluate import evaluate, swapped_in
-from jagg.loop.rollout import Rollout, Sampler, schedules
+from jagg.loop.rollout import Rollout, Sampler, micro_batches, schedules
 from jagg.models import Backbone, Components, TextCond
 from jagg.ops.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.ops.heartbeat import PhaseWatch
 from jagg.ops.trackers import RunLog
 from jagg.plugins import build_plugins
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
-from jagg.scale.optimizer import build_optimizer, ema_decay_at, optimizer_steps, shadow_step, update_ema
+from jagg.scale.optimizer import build_optimizer, ema_decay_at, optimizer_steps, update_ema
 from jagg.scale.placement import DTYPES, place_backbone
 
 
@@ -65,12 +65,11 @@ class Trainer:
         auto_cuda = train.device == "auto" and torch.cuda.is_available()
         self.device = torch.device("cuda" if auto_cuda else train.device)
         self.dtype = DTYPES[train.precision]
-        # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, and
-        # under FSDP2 the shards of rank 0's weights (jagg.scale.placement)
-        # and with a KL term an unsharded frozen reference copy (small models; no KL at paper scale)
-        kl = cfg.algorithm.kl_beta > 0
+        # LoRA, dtypes (frozen LoRA base in the compute dtype, trained weights fp32 under bf16), device, under
+        # FSDP2 the shards of rank 0's weights, and with a KL term an unsharded frozen reference copy (small
+        # models; no KL at paper scale): jagg.scale.placement
         self.backbone, self.reference = place_backbone(
-            cfg, comp.backbone, device=self.device, dist=self.dist, reference=kl
+            cfg, comp.backbone, device=self.device, dist=self.dist, reference=cfg.algorithm.kl_beta > 0
         )
         self.params = [p for p in self.backbone.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg, self.params)  # AdamW; fused with optim.fused
@@ -78,25 +77,24 @@ class Trainer:
         self.algorithm = ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward)
         self.sigmas, self.eval_sigmas = schedules(comp, cfg)
         self.iteration, self.consecutive_skips = 0, 0
-        self.weights_version = 0  # optimizer steps applied (skipped ones change no weight)
         self.checkpointed_at: int | None = None  # the iteration of the last checkpoint written or loaded
-        # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
-        asynchronous = cfg.log.writes_async(self.device.type)
         self.checkpoints = CheckpointWriter(
             self.run_dir,
             self.dist,
             keep=cfg.log.keep_checkpoints,
-            asynchronous=asynchronous,
+            # log.async_checkpoint (auto: on CUDA): a save's shards are written while training goes on
+            asynchronous=cfg.log.writes_async(self.device.type),
             timeout_s=train.dist_timeout_s,
         )
         # How the update runs its backward: fixed by the config, or measured by the run's calibrator (None until
         # its first measurement; jagg.loop.calibration)
-        self.backward: BackwardSetting | None = cfg.backward.fixed_setting()
-        self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1)
-        # instruments and controls, each acting at its touch points of the update (jagg.plugins)
-        self.plugins = build_plugins(cfg, RunView(self.params, train.seed, self.run_dir, self.dist))
-        # what keeps its own checkpoint state (state_dict / load_state_dict, by name)
-        self.stateful = [*self.plugins, *([self.calibrator] if self.calibrator else [])]
+        self.setting: BackwardSetting | None = cfg.backward.fixed_setting()
+        self.calibrator = calibrator_for(cfg.backward, self.algorithm, len(self.sigmas) - 1, train.seed)
+        # instruments, controls and the calibrator, each acting at its touch points of the update (jagg.plugins):
+        # the one list; whatever is in it when a checkpoint is written is checkpointed (drivers append their own)
+        run = RunView(self.params, train.seed, self.run_dir, self.dist, self.device, self.optimizer)
+        self.plugins = build_plugins(cfg, run)
+        self.plugins += [self.calibrator] if self.calibrator else []
         # metrics.jsonl, trackers (log.report_to), per-sample scores and grids of evaluations (rank 0)
         self.run_log = RunLog(
             self.run_dir, self.dist.is_main, cfg.log.report_to, cfg.to_dict(), cfg.log.grid_every
@@ -106,7 +104,6 @@ class Trainer:
         self.sampler = Sampler(
             cfg, comp, self.algorithm, self.sigmas, self.velocity, self.dist, self.device, self.watch
         )
-        self.eval_rewards = self.sampler.eval_rewards  # the held-out judges (the training reward's too)
 
     # ------------------------------------------------------------------ model calls and rollouts
     def velocity(self, cond: TextCond, model: Backbone | None = None):
@@ -125,41 +122,32 @@ class Trainer:
         """The rollout of draw ``it`` of ``stream`` on the current weights (``jagg.loop.rollout.Sampler``):
         training iteration ``it`` by default; drivers take extra rollouts from their own named stream."""
         self.watch.enter("rollout", it)
-        return self.sampler(it, stream, self.weights_version)
+        return self.sampler(it, stream, optimizer_steps(self.optimizer))
 
     # ------------------------------------------------------------------ update
     def grpo_loss(
         self, ro: Rollout, steps: Tensor | None = None, idx: slice = slice(None), *, scale: float = 1.0
     ) -> GRPOStepLoss:
-        """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps (or ``steps`` (b, T)):
-        ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the inputs and times, ``loss(i, v)`` the scaled loss
-        of the i-th step; with ``algorithm.kl_beta > 0`` the frozen reference model gives the KL term."""
-        return self.step_loss(ro.at(idx, self.sigmas.to(self.device), steps), ro, idx, scale=scale)
-
-    def step_loss(
-        self, trained: TrainedSteps, ro: Rollout, idx: slice, *, scale: float = 1.0
-    ) -> GRPOStepLoss:
-        """The per-step GRPO loss of ``trained`` steps of the samples ``ro[idx]`` (their advantages, and the
-        frozen reference model's KL term with ``algorithm.kl_beta > 0``)."""
+        """The per-step GRPO loss of the samples ``ro[idx]`` at their trained steps (or ``steps`` (b, T)), held
+        whole in ``loss.steps`` (``Rollout.at``): ``loss.x`` / ``loss.sigma`` (T, b, ...) / (T, b) are the inputs
+        and times, ``loss(i, v)`` the scaled loss of the i-th step; with ``algorithm.kl_beta > 0`` the frozen
+        reference model gives the KL term."""
+        trained = ro.at(idx, self.sigmas.to(self.device), steps)
         ref = self.velocity(ro.cond.select(idx), self.reference) if self.reference else None
         return self.cfg.algorithm.step_loss(
             trained, ro.advantages[idx].to(self.device), scale=scale, ref_velocity=ref
         )
 
-    def _micro_batches(self, ro: Rollout) -> list[slice]:
-        size = self.cfg.train.train_batch_size
-        return [slice(start, start + size) for start in range(0, len(ro.prompts), size)]
-
     def update(self, ro: Rollout) -> dict:
-        """Backward over every micro-batch as ``self.backward`` says; optimizer step every grad_accum.
+        """Backward over every micro-batch as ``self.setting`` says; optimizer step every grad_accum.
 
         The plug-ins (``self.plugins``) act at the touch points (``jagg.plugins.base``): when the update begins,
         before each optimizer step, and with their metrics at the end. Stored outputs are read only while the
         weights are the rollout's (``_update_inputs``).
         """
         train = self.cfg.train
-        backward = self.backward.at_window(int(ro.trained[0, 0]))  # routed per window position (MixGRPO)
-        view = self._view(ro, backward)
+        setting = self.setting.at_window(int(ro.trained[0, 0]))  # routed per window position (MixGRPO)
+        view = self._view(ro, setting)
         self.optimizer.zero_grad(set_to_none=True)
         for plugin in self.plugins:
             plugin.begin_update(view)
@@ -169,7 +157,8 @@ class Trainer:
         steps: list[tuple[float, bool]] = []  # (gradient norm, stepped) per optimizer step
         for k, rows in enumerate(view.micro_batches):
             loss, outputs = view.inputs(rows)
-            stats = backward.backward(view.velocity(rows), loss, outputs)
+            loss = loss.recording()  # keeps each step's StepStats for the row and the plug-ins
+            stats = setting.backward(view.velocity(rows), loss, outputs)
             total = stats if total is None else total.merge(stats)
             step_stats += loss.stats
             pending.append(MicroBatch(rows, loss.stats))
@@ -197,26 +186,21 @@ class Trainer:
             iteration=self.iteration,
             params=self.params,
             setting=setting,
-            micro_batches=self._micro_batches(ro),
+            micro_batches=micro_batches(len(ro.prompts), self.cfg.train.train_batch_size),
             inputs=functools.partial(self._update_inputs, ro),
             velocity=lambda rows: self.velocity(ro.cond.select(rows)),
             dist=self.dist,
-            shadow_step=functools.partial(
-                shadow_step, self.optimizer, self.params, self.cfg.optim.max_grad_norm
-            ),
         )
 
-    def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[RecordingLoss, Tensor | None]:
+    def _update_inputs(self, ro: Rollout, idx: slice) -> tuple[GRPOStepLoss, Tensor | None]:
         """The micro-batch's GRPO loss over its T trained steps (scaled 1 / (grad_accum * T)) and its stored
         outputs where they are valid (on the rollout's weights), else None."""
-        steps = ro.at(idx, self.sigmas.to(self.device))
-        loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (self.cfg.train.grad_accum * len(steps.x)))
-        on_rollout_weights = ro.weights_version == self.weights_version and steps.outputs is not None
-        return loss.recording(), steps.outputs.to(self.device) if on_rollout_weights else None
+        loss = self.grpo_loss(ro, idx=idx, scale=1.0 / (self.cfg.train.grad_accum * ro.trained.shape[1]))
+        outputs = loss.steps.outputs
+        on_rollout_weights = ro.optimizer_steps == optimizer_steps(self.optimizer) and outputs is not None
+        return loss, outputs.to(self.device) if on_rollout_weights else None
 
-    def _optimizer_step(
-        self, view: UpdateView | None = None, pending: list[MicroBatch] = ()
-    ) -> tuple[float, bool]:
+    def _optimizer_step(self, view: UpdateView, pending: list[MicroBatch]) -> tuple[float, bool]:
         """The plug-ins' touch point before the step (a control degrades the gradient, then fidelity measures
         it), clip, then step unless the gradient is non-finite (then skip and count). Returns (norm, stepped)."""
         for plugin in self.plugins:
@@ -230,7 +214,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
-        self.weights_version += 1
         decay = ema_decay_at(self.cfg.optim, optimizer_steps(self.optimizer))  # None: no EMA, or not due
         if self.ema is not None and decay is not None:
             update_ema(self.ema, self.params, decay)
@@ -256,7 +239,7 @@ class Trainer:
             return evaluate(
                 velocity=self.velocity,
                 components=self.comp,
-                rewards=self.eval_rewards,
+                rewards=self.sampler.eval_rewards,  # the held-out judges (the training reward's too)
                 prompts=prompts,
                 noise=noise,
                 sigmas=self.eval_sigmas.to(self.device),
@@ -265,39 +248,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
     def calibrate(self, ro: Rollout, it: int = 0) -> dict:
-        """Measure the backward on the first micro-batch of the rollout ``ro`` of iteration ``it`` with the run's
-        calibrator and use it from now on (``jagg.loop.calibration``); gradients are left as they were.
-        Returns the measurement's metrics and its seconds."""
+        """Measure the backward on ``probe(ro, it)`` with the run's calibrator and use it from now on (gradients
+        are left as they were); returns the measurement's metrics and its seconds."""
         self.watch.enter("calibrate", it)
         t0 = time.perf_counter()
-        rows = slice(0, self.cfg.train.train_batch_size)
-        velocity = self.velocity(ro.cond.select(rows))
-        probe = Probe(
-            iteration=it,
-            velocity=velocity,
-            loss=self.grpo_loss(ro, idx=rows, scale=1.0),
-            params=self.params,
-            micro_batches=len(self._micro_batches(ro)),
-            grad_accum=self.cfg.train.grad_accum,
-            window_losses=lambda windows: self._window_losses(velocity, ro, rows, windows, it),
-        )
-        metrics = self.calibrator.measure(probe)
-        self.backward = self.calibrator.setting
+        metrics = self.calibrator.measure(self.probe(ro, it))
+        self.setting = self.calibrator.setting
         return metrics | {"time_calibrate_s": time.perf_counter() - t0}
 
-    def _window_losses(self, velocity, ro: Rollout, idx: slice, windows: list[range], it: int) -> dict:
-        """``window_losses`` of the samples ``ro[idx]``, their SDE noise from ``SeedStream.CALIBRATION``."""
-        algorithm, gen = self.cfg.algorithm, generator(self.cfg.train.seed, SeedStream.CALIBRATION, it)
-        return window_losses(
-            velocity,
-            ro.traj,
-            idx,
-            self.sigmas.to(self.device),
-            windows,
-            lambda trained: self.step_loss(trained, ro, idx),
-            kind=algorithm.sde_kind,
-            noise_level=algorithm.noise_level,
-            seed=int(torch.randint(2**62, (1,), generator=gen)),
+    def probe(self, ro: Rollout, it: int) -> Probe:
+        """What the calibrator measures from: the first micro-batch of ``ro``, the rollout of iteration ``it``."""
+        rows = slice(0, self.cfg.train.train_batch_size)
+        return Probe(
+            iteration=it,
+            velocity=self.velocity(ro.cond.select(rows)),
+            loss=self.grpo_loss(ro, idx=rows),
+            params=self.params,
+            micro_batches=len(micro_batches(len(ro.prompts), self.cfg.train.train_batch_size)),
+            grad_accum=self.cfg.train.grad_accum,
+            traj=ro.traj,
+            rows=rows,
+            sigmas=self.sigmas.to(self.device),
         )
 
     def train_iteration(self, it: int) -> dict:
@@ -310,9 +281,8 @@ class Trainer:
         self.watch.enter("update", it)
         row = {"iteration": it + 1, **ro.reward_row(), **self.update(ro), **cal, **ro.timing}
         t3 = time.perf_counter()
-        lr, memory = self.optimizer.param_groups[0]["lr"], peak_memory_mb(self.device)
         times = {"time_rollout_s": t1 - t0, "time_update_s": t3 - t2, "time_iteration_s": t3 - t0}
-        return row | times | {"lr": lr, "peak_memory_mb": memory}
+        return row | times | {"lr": self.optimizer.param_groups[0]["lr"]}
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -321,27 +291,27 @@ class Trainer:
         return checkpoint_dir(self.run_dir)
 
     def save_checkpoint(self) -> None:
-        """Start the sharded checkpoint of now (a collective: every rank writes its own shards); it becomes the
-        run's checkpoint, atomically, at once or, with ``log.async_checkpoint``, at ``self.checkpoints.poll()``
-        once every rank's write is done (the CLI polls after every iteration, in ``fit``'s progress callback) or
-        at ``self.checkpoints.finish()`` (the next save, the end of ``fit``, an abort, a resume)."""
+        """Start the sharded checkpoint of now (a collective: every rank writes its shards, every plug-in's state
+        goes in); it becomes the run's checkpoint, atomically, at once or (``log.async_checkpoint``) at
+        ``self.checkpoints.poll()`` / ``.finish()`` once every rank's write is done."""
         self.watch.enter("checkpoint", self.iteration)
         progress = Progress(
             iteration=self.iteration,
             consecutive_skips=self.consecutive_skips,
             metrics=self.metrics,
             ema=self.ema,
-            components={c.name: c.state_dict() for c in self.stateful},
+            plugins={p.name: p.state_dict() for p in self.plugins},
         )
+        if len(progress.plugins) != len(self.plugins):  # one state per name
+            raise ValueError(f"two plug-ins share a name: {[p.name for p in self.plugins]}")
         self.checkpoints.save(
             model=self.backbone, optimizer=self.optimizer, progress=progress, config=self.cfg.to_dict()
         )
         self.checkpointed_at = self.iteration
 
     def load_checkpoint(self) -> None:
-        """Restore weights, optimizer, EMA, RNG states, counters, metrics and a measured backward from the run's
-        newest checkpoint that verifies (each rank reads its shards; the checkpoint may come from another world
-        size)."""
+        """Restore weights, optimizer, EMA, RNG states, counters, metrics and every plug-in's state from the run's
+        newest checkpoint that verifies (each rank its shards; it may come from another world size)."""
         self.checkpoints.finish()  # this trainer's save in flight, if any, is the newest checkpoint
         progress, _ = resume_checkpoint(
             self.run_dir, model=self.backbone, optimizer=self.optimizer, ema=self.ema, dist=self.dist
@@ -349,10 +319,10 @@ class Trainer:
         self._apply_optim_config()
         self.ema = progress.ema
         self.iteration, self.consecutive_skips = progress.iteration, progress.consecutive_skips
-        for component in self.stateful:
-            component.load_state_dict(progress.components.get(component.name, {}))
+        for plugin in self.plugins:
+            plugin.load_state_dict(progress.plugins.get(plugin.name, {}))
         if self.calibrator is not None:
-            self.backward = self.calibrator.setting or self.backward
+            self.setting = self.calibrator.setting or self.setting
         self.checkpointed_at = self.iteration
         self.run_log.restart(progress.metrics)
 

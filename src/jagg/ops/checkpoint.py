@@ -98,20 +98,22 @@ class Progress:
     consecutive_skips: int
     metrics: list[dict]
     ema: list[torch.Tensor] | None
-    # each loop component's own state by name (the calibrator's under "calibration"; ``state_dict()``)
-    components: dict[str, dict] = field(default_factory=dict)
+    # each plug-in's own state by name (the trainer's list, the calibrator's under "calibration"; ``state_dict()``)
+    plugins: dict[str, dict] = field(default_factory=dict)
 
 
-# Before the loop's components kept their own state, a checkpoint held the calibration in these progress.pt
-# keys; ``legacy_components`` reads them so that such a checkpoint still resumes.
+# Before the plug-ins kept their own state, a checkpoint held the calibration in these progress.pt keys; a
+# checkpoint written before the plug-ins' state was called ``plugins`` holds it as ``components``.
+# ``legacy_plugins`` reads both, so that such a checkpoint still resumes.
 LEGACY_CALIBRATION_KEYS = ("routing", "group_size", "placement", "windows")
 
 
-def legacy_components(meta: dict) -> dict[str, dict]:
-    """The components' state of a progress.pt: its ``components``, or a checkpoint written before them (the
-    calibration in ``LEGACY_CALIBRATION_KEYS``) read as the calibrator's state."""
-    if "components" in meta:
-        return meta["components"]
+def legacy_plugins(meta: dict) -> dict[str, dict]:
+    """The plug-ins' state of a progress.pt: its ``plugins`` (``components`` before they were called so), or
+    a checkpoint written before them (the calibration in ``LEGACY_CALIBRATION_KEYS``) as the calibrator's."""
+    for key in ("plugins", "components"):
+        if key in meta:
+            return meta[key]
     old = {k: meta.get(k) for k in LEGACY_CALIBRATION_KEYS}
     return {"calibration": old} if any(v is not None for v in old.values()) else {}
 
@@ -433,7 +435,7 @@ def _progress_meta(progress: Progress, config: dict, stepped: bool, dist: DistIn
         "iteration": progress.iteration,
         "consecutive_skips": progress.consecutive_skips,
         "metrics": progress.metrics,
-        "components": progress.components,
+        "plugins": progress.plugins,
         "rng": rng,
         "config": config,
         "optimizer_saved": stepped,
@@ -736,7 +738,7 @@ def load_checkpoint(
         consecutive_skips=meta["consecutive_skips"],
         metrics=meta["metrics"],
         ema=ema,
-        components=legacy_components(meta),
+        plugins=legacy_plugins(meta),
     )
 
 

@@ -17,8 +17,17 @@ from jagg.plugins.eval_state import EvalState
 from jagg.plugins.fidelity import Fidelity
 from jagg.plugins.landing import Landing
 from jagg.plugins.onpolicy import OnPolicy
+from jagg.plugins.peak_memory import PeakMemory
 
-PLUGINS: tuple[type[Plugin], ...] = (Control, StructuredControl, Fidelity, Landing, OnPolicy, EvalState)
+PLUGINS: tuple[type[Plugin], ...] = (
+    Control,
+    StructuredControl,
+    Fidelity,
+    Landing,
+    OnPolicy,
+    EvalState,
+    PeakMemory,
+)
 
 
 def build_plugins(cfg: Config, run: RunView) -> list[Plugin]:

@@ -15,7 +15,7 @@ Plug-ins run in the order of ``jagg.plugins.PLUGINS``; one that degrades the gra
 comes before one that measures it (fidelity), so the measurement sees what is applied.
 
 What a plug-in sees is ``UpdateView``: the trained parameters, the update's backward setting, for any
-micro-batch its loss, its velocity and an exact backward, and the step the optimizer would make (undone). It never sees the trainer. This follows the component
+micro-batch its loss, its velocity and an exact backward. It never sees the trainer. This follows the component
 style of torchtitan's trainer (each component decides when it acts and holds its own state).
 """
 
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from jagg.config import Config
 from jagg.distributed import DistInfo
-from jagg.engine.grpo import RecordingLoss, StepStats
+from jagg.engine.grpo import GRPOStepLoss, StepStats
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Velocity
 
@@ -56,19 +56,16 @@ class UpdateView:
     params: Sequence[torch.nn.Parameter]
     setting: BackwardSetting
     micro_batches: list[slice]
-    inputs: Callable[[slice], tuple[RecordingLoss, Tensor | None]]
+    inputs: Callable[[slice], tuple[GRPOStepLoss, Tensor | None]]
     velocity: Callable[[slice], Velocity]
     dist: DistInfo
-    # the parameter change the optimizer step would make from the gradient now in ``.grad``, leaving weights,
-    # gradients and optimizer state as they were (``jagg.scale.optimizer.shadow_step``); None if not finite
-    shadow_step: Callable[[], list[Tensor] | None]
 
     def exact_backward(self, batches: Sequence[MicroBatch]) -> None:
         """Exact's backward of ``batches`` at the current weights, ADDED to ``.grad`` (every trained step a
         plain per-step backward, forwards recomputed: the reference an instrument compares with)."""
         for batch in batches:
             loss, _ = self.inputs(batch.rows)
-            self.setting.exact.backward(self.velocity(batch.rows), loss.loss)
+            self.setting.exact.backward(self.velocity(batch.rows), loss)
 
 
 class Plugin:
@@ -88,8 +85,8 @@ class Plugin:
     def begin_update(self, view: UpdateView) -> None:
         pass
 
-    def before_step(self, view: UpdateView | None, pending: Sequence[MicroBatch]) -> None:
-        """``view`` is None (and ``pending`` empty) for an optimizer step taken outside an update."""
+    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
+        pass
 
     def metrics(self) -> dict:
         return {}
@@ -106,9 +103,12 @@ class Plugin:
 
 @dataclass(frozen=True)
 class RunView:
-    """What a plug-in is built from: the run's trained parameters, its seed, its directory and this rank."""
+    """What a plug-in is built from: the run's trained parameters, its seed, its directory, this rank, the
+    device it trains on and its optimizer (read, never stepped: ``jagg.scale.optimizer.shadow_step``)."""
 
     params: Sequence[torch.nn.Parameter]
     seed: int
     run_dir: Path
     dist: DistInfo
+    device: torch.device
+    optimizer: torch.optim.Optimizer

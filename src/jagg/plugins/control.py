@@ -40,7 +40,7 @@ class Control(Plugin):
     def begin_update(self, view: UpdateView) -> None:
         self.control.start_iteration(view.iteration)
 
-    def before_step(self, view: UpdateView | None, pending: Sequence[MicroBatch]) -> None:
+    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
         self.control.apply()
 
 
@@ -77,11 +77,9 @@ class StructuredControl(Plugin):
             return reweighted(sigma.shape[0], batch, self.dial, self.gen)
         return toward(self.endpoints.routing.interpolation(sigma), self.dial)
 
-    def before_step(self, view: UpdateView | None, pending: Sequence[MicroBatch]) -> None:
-        if view is None:
-            return
+    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
         for p in view.params:
             p.grad = None
         for batch in pending:
             loss, outputs = view.inputs(batch.rows)
-            view.setting.run(self.plan(loss.loss.sigma), view.velocity(batch.rows), loss.loss, outputs)
+            view.setting.run(self.plan(loss.sigma), view.velocity(batch.rows), loss, outputs)

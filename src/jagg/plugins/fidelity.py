@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from jagg.config import Config
-from jagg.engine.diagnostics import compare_grads, local_grads
+from jagg.engine.diagnostics import compare_grads, grads_held, local_grads
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Interpolation, StepLoss, Velocity
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
@@ -39,15 +39,10 @@ def compare_to_exact(
     accumulates from zero. The ``.grad`` are left as they were."""
     params = list(params)
     sharded = any(hasattr(p, "to_local") for p in params)
-    held, arm = [p.grad for p in params], local_grads(params)  # the arm's gradients, put back after
-    for p in params:
-        p.grad = None
-    try:
+    arm = local_grads(params)
+    with grads_held(params):  # the arm's gradients, put back after
         run_exact()
         exact = local_grads(params)
-    finally:
-        for p, g in zip(params, held, strict=True):
-            p.grad = g
     return compare_grads(arm, exact, sharded)
 
 
@@ -85,17 +80,13 @@ def block_cosines(
     """``{span: cosine}`` of each aggregated block of ``setting``'s plan for ``loss``'s steps, run as the
     setting runs it, against exact over its span (``block_parts``). ``.grad`` is left as it was."""
     params = list(params)
-    saved = [p.grad for p in params]
     out = {}
-    try:
+    with grads_held(params):
         for span, alone, exact in block_parts(setting.plan(velocity, loss.sigma)):
             for p in params:
                 p.grad = None
             setting.run(alone, velocity, loss, outputs)
             out[span] = compare_to_exact(params, lambda e=exact: setting.run(e, velocity, loss))[0]
-    finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
     return out
 
 
@@ -123,7 +114,7 @@ class Fidelity(Plugin):
         t0 = time.perf_counter()
         rows = view.micro_batches[0]
         loss, outputs = view.inputs(rows)
-        self.group_cosines = block_cosines(view.setting, view.velocity(rows), loss.loss, view.params, outputs)
+        self.group_cosines = block_cosines(view.setting, view.velocity(rows), loss, view.params, outputs)
         self.seconds = time.perf_counter() - t0
 
     def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:

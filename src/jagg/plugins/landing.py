@@ -24,23 +24,18 @@ Config key: ``log.landing`` (needs ``log.fidelity_every``).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from jagg.config import Config
+from jagg.engine.diagnostics import grads_held, reduced, sharded_sums
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
-
-
-def _sums(parts: list[Tensor], sharded: bool) -> Tensor:
-    """Stack per-shard partial sums and add them over the ranks where the tensors are sharded."""
-    out = torch.stack(parts)
-    if sharded and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(out)
-    return out
+from jagg.scale.optimizer import shadow_step
 
 
 def _local(t: Tensor) -> Tensor:
@@ -51,10 +46,13 @@ def step_agreement(arm: Sequence[Tensor], exact: Sequence[Tensor], sharded: bool
     """Cosine of two parameter changes, the fraction of coordinates where either moves whose signs agree, and
     the per-tensor cosines (minimum, median)."""
     a, e = [_local(t) for t in arm], [_local(t) for t in exact]
-    per = _sums([torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()]) for x, y in zip(a, e)], sharded)
+    per = reduced(
+        torch.stack([torch.stack([(x * y).sum(), (x * x).sum(), (y * y).sum()]) for x, y in zip(a, e)]),
+        sharded,
+    )
     moved = [(x != 0) | (y != 0) for x, y in zip(a, e)]
     agree = sum(((torch.sign(x) == torch.sign(y)) & m).sum() for x, y, m in zip(a, e, moved))
-    counts = _sums([agree.double(), sum(m.sum() for m in moved).double()], sharded)
+    counts = reduced(torch.stack([agree.double(), sum(m.sum() for m in moved).double()]), sharded)
     dot, na, ne = per.sum(dim=0).tolist()
     cosines = [float(d / max(x * y, 1e-300) ** 0.5) for d, x, y in per.tolist() if x > 0 and y > 0]
     return {
@@ -94,45 +92,40 @@ class Landing(Plugin):
     name = "landing"
     KEYS = ("log.landing", "log.fidelity_every")
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, every: int, shadow: Callable[[], list[Tensor] | None]) -> None:
+        # the parameter change the optimizer step would make from the gradient now in ``.grad``, leaving
+        # weights, gradients and optimizer state as they were (``shadow_step``); None if not finite
+        self.every, self.shadow_step = every, shadow
         self.active = False
 
     @classmethod
     def from_config(cls, cfg: Config, run: RunView) -> Landing | None:
-        return cls(cfg.log.fidelity_every) if cfg.log.landing else None
+        if not cfg.log.landing:
+            return None
+        return cls(
+            cfg.log.fidelity_every,
+            functools.partial(shadow_step, run.optimizer, run.params, cfg.optim.max_grad_norm),
+        )
 
     def begin_update(self, view: UpdateView) -> None:
         self.active = view.iteration % self.every == 0
         self.rows: list[dict[str, float]] = []
         self.seconds = 0.0
 
-    def before_step(self, view: UpdateView | None, pending: Sequence[MicroBatch]) -> None:
-        if not self.active or view is None:
+    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
+        if not self.active:
             return
         t0 = time.perf_counter()
-        arm = view.shadow_step()
-        saved = [p.grad for p in view.params]
-        for p in view.params:
-            p.grad = None
-        try:
+        arm = self.shadow_step()
+        with grads_held(view.params):
             view.exact_backward(pending)
-            exact = view.shadow_step()
-        finally:
-            for p, g in zip(view.params, saved, strict=True):
-                p.grad = g
+            exact = self.shadow_step()
         if arm is not None and exact is not None:
             sharded = any(hasattr(p, "to_local") for p in view.params)
             row = step_agreement(arm, exact, sharded)
             d_arm, d_exact = function_change(view, pending[0].rows, [arm, exact])
             # each rank's own samples: their sums add over the ranks
-            parts = [
-                (d_arm * d_exact).sum(),
-                (d_arm**2).sum(),
-                (d_exact**2).sum(),
-                ((d_arm - d_exact) ** 2).sum(),
-            ]
-            dot, na, ne, nd = _sums(parts, sharded).tolist()
+            dot, na, ne, nd = sharded_sums([d_arm], [d_exact], sharded)
             row["landing_function_cosine"] = dot / max(na * ne, 1e-300) ** 0.5
             row["landing_function_rel_err"] = (nd / max(ne, 1e-300)) ** 0.5
             self.rows.append(row)

@@ -27,7 +27,7 @@ class OnPolicy(Plugin):
     def begin_update(self, view: UpdateView) -> None:
         self.deviation, self.first = 0.0, True
 
-    def before_step(self, view: UpdateView | None, pending: Sequence[MicroBatch]) -> None:
+    def before_step(self, view: UpdateView, pending: Sequence[MicroBatch]) -> None:
         if self.first:  # the micro-batches before the first step ran on the rollout's weights
             devs = [st.ppo.ratio_max_dev for batch in pending for st in batch.stats]
             self.deviation = max([self.deviation, *devs])

@@ -62,19 +62,19 @@ def build_reward(name: str, **kwargs) -> Reward:
 
 
 class WeightedRewards:
-    """Weighted sum of several rewards; ``components`` keeps the last per-reward scores for logging."""
+    """Weighted sum of several rewards; ``scores`` keeps the last per-reward scores for logging."""
 
     def __init__(self, rewards: dict[str, Reward], weights: dict[str, float]) -> None:
         self.rewards, self.weights = rewards, weights
-        self.components: dict[str, Tensor] = {}
+        self.scores: dict[str, Tensor] = {}
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
         total = torch.zeros(images.shape[0], dtype=torch.float32)
-        self.components = {}
+        self.scores = {}
         for name, fn in self.rewards.items():
             score = fn(images, prompts).float().cpu()
-            self.components[name] = score
+            self.scores[name] = score
             total += self.weights[name] * score
         return total
 

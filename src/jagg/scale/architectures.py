@@ -142,18 +142,36 @@ CLIP_H_TEXT = dict(
 CLIP_H_VISION = dict(
     hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14
 )
+# The 7B language model of Qwen2-VL-7B (HPSv3's backbone, ``jagg.scale.hpsv3``) and of Qwen2.5-VL-7B (Qwen-Image's
+# text encoder): the same values in Qwen/Qwen2-VL-7B-Instruct's and Qwen/Qwen2.5-VL-7B-Instruct's config.json
+QWEN_VL_7B_TEXT = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
 QWEN25_VL_7B = dict(
-    text_config=dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
+    text_config=dict(QWEN_VL_7B_TEXT),
     vision_config=dict(
         depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584
+    ),
+    tie_word_embeddings=False,
+)
+# HPSv3's backbone (``jagg.scale.hpsv3``): Qwen/Qwen2-VL-7B-Instruct's config.json, for the dry-run plan's
+# parameter count
+QWEN2_VL_7B = dict(
+    text_config=dict(QWEN_VL_7B_TEXT, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+    vision_config=dict(
+        depth=32,
+        embed_dim=1280,
+        hidden_size=3584,
+        num_heads=16,
+        mlp_ratio=4,
+        patch_size=14,
+        spatial_merge_size=2,
     ),
     tie_word_embeddings=False,
 )
@@ -204,7 +222,7 @@ def _build_aux(name: str):
 
         return ImageRewardModel.from_med_config(MED_CONFIG)
     if name == "hpsv3":
-        from jagg.scale.hpsv3 import QWEN2_VL_7B, hpsv3_model
+        from jagg.scale.hpsv3 import hpsv3_model
 
         vocab = QWEN2_VL_7B["text_config"]["vocab_size"]  # + <|Reward|>
         return hpsv3_model(tf.Qwen2VLConfig(**QWEN2_VL_7B), vocab, vocab + 1)

@@ -73,29 +73,6 @@ REWARD_TOKEN = "<|Reward|>"
 # hpsv3/config/HPSv3_7B.yaml (torch_dtype: "bfloat16", bf16: True) with hpsv3/train.py : create_model_and_processor
 # (model.to(torch.bfloat16), then model.rm_head.to(torch.float32)): the model in bf16, the head in float32
 DTYPE = torch.bfloat16
-# Qwen/Qwen2-VL-7B-Instruct's config.json (its architecture, for the dry-run plan's parameter count)
-QWEN2_VL_7B = dict(
-    text_config=dict(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-    ),
-    vision_config=dict(
-        depth=32,
-        embed_dim=1280,
-        hidden_size=3584,
-        num_heads=16,
-        mlp_ratio=4,
-        patch_size=14,
-        spatial_merge_size=2,
-    ),
-    tie_word_embeddings=False,
-)
 PIXELS = 256 * 28 * 28  # inference.py : prepare_batch (min_pixels = max_pixels)
 IMAGE_FACTOR = 28
 

@@ -32,37 +32,66 @@ from jagg.models import TextCond
 
 
 # --------------------------------------------------------------------------- text encoders
-class FluxTextEncoder:
-    """CLIP-L (pooled) + T5 (tokens) through ``FluxPipeline.encode_prompt``; embeddings returned on CPU."""
+def _frozen(module: nn.Module, device: torch.device) -> nn.Module:
+    return module.to(device).eval().requires_grad_(False)
+
+
+class PipelineTextEncoder:
+    """What the four text encoders share: a diffusers pipeline that holds only the text encoders (frozen, on
+    ``device``), prompts encoded up to ``max_sequence_length`` tokens into a ``TextCond`` on the CPU (``_encode``,
+    each pipeline's own ``encode_prompt``), and the negative prompt (true CFG), when given, encoded once and
+    attached to every row."""
+
+    def __init__(
+        self, pipe, device: torch.device, max_sequence_length: int, negative_prompt: str | None
+    ) -> None:
+        self.pipe, self.device, self.max_sequence_length = pipe, device, max_sequence_length
+        self.negative = self._encode([negative_prompt]) if negative_prompt is not None else None
+
+    def _encode(self, prompts: list[str]) -> TextCond:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> TextCond:
+        cond = self._encode(list(prompts))
+        if self.negative is not None:
+            n, neg = len(prompts), self.negative
+            cond.neg_embeds = neg.embeds.expand(n, -1, -1)
+            cond.neg_mask = None if neg.mask is None else neg.mask.expand(n, -1)
+            cond.neg_pooled = None if neg.pooled is None else neg.pooled.expand(n, -1)
+        return cond
+
+
+class FluxTextEncoder(PipelineTextEncoder):
+    """CLIP-L (pooled) + T5 (tokens) through ``FluxPipeline.encode_prompt``; no negative prompt."""
 
     def __init__(
         self, clip, clip_tokenizer, t5, t5_tokenizer, *, max_sequence_length: int = 512, device=None
     ):
         from diffusers import FluxPipeline
 
-        self.device = torch.device(device or "cpu")
-        self.max_sequence_length = max_sequence_length
-        self.pipe = FluxPipeline(
+        device = torch.device(device or "cpu")
+        pipe = FluxPipeline(
             scheduler=None,
             vae=None,
-            text_encoder=clip.to(self.device).eval().requires_grad_(False),
+            text_encoder=_frozen(clip, device),
             tokenizer=clip_tokenizer,
-            text_encoder_2=t5.to(self.device).eval().requires_grad_(False),
+            text_encoder_2=_frozen(t5, device),
             tokenizer_2=t5_tokenizer,
             transformer=None,
         )
+        super().__init__(pipe, device, max_sequence_length, None)
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> TextCond:
+    def _encode(self, prompts: list[str]) -> TextCond:
         embeds, pooled, _ = self.pipe.encode_prompt(
-            list(prompts), device=self.device, max_sequence_length=self.max_sequence_length
+            prompts, device=self.device, max_sequence_length=self.max_sequence_length
         )
         return TextCond(embeds=embeds.cpu(), pooled=pooled.cpu())  # (B, L, 4096), (B, 768)
 
 
-class QwenImageTextEncoder:
-    """Qwen2.5-VL through ``QwenImagePipeline.encode_prompt``, with masks; the negative prompt (true CFG)
-    is encoded once and attached to every row when ``true_cfg_scale > 1``."""
+class QwenImageTextEncoder(PipelineTextEncoder):
+    """Qwen2.5-VL through ``QwenImagePipeline.encode_prompt``, with masks; the negative prompt when
+    ``true_cfg_scale > 1``."""
 
     def __init__(
         self,
@@ -75,39 +104,28 @@ class QwenImageTextEncoder:
     ):
         from diffusers import QwenImagePipeline
 
-        self.device = torch.device(device or "cpu")
-        self.max_sequence_length = max_sequence_length
-        self.pipe = QwenImagePipeline(
+        device = torch.device(device or "cpu")
+        pipe = QwenImagePipeline(
             scheduler=None,
             vae=None,
-            text_encoder=text_encoder.to(self.device).eval().requires_grad_(False),
+            text_encoder=_frozen(text_encoder, device),
             tokenizer=tokenizer,
             transformer=None,
         )
-        self.negative = self._encode([negative_prompt]) if negative_prompt is not None else None
+        super().__init__(pipe, device, max_sequence_length, negative_prompt)
 
-    def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+    def _encode(self, prompts: list[str]) -> TextCond:
         embeds, mask = self.pipe.encode_prompt(
             prompts, device=self.device, max_sequence_length=self.max_sequence_length
         )
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        return embeds.cpu(), mask.cpu()
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> TextCond:
-        embeds, mask = self._encode(list(prompts))  # (B, L, D), (B, L)
-        cond = TextCond(embeds=embeds, mask=mask)
-        if self.negative is not None:
-            neg, neg_mask = self.negative
-            cond.neg_embeds = neg.expand(len(prompts), -1, -1)
-            cond.neg_mask = neg_mask.expand(len(prompts), -1)
-        return cond
+        return TextCond(embeds=embeds.cpu(), mask=mask.cpu())  # (B, L, D), (B, L)
 
 
-class SD3TextEncoder:
+class SD3TextEncoder(PipelineTextEncoder):
     """CLIP-L + CLIP-G (pooled, and tokens beside T5's) + T5 through ``StableDiffusion3Pipeline.encode_prompt``;
-    the negative prompt (true CFG; Flow-GRPO encodes "") is encoded once and attached to every row."""
+    the negative prompt (Flow-GRPO encodes "") with its pooled vector."""
 
     def __init__(
         self,
@@ -124,23 +142,21 @@ class SD3TextEncoder:
     ):
         from diffusers import StableDiffusion3Pipeline
 
-        self.device = torch.device(device or "cpu")
-        self.max_sequence_length = max_sequence_length
-        frozen = lambda m: m.to(self.device).eval().requires_grad_(False)  # noqa: E731
-        self.pipe = StableDiffusion3Pipeline(
+        device = torch.device(device or "cpu")
+        pipe = StableDiffusion3Pipeline(
             transformer=None,
             scheduler=None,
             vae=None,
-            text_encoder=frozen(clip_l),
+            text_encoder=_frozen(clip_l, device),
             tokenizer=clip_l_tokenizer,
-            text_encoder_2=frozen(clip_g),
+            text_encoder_2=_frozen(clip_g, device),
             tokenizer_2=clip_g_tokenizer,
-            text_encoder_3=frozen(t5),
+            text_encoder_3=_frozen(t5, device),
             tokenizer_3=t5_tokenizer,
         )
-        self.negative = self._encode([negative_prompt]) if negative_prompt is not None else None
+        super().__init__(pipe, device, max_sequence_length, negative_prompt)
 
-    def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+    def _encode(self, prompts: list[str]) -> TextCond:
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompts,
             prompt_2=None,
@@ -149,23 +165,12 @@ class SD3TextEncoder:
             do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
         )
-        return embeds.cpu(), pooled.cpu()  # (B, 77 + L, 4096), (B, 2048)
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> TextCond:
-        embeds, pooled = self._encode(list(prompts))
-        cond = TextCond(embeds=embeds, pooled=pooled)
-        if self.negative is not None:
-            neg, neg_pooled = self.negative
-            cond.neg_embeds = neg.expand(len(prompts), -1, -1)
-            cond.neg_pooled = neg_pooled.expand(len(prompts), -1)
-        return cond
+        return TextCond(embeds=embeds.cpu(), pooled=pooled.cpu())  # (B, 77 + L, 4096), (B, 2048)
 
 
-class WanTextEncoder:
+class WanTextEncoder(PipelineTextEncoder):
     """UMT5-XXL through ``WanPipeline.encode_prompt``: the last hidden state cut at each prompt's length and
-    zero-padded to ``max_sequence_length`` (the transformer takes no mask); the negative prompt (true CFG) is
-    encoded once and attached to every row."""
+    zero-padded to ``max_sequence_length`` (the transformer takes no mask); the negative prompt (true CFG)."""
 
     def __init__(
         self,
@@ -178,27 +183,18 @@ class WanTextEncoder:
     ):
         from diffusers import WanPipeline
 
-        self.device = torch.device(device or "cpu")
-        self.max_sequence_length = max_sequence_length
-        umt5 = umt5.to(self.device).eval().requires_grad_(False)
-        self.pipe = WanPipeline(tokenizer=tokenizer, text_encoder=umt5, vae=None, scheduler=None)
-        self.negative = self._encode([negative_prompt]) if negative_prompt is not None else None
+        device = torch.device(device or "cpu")
+        pipe = WanPipeline(tokenizer=tokenizer, text_encoder=_frozen(umt5, device), vae=None, scheduler=None)
+        super().__init__(pipe, device, max_sequence_length, negative_prompt)
 
-    def _encode(self, prompts: list[str]) -> Tensor:
+    def _encode(self, prompts: list[str]) -> TextCond:
         embeds, _ = self.pipe.encode_prompt(
             prompts,
             do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
             device=self.device,
         )
-        return embeds.cpu()  # (B, max_sequence_length, 4096)
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> TextCond:
-        cond = TextCond(embeds=self._encode(list(prompts)))
-        if self.negative is not None:
-            cond.neg_embeds = self.negative.expand(len(prompts), -1, -1)
-        return cond
+        return TextCond(embeds=embeds.cpu())  # (B, max_sequence_length, 4096)
 
 
 # --------------------------------------------------------------------------- VAE decoders

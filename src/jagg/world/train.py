@@ -72,42 +72,63 @@ def preference_pairs(world: World, n: int, seed: int) -> tuple[Tensor, Tensor, T
     a noisy background (the hack a pure alignment reward invites), blur, low contrast, an empty scene, and a
     distracting extra object. Returns good, bad (n, 3, H, W), prompt indices (n,) and the degradation names.
     """
-    rng = np.random.default_rng(seed)
     c = world.config
+    wrong = {
+        "position": lambda a, other: a._replace(position=other(c.positions, a.position)),
+        "color": lambda a, other: a._replace(color=other(c.colors, a.color)),
+        "shape": lambda a, other: a._replace(shape=other(c.shapes, a.shape)),
+        # a second, different object elsewhere
+        "extra": lambda a, other: Attributes(
+            other(c.colors, a.color), other(c.shapes, a.shape), other(c.positions, a.position)
+        ),
+    }
+
+    def composite(rerendered, rng, kinds, attrs):
+        extra, alpha2, bg2 = rerendered
+
+        def own(i: int, kind: str, x: Tensor, u: float, gen: torch.Generator) -> Tensor | None:
+            if kind == "extra":  # composite the second object over the faithful render
+                return x * (1 - alpha2[i]) + (extra[i] - bg2[i] * (1 - alpha2[i]))
+            return None
+
+        return own
+
+    return degraded_pairs(world, n, seed, DEGRADATIONS, wrong, composite, blur=lambda t: box_blur(t[None])[0])
+
+
+def degraded_pairs(
+    world, n: int, seed: int, degradations: tuple[str, ...], wrong: dict, special: Callable, blur: Callable
+) -> tuple[Tensor, Tensor, Tensor, list[str]]:
+    """The pair maker of both worlds (``preference_pairs``, ``jagg.world.video_train.video_preference_pairs``),
+    in the one draw order that fixes the pretrained artefacts bitwise: from one numpy generator ``n`` prompts,
+    their degradations (cycling through ``degradations``), the faithful renders, then each pair's wrong
+    attributes (``wrong[kind](attrs, other)``; ``other(values, current)`` draws another value) re-rendered;
+    ``special(rerendered, rng, kinds, attrs)`` may draw more before the pairs are degraded in order, each with
+    its strength u: by ``special``'s ``own(i, kind, x, u, gen)`` where that gives a tensor, else by the re-render
+    (an ``empty`` kind re-renders nothing), else by ``pixel_degradation`` with ``blur``."""
+    rng = np.random.default_rng(seed)
     prompts = [world.prompts[i] for i in rng.integers(0, len(world.prompts), n)]
-    kinds = [DEGRADATIONS[i % len(DEGRADATIONS)] for i in range(n)]
-    good_attrs = [world.parse(p) for p in prompts]
-    good, alpha, bg = world.render_attributes(good_attrs, rng)
+    kinds = [degradations[i % len(degradations)] for i in range(n)]
+    attrs = [world.parse(p) for p in prompts]
+    good, alpha, bg = world.render_attributes(attrs, rng)
 
     def other(values: tuple[str, ...], current: str) -> str:
         return str(rng.choice([v for v in values if v != current]))
 
-    bad_attrs: list[Attributes | None] = []
-    for a, k in zip(good_attrs, kinds, strict=True):
-        if k == "position":
-            bad_attrs.append(a._replace(position=other(c.positions, a.position)))
-        elif k == "color":
-            bad_attrs.append(a._replace(color=other(c.colors, a.color)))
-        elif k == "shape":
-            bad_attrs.append(a._replace(shape=other(c.shapes, a.shape)))
-        elif k == "extra":  # a second, different object elsewhere
-            bad_attrs.append(
-                Attributes(other(c.colors, a.color), other(c.shapes, a.shape), other(c.positions, a.position))
-            )
-        else:
-            bad_attrs.append(None)
-    rerender, alpha2, bg2 = world.render_attributes(bad_attrs, rng)
+    bad_attrs = [wrong[k](a, other) if k in wrong else None for a, k in zip(attrs, kinds, strict=True)]
+    rerendered = world.render_attributes(bad_attrs, rng)
+    own = special(rerendered, rng, kinds, attrs)
     gen = torch.Generator().manual_seed(seed)
     bad = good.clone()
     for i, k in enumerate(kinds):
         x = good[i]
         u = float(rng.uniform())
-        if k in ("position", "color", "shape", "empty"):
-            bad[i] = rerender[i]
-        elif k == "extra":  # composite the second object over the faithful render
-            bad[i] = x * (1 - alpha2[i]) + (rerender[i] - bg2[i] * (1 - alpha2[i]))
+        if (y := own(i, k, x, u, gen)) is not None:
+            bad[i] = y
+        elif k in wrong or k == "empty":
+            bad[i] = rerendered[0][i]
         else:
-            bad[i] = pixel_degradation(k, x, alpha[i], bg[i], u, gen, lambda t: box_blur(t[None])[0])
+            bad[i] = pixel_degradation(k, x, alpha[i], bg[i], u, gen, blur)
     idx = torch.tensor([world.prompt_index[p] for p in prompts])
     return good, bad.clamp(0, 1), idx, kinds
 

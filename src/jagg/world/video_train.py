@@ -20,8 +20,8 @@ from jagg.rewards.video import temporal_consistency
 from jagg.world.models import PreferenceModel
 from jagg.world.motion import clip_match, motion_match
 from jagg.world.text import WordTokenizer
-from jagg.world.train import box_blur, pixel_degradation
-from jagg.world.video import VideoAttributes, VideoWorld
+from jagg.world.train import box_blur, degraded_pairs
+from jagg.world.video import VideoWorld
 
 VIDEO_DEGRADATIONS = (
     "motion",
@@ -51,47 +51,30 @@ def video_preference_pairs(world: VideoWorld, n: int, seed: int) -> tuple[Tensor
     start, the frames shuffled, per-frame brightness flicker, a wrong colour or shape, pixel noise, a noisy
     background, blur, low contrast, an empty clip. Returns good, bad (n, 3, F, H, W), prompt indices (n,) and
     the degradation names (as ``jagg.world.train.preference_pairs``)."""
-    rng = np.random.default_rng(seed)
     c = world.config
-    prompts = [world.prompts[i] for i in rng.integers(0, len(world.prompts), n)]
-    kinds = [VIDEO_DEGRADATIONS[i % len(VIDEO_DEGRADATIONS)] for i in range(n)]
-    good_attrs = [world.parse(p) for p in prompts]
-    good, alpha, bg = world.render_attributes(good_attrs, rng)
+    wrong = {
+        "motion": lambda a, other: a._replace(motion=other(c.motions, a.motion)),
+        "color": lambda a, other: a._replace(color=other(c.image.colors, a.color)),
+        "shape": lambda a, other: a._replace(shape=other(c.image.shapes, a.shape)),
+    }
 
-    def other(values: tuple[str, ...], current: str) -> str:
-        return str(rng.choice([v for v in values if v != current]))
+    def clip_only(rerendered, rng, kinds, attrs):
+        still_rows = [i for i, k in enumerate(kinds) if k == "still"]
+        still = world.render_attributes([attrs[i] for i in still_rows], rng, still=True)[0]
+        shuffles = _shuffles(world.frames)
 
-    bad_attrs: list[VideoAttributes | None] = []
-    for a, k in zip(good_attrs, kinds, strict=True):
-        if k == "motion":
-            bad_attrs.append(a._replace(motion=other(c.motions, a.motion)))
-        elif k == "color":
-            bad_attrs.append(a._replace(color=other(c.image.colors, a.color)))
-        elif k == "shape":
-            bad_attrs.append(a._replace(shape=other(c.image.shapes, a.shape)))
-        else:
-            bad_attrs.append(None)
-    rerender = world.render_attributes(bad_attrs, rng)[0]
-    still_rows = [i for i, k in enumerate(kinds) if k == "still"]
-    still = world.render_attributes([good_attrs[i] for i in still_rows], rng, still=True)[0]
-    shuffles = _shuffles(world.frames)
-    gen = torch.Generator().manual_seed(seed)
-    bad = good.clone()
-    for i, k in enumerate(kinds):
-        x = good[i]
-        u = float(rng.uniform())
-        if k in ("motion", "color", "shape", "empty"):
-            bad[i] = rerender[i]
-        elif k == "still":
-            bad[i] = still[still_rows.index(i)]
-        elif k == "shuffle":
-            bad[i] = x[:, list(shuffles[int(rng.integers(len(shuffles)))])]
-        elif k == "flicker":  # each frame's brightness and colour shifted on its own
-            bad[i] = x + (0.1 + 0.2 * u) * (2 * torch.rand(1, x.shape[1], 1, 1, generator=gen) - 1)
-        else:
-            bad[i] = pixel_degradation(k, x, alpha[i], bg[i], u, gen, _blur_frames)
-    idx = torch.tensor([world.prompt_index[p] for p in prompts])
-    return good, bad.clamp(0, 1), idx, kinds
+        def own(i: int, kind: str, x: Tensor, u: float, gen: torch.Generator) -> Tensor | None:
+            if kind == "still":
+                return still[still_rows.index(i)]
+            if kind == "shuffle":
+                return x[:, list(shuffles[int(rng.integers(len(shuffles)))])]
+            if kind == "flicker":  # each frame's brightness and colour shifted on its own
+                return x + (0.1 + 0.2 * u) * (2 * torch.rand(1, x.shape[1], 1, 1, generator=gen) - 1)
+            return None
+
+        return own
+
+    return degraded_pairs(world, n, seed, VIDEO_DEGRADATIONS, wrong, clip_only, _blur_frames)
 
 
 def _blur_frames(clip: Tensor) -> Tensor:
