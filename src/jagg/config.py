@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import math
 import os
 import types
@@ -215,6 +216,10 @@ RENAMED_KEYS = {
     "backward.endpoints": "backward.graph_mode",
     "backward.reuse_rollout": "backward.stored_outputs",
 }
+# Keys that were removed, with the value the code now always behaves as. A stored config (run.json, a
+# checkpoint) holding that value reads as if the key were absent; another value is a real change of behaviour,
+# which a resume reports like any other.
+REMOVED_KEYS: dict[str, Any] = {}
 
 
 # A field whose YAML value may be ``auto``: None in the dataclass (decided at run time); the metadata says what
@@ -498,19 +503,77 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def current_keys(data: dict, where: str = "config") -> dict:
     """A copy of the config mapping ``data`` (a YAML file, run.json's or a checkpoint's ``config``) with every
-    renamed key (``RENAMED_KEYS``) under its current name, so that old files and runs read as they did;
-    ``ConfigError`` where one mapping gives both names."""
+    renamed key (``RENAMED_KEYS``, any depth, also into another section) under its current name, so that old
+    files and runs read as they did; ``ConfigError`` where one mapping gives both names."""
     out = copy.deepcopy(data)
-    for old, new in RENAMED_KEYS.items():  # each renamed within its section
-        section, old_name = old.split(".")
-        new_name = new.split(".")[1]
-        node = out.get(section)
-        if not isinstance(node, dict) or old_name not in node:
+    for old, new in RENAMED_KEYS.items():
+        *path, old_name = old.split(".")
+        node = _node(out, path)
+        if node is None or old_name not in node:
             continue
-        if new_name in node:
+        *new_path, new_name = new.split(".")
+        target = _node(out, new_path, create=True)
+        if target is None or new_name in target:
             raise ConfigError(f"{where}: {old} is the old name of {new}; give one of them, not both")
-        node[new_name] = node.pop(old_name)
+        target[new_name] = node.pop(old_name)
+        if not node and path:  # a section emptied by the move is not a key of its own
+            _node(out, path[:-1]).pop(path[-1])
     return out
+
+
+def _node(data: dict, path: list[str], create: bool = False) -> dict | None:
+    """The mapping at ``path`` in ``data`` (created empty where missing and ``create``); None where absent or
+    where something on the way is not a mapping."""
+    for name in path:
+        if create and name not in data:
+            data[name] = {}
+        data = data.get(name)
+        if not isinstance(data, dict):
+            return None
+    return data
+
+
+def stored_config(data: dict, where: str = "config") -> dict:
+    """A run's stored config (run.json's or a checkpoint's ``config``, written by any earlier version) as the
+    current code reads it: a renamed key under its new name (``current_keys``), a key added since (absent
+    there) at its default, and a removed key (``REMOVED_KEYS``) dropped where it holds the value the code now
+    always behaves as. Everything else is kept as stored, so a comparison with ``Config.to_dict()`` shows only
+    values that really differ."""
+    data = current_keys(data, where)
+    for key, value in REMOVED_KEYS.items():
+        *path, name = key.split(".")
+        node = _node(data, path)
+        if node is not None and name in node and node[name] == value:
+            node.pop(name)
+    return _with_defaults(json_safe(Config().to_dict()), data)
+
+
+def _with_defaults(defaults: dict, stored: dict, cls: type = None) -> dict:
+    """``stored`` over ``defaults``, section by section of the dataclass ``cls`` (``Config``); a value, a
+    mapping such as reward.weights included, is taken whole from ``stored`` where it is there."""
+    hints = typing.get_type_hints(cls or Config)
+    out = dict(stored)
+    for key, default in defaults.items():
+        if key not in stored:
+            out[key] = default
+        elif dataclasses.is_dataclass(hints.get(key)) and isinstance(stored[key], dict):
+            out[key] = _with_defaults(default, stored[key], hints[key])
+    return out
+
+
+def known_keys(cls: type = None, prefix: str = "") -> frozenset[str]:
+    """Every dotted config key of ``cls`` (``Config``): ``optim.lr``, ``reward.weights`` (a mapping value is one
+    key)."""
+    out: set[str] = set()
+    for name, tp in typing.get_type_hints(cls or Config).items():
+        key = f"{prefix}{name}"
+        out |= known_keys(tp, key + ".") if dataclasses.is_dataclass(tp) else {key}
+    return frozenset(out)
+
+
+def json_safe(data: dict) -> dict:
+    """``data`` as it reads back from JSON (run.json), for comparing with a stored config."""
+    return json.loads(json.dumps(data, default=str))
 
 
 def _safe_load(text: str, where: str) -> Any:
