@@ -129,5 +129,5 @@ def test_measuring_landing_changes_nothing_in_training(tiny_trainer, tmp_path):
 
 
 def test_landing_needs_the_fidelity_cadence(tiny_cfg):
-    with pytest.raises(ConfigError, match="log.landing=true .* log.fidelity_every"):
+    with pytest.raises(ConfigError, match="plugins.landing.enabled=true .* plugins.fidelity.every"):
         tiny_cfg("log.landing=true", "log.fidelity_every=0")

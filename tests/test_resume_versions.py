@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from jagg import config as config_module
-from jagg.config import load_config, stored_config
+from jagg.config import RENAMED_KEYS, load_config, stored_config
 from jagg.errors import ConfigError
 from jagg.ops import preflight
 from jagg.ops.rundir import REPO_ROOT as ROOT
@@ -92,18 +92,23 @@ def test_the_old_config_reads_every_key_added_since_as_its_default():
         added = set(defaults[section]) - set(stored[section])
         assert added, section  # the fixture is older than these keys
         assert {k: read[section][k] for k in added} == {k: defaults[section][k] for k in added}
-        assert {k: read[section][k] for k in stored[section]} == stored[section]
+        kept = {k: v for k, v in stored[section].items() if f"{section}.{k}" not in RENAMED_KEYS}
+        assert {k: read[section][k] for k in kept} == kept
+    # renamed: the stored value under the new name (the fixture's log.fidelity_every, train.control_cosine)
+    assert read["plugins"]["fidelity"]["every"] == stored["log"]["fidelity_every"]
+    assert read["plugins"]["control"]["cosine"] == stored["train"]["control_cosine"]
 
 
 def test_a_removed_key_reads_as_absent_only_at_the_value_the_code_now_has(monkeypatch):
     """REMOVED_KEYS: a stored value equal to what the code now always does is no change; another one is."""
     stored = json.loads((OLD_RUNS / PLUGIN_KEYS / "run.json").read_text())["config"]
-    assert stored["log"]["landing"] is True
+    assert stored["log"]["landing"] is True  # read as plugins.landing.enabled (renamed)
     new = config_module.json_safe(config_module.Config().to_dict())
-    monkeypatch.setattr(config_module, "REMOVED_KEYS", {"log.landing": True})
-    assert "log.landing" not in preflight.config_changes(stored_config(stored), new)
-    monkeypatch.setattr(config_module, "REMOVED_KEYS", {"log.landing": False})
-    assert preflight.config_changes(stored_config(stored), new)["log.landing"] == (True, False)
+    monkeypatch.setattr(config_module, "REMOVED_KEYS", {"plugins.landing.enabled": True})
+    assert "plugins.landing.enabled" not in preflight.config_changes(stored_config(stored), new)
+    monkeypatch.setattr(config_module, "REMOVED_KEYS", {"plugins.landing.enabled": False})
+    changes = preflight.config_changes(stored_config(stored), new)
+    assert changes["plugins.landing.enabled"] == (True, False)
 
 
 @pytest.mark.parametrize("name", [PREWAVE, PLUGIN_KEYS])

@@ -4,8 +4,8 @@ beside the gradient that fidelity compares.
 Why: AdamW scales every coordinate of the gradient to a step of about the learning rate, so the gradient's
 cosine to exact's understates how differently an update lands, and it puts structured errors (JAGG's) and
 random ones (the controls') on different scales: a random direction at gradient cosine 0.95 fills the small
-coordinates and becomes a step at cosine about 0.5. At a fidelity iteration (``log.fidelity_every``) with
-``log.landing: true`` this plug-in measures, before each optimizer step:
+coordinates and becomes a step at cosine about 0.5. At a fidelity iteration (``plugins.fidelity.every``) with
+``plugins.landing.enabled: true`` this plug-in measures, before each optimizer step:
 
 * the step's fidelity: the step the arm's gradient makes (clipped as the trainer clips, through the optimizer's
   current state) against the step exact's gradient of the same micro-batches would make through a copy of that
@@ -19,7 +19,7 @@ An exact arm gets 1 and 0 to rounding. Cost per fidelity iteration: one exact ba
 fidelity's), two optimizer steps undone, and three forwards of one micro-batch per trained step. Under FSDP2 every
 sum is all-reduced over the ranks' shards.
 
-Config key: ``log.landing`` (needs ``log.fidelity_every``).
+Config key: ``plugins.landing.enabled`` (``LandingConfig``; log.landing before, still read so).
 """
 
 from __future__ import annotations
@@ -27,12 +27,28 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from jagg.config import Config
-from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
+from jagg.plugins.base import MicroBatch, Plugin, PluginConfig, RunView, UpdateView, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class LandingConfig(PluginConfig):
+    """plugins.landing: at the fidelity iterations also compare where the arm's update lands with where exact's
+    would (the AdamW steps, through a copy of the optimizer state, and the velocity's change on the
+    micro-batch's own states); logs landing_step_cosine / landing_sign_agreement / landing_function_cosine ..."""
+
+    enabled: bool = False
+
+    def validate(self, cfg) -> None:
+        require(
+            not self.enabled or cfg.plugins.fidelity.every > 0,
+            "plugins.landing.enabled=true measures at the fidelity iterations: needs plugins.fidelity.every >= 1, "
+            "got 0",
+        )
 
 
 def _sums(parts: list[Tensor], sharded: bool) -> Tensor:
@@ -92,15 +108,15 @@ class Landing(Plugin):
     """The landing measurements of a fidelity iteration, per optimizer step (module docstring)."""
 
     name = "landing"
-    KEYS = ("log.landing", "log.fidelity_every")
+    CONFIG = LandingConfig
 
     def __init__(self, every: int) -> None:
         self.every = every
         self.active = False
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> Landing | None:
-        return cls(cfg.log.fidelity_every) if cfg.log.landing else None
+    def from_config(cls, cfg, run: RunView) -> Landing | None:
+        return cls(cfg.plugins.fidelity.every) if cfg.plugins.landing.enabled else None
 
     def begin_update(self, view: UpdateView) -> None:
         self.active = view.iteration % self.every == 0
