@@ -16,12 +16,14 @@ from jagg.plugins.base import Plugin, RunView
 from jagg.plugins.control import Control, StructuredControl
 from jagg.plugins.eval_state import EvalState
 from jagg.plugins.fidelity import Fidelity
+from jagg.plugins.grad_norm import GradNorm
 from jagg.plugins.landing import Landing
 from jagg.plugins.onpolicy import OnPolicy
 
 PLUGINS: tuple[type[Plugin], ...] = (
     Control,
     StructuredControl,
+    GradNorm,
     Fidelity,
     Landing,
     OnPolicy,
