@@ -26,10 +26,11 @@ SRC = ROOT / "src" / "jagg"
 
 LAYERS = [  # top first; the packages on one line are siblings
     ["jagg.loop"],
-    ["jagg.capacity", "jagg.plugins"],
+    ["jagg.capacity"],
     ["jagg.ops"],
     ["jagg.world", "jagg.scale"],
     ["jagg.config"],
+    ["jagg.plugins"],  # below the config, which composes their sections from the registry
     ["jagg.engine", "jagg.models", "jagg.rewards"],
     ["jagg.errors", "jagg.common", "jagg.distributed", "jagg.stats"],
 ]

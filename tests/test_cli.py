@@ -291,13 +291,22 @@ def test_resume_compares_config_and_keeps_run_json(tmp_path, capsys):
     # a longer run, or checkpoints written in the background from now on, needs no flag
     assert main([*cli, "--resume", "train.iterations=2", "log.async_checkpoint=true"]) == 0
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2]
-    assert main([*cli, "train.iterations=3", "--resume", "--allow-config-change", "optim.lr=0.001"]) == 0
+    assert (
+        main([*cli, "train.iterations=3", "--resume", "--allow-config-change", "optim.lr", "optim.lr=0.001"])
+        == 0
+    )
     meta = _meta(run_dir)
     assert {k: meta[k] for k in first} == first  # config, SHA, argv of the first run kept
     assert meta["config"]["optim"]["lr"] == first["config"]["optim"]["lr"]
+    # each resume records what changed from the config the run trained with just before it (run.json's first
+    # config with the earlier resumes' changes applied), so the second undoes the first's async_checkpoint
     assert [r["config_changes"] for r in meta["resumes"]] == [
         {"log.async_checkpoint": ["auto", True], "train.iterations": [1, 2]},
-        {"optim.lr": [first["config"]["optim"]["lr"], 0.001], "train.iterations": [1, 3]},
+        {
+            "log.async_checkpoint": [True, "auto"],
+            "optim.lr": [first["config"]["optim"]["lr"], 0.001],
+            "train.iterations": [2, 3],
+        },
     ]
     assert [r["iteration"] for r in _rows(run_dir)] == [1, 2, 3]
 

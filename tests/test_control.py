@@ -84,10 +84,11 @@ def test_edge_cases_zero_gradient_parallel_direction_and_range():
 
 
 def test_config_key_is_validated_with_its_name():
-    assert load_config(None, ["train.control_cosine=0.5"]).train.control_cosine == 0.5
-    assert load_config(None, []).train.control_cosine is None
+    assert load_config(None, ["train.control_cosine=0.5"]).plugins.control.cosine == 0.5  # the old name reads
+    assert load_config(None, ["plugins.control.cosine=0.5"]).plugins.control.cosine == 0.5
+    assert load_config(None, []).plugins.control.cosine is None
     for bad in ("0", "1.2", "-0.1"):
-        with pytest.raises(ConfigError, match=r"train\.control_cosine must be null or in \(0, 1\]"):
+        with pytest.raises(ConfigError, match=r"plugins\.control\.cosine must be null or in \(0, 1\]"):
             load_config(None, [f"train.control_cosine={bad}"])
 
 
@@ -155,8 +156,8 @@ def test_fixed_and_fresh_directions():
 
 
 def test_control_direction_key_is_validated_with_its_name():
-    assert load_config(None, ["train.control_direction=fresh"]).train.control_direction == "fresh"
-    with pytest.raises(ConfigError, match=r"train\.control_direction must be one of \['fixed', 'fresh'\]"):
+    assert load_config(None, ["train.control_direction=fresh"]).plugins.control.direction == "fresh"
+    with pytest.raises(ConfigError, match=r"plugins\.control\.direction must be one of \['fixed', 'fresh'\]"):
         load_config(None, ["train.control_direction=noise"])
     with pytest.raises(ConfigError, match=r"train\.iterations must be <= 9998"):
         load_config(None, ["train.control_direction=fresh", "train.iterations=10000"])

@@ -626,7 +626,7 @@ def test_every_arm_of_a_committed_protocol_is_a_valid_config(protocol):
         assert set(curves.control_scale(seen)["fixed"]) == {0.95, 0.8, 0.5}
         for overrides in seen["arms"].values():
             cfg = load_config(spec["config"], [*spec.get("overrides", []), *overrides])
-            assert cfg.log.fidelity_every > 0 and cfg.log.save_eval_state
+            assert cfg.plugins.fidelity.every > 0 and cfg.plugins.eval_state.enabled
         pilot = curves.recipe_protocol(curves.load_protocol(path, pilot=True), name)
         ran = {**seen["arms"], **proto.get("retired_arms", {})}  # the pilot may have run arms retired since
         assert set(pilot["arms"]) == set(ran) & set(proto["pilot"]["arms"])

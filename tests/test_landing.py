@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from jagg.errors import ConfigError
-from jagg.plugins.landing import step_agreement
-from jagg.scale.optimizer import shadow_step
+from jagg.plugins.landing import shadow_step, step_agreement
 from test_fidelity import FP64, _autograd_exact, _cos
 
 LANDING = (*FP64, "log.fidelity_every=1", "log.landing=true")
@@ -129,5 +128,5 @@ def test_measuring_landing_changes_nothing_in_training(tiny_trainer, tmp_path):
 
 
 def test_landing_needs_the_fidelity_cadence(tiny_cfg):
-    with pytest.raises(ConfigError, match="log.landing=true .* log.fidelity_every"):
+    with pytest.raises(ConfigError, match="plugins.landing.enabled=true .* plugins.fidelity.every"):
         tiny_cfg("log.landing=true", "log.fidelity_every=0")

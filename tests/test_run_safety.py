@@ -217,8 +217,8 @@ def test_rotary_inputs_stay_fp32_under_bf16_fsdp2(one_rank_group, name, rotary):
 
 # --------------------------------------------------------------------------- verified checkpoints
 def _cli(tmp_path, *extra):
-    flags = [e for e in extra if e.startswith("--")]  # before the positional overrides (argparse)
-    overrides = [e for e in extra if not e.startswith("--")]
+    flags = [e for e in extra if "=" not in e]  # options and their values (--allow-config-change KEY ...)
+    overrides = [e for e in extra if "=" in e]
     return [
         *flags,
         "--config",
@@ -1092,7 +1092,17 @@ def test_resume_compares_the_checkpoints_own_config(tmp_path, capsys, record):
     assert _tree(tmp_path / "run") == before
     # --allow-config-change keeps its meaning: the change is made, and recorded
     assert (
-        main(_cli(tmp_path, "--resume", "--allow-config-change", "train.iterations=2", "train.seed=7")) == 0
+        main(
+            _cli(
+                tmp_path,
+                "--resume",
+                "--allow-config-change",
+                "train.seed",
+                "train.iterations=2",
+                "train.seed=7",
+            )
+        )
+        == 0
     )
     assert [r["iteration"] for r in _rows(tmp_path / "run")] == [1, 2]
 
@@ -1102,6 +1112,8 @@ def test_resume_applies_a_changed_learning_rate(tmp_path):
     changed = [
         "--resume",
         "--allow-config-change",
+        "optim.lr",
+        "optim.weight_decay",
         "train.iterations=2",
         "optim.lr=0.5",
         "optim.weight_decay=0.25",
@@ -1142,7 +1154,8 @@ def test_a_change_the_checkpoint_cannot_take_is_refused_even_when_allowed(tmp_pa
     assert main(_cli(tmp_path)) == 0
     before = _tree(tmp_path / "run")
     capsys.readouterr()
-    assert _exit_code(_cli(tmp_path, "--resume", "--allow-config-change", "train.iterations=2", *change)) == 2
+    allow = ["--allow-config-change", key, "model.lora_alpha"]
+    assert _exit_code(_cli(tmp_path, "--resume", *allow, "train.iterations=2", *change)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and key in err and "even with --allow-config-change" in err, err
     assert _tree(tmp_path / "run") == before

@@ -88,7 +88,7 @@ def test_toward_a_group_rule_at_zero_is_the_identity():
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["train.control_structure=sideways"], "train.control_structure must be null or one of"),
+        (["train.control_structure=sideways"], "plugins.structured_control.kind must be null or one of"),
         (["train.control_structure=toward_endpoints", "train.control_dial=1.5"], r"in \[0, 1.0\]"),
         (["train.control_structure=reweight", "train.control_cosine=0.8"], "two controls"),
         (

@@ -36,7 +36,7 @@ class SeedStream(IntEnum):
     WARMUP = 10_000  # a rollout whose update warms up the allocator and kernels before timing (table1)
     MEMORY = 20_000  # the rollout whose update is measured for saved activations (table1)
     FINETUNE = 50_000  # the short RL fine-tune that moves the policy before a measurement (cosine, after_rl)
-    CONTROL = 60_000  # the positive control's fixed gradient direction (train.control_cosine): index 0 only
+    CONTROL = 60_000  # the positive control's fixed gradient direction (plugins.control.cosine): index 0 only
     KNOTS = 70_000  # the measurement rollouts of experiments/knots.py
     CALIBRATION = 80_000  # index = iteration: the SDE noise of the windows a MixGRPO calibration rebuilds
 

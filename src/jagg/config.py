@@ -7,9 +7,14 @@ so configs that differ only in, e.g., the backward strategy share one base file.
 ``ConfigError`` (``jagg.errors``) whose message names the key and what is allowed; the CLI turns it into one
 line on stderr and exit status 2 before anything is written.
 
-Layer: above the engine, the model adapters and the rewards, below the world / scale / loop. It imports only
-the engine (the names it checks against) and ``jagg.errors``, so loading a config imports neither diffusers nor
-the world; the reward names are checked by the composition root (``jagg.loop.components.check_config``).
+The ``plugins:`` section is composed from the plug-in registry (``jagg.plugins.PLUGINS``): each plug-in declares
+its keys, defaults and checks beside it (``jagg.plugins.base.PluginConfig``). A run's stored config, written by
+any earlier version, reads through ``stored_config`` (keys added since at their defaults).
+
+Layer: above the plug-ins, the engine, the model adapters and the rewards, below the world / scale / loop. It
+imports only those (the names it checks against) and ``jagg.errors``, so loading a config imports neither
+diffusers nor the world; the reward names are checked by the composition root
+(``jagg.loop.components.check_config``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import math
 import os
 import types
@@ -28,13 +34,13 @@ from typing import Any
 import yaml
 
 from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS
-from jagg.engine.control import CONTROL_DIRECTIONS, MAX_FRESH_ITERATIONS, STRUCTURED_CONTROLS
 from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
 from jagg.engine.sde import SDE_KINDS
 from jagg.engine.strategies import GraphRun
 from jagg.errors import ConfigError
+from jagg.plugins import PLUGINS
 from jagg.rewards import EVAL_ONLY
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
@@ -214,7 +220,18 @@ class AlgorithmConfig:
 RENAMED_KEYS = {
     "backward.endpoints": "backward.graph_mode",
     "backward.reuse_rollout": "backward.stored_outputs",
+    "train.control_cosine": "plugins.control.cosine",
+    "train.control_direction": "plugins.control.direction",
+    "train.control_structure": "plugins.structured_control.kind",
+    "train.control_dial": "plugins.structured_control.dial",
+    "log.fidelity_every": "plugins.fidelity.every",
+    "log.landing": "plugins.landing.enabled",
+    "log.save_eval_state": "plugins.eval_state.enabled",
 }
+# Keys that were removed, with the value the code now always behaves as. A stored config (run.json, a
+# checkpoint) holding that value reads as if the key were absent; another value is a real change of behaviour,
+# which a resume reports like any other.
+REMOVED_KEYS: dict[str, Any] = {}
 
 
 # A field whose YAML value may be ``auto``: None in the dataclass (decided at run time); the metadata says what
@@ -343,16 +360,6 @@ class TrainConfig:
     # backward failed in the first Flux update ("mha_graph.execute", then an illegal memory access:
     # results/gpu/README.md)
     sdpa_kernels: list[str] | None = None
-    # positive control (jagg.engine.control): the gradient mixed with a random direction at this cosine, the
-    # direction drawn once per run (fixed: a bias, as JAGG's error is) or for every optimizer step (fresh: noise)
-    control_cosine: float | None = None
-    control_direction: str = "fixed"  # fixed | fresh
-    # structured control (jagg.engine.control.STRUCTURED_CONTROLS), on the exact strategy's own steps: the
-    # gradient recomputed with every step's signal re-weighted at random (reweight, dial = the log-weights' SD)
-    # or with the aggregation matrix moved toward the endpoints rule (toward_endpoints, dial in [0, 1]: 1 is
-    # the endpoints ablation); null: off
-    control_structure: str | None = None
-    control_dial: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -394,16 +401,6 @@ class LogConfig:
     async_checkpoint: bool | None = _auto(None, "true, false or 'auto'")
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
     report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
-    # jagg.plugins.fidelity: every N iterations also compute exact's update on the same rollout and weights (not
-    # applied) and log fidelity_cosine / fidelity_rel_err / fidelity_group_cosines; costs one exact update
-    fidelity_every: int = 0
-    # jagg.plugins.landing: at those iterations also compare where the arm's update lands with where exact's
-    # would: the AdamW steps (through a copy of the optimizer state) and the velocity's change on the
-    # micro-batch's own states; logs landing_step_cosine / landing_sign_agreement / landing_function_cosine ...
-    landing: bool = False
-    # write samples/eval_<it>.rank<r>.pt at each evaluation: this rank's held-out images and evaluated weights
-    # (its shards), for the paired divergence of two runs (experiments/curves.py); ~1 MB per evaluation here
-    save_eval_state: bool = False
     # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
     # off: the eval reward models (HPSv2.1, PickScore, CLIPScore at paper scale) run at evaluations only
     eval_rewards_on_train: bool = False
@@ -417,6 +414,15 @@ class LogConfig:
         return device_type == "cuda" if self.async_checkpoint is None else self.async_checkpoint
 
 
+# plugins: one section per plug-in with keys, composed from the registry (jagg.plugins.PLUGINS): each plug-in
+# declares its keys, defaults and checks beside it (a PluginConfig), so a new one changes nothing here
+PluginsConfig = dataclasses.make_dataclass(
+    "PluginsConfig",
+    [(p.name, p.CONFIG, field(default_factory=p.CONFIG)) for p in PLUGINS if p.CONFIG is not None],
+    kw_only=True,
+)
+
+
 @dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -428,6 +434,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
 
     def to_dict(self) -> dict:
         """The config as YAML would write it (``auto`` where a field is decided at run time)."""
@@ -498,19 +505,77 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def current_keys(data: dict, where: str = "config") -> dict:
     """A copy of the config mapping ``data`` (a YAML file, run.json's or a checkpoint's ``config``) with every
-    renamed key (``RENAMED_KEYS``) under its current name, so that old files and runs read as they did;
-    ``ConfigError`` where one mapping gives both names."""
+    renamed key (``RENAMED_KEYS``, any depth, also into another section) under its current name, so that old
+    files and runs read as they did; ``ConfigError`` where one mapping gives both names."""
     out = copy.deepcopy(data)
-    for old, new in RENAMED_KEYS.items():  # each renamed within its section
-        section, old_name = old.split(".")
-        new_name = new.split(".")[1]
-        node = out.get(section)
-        if not isinstance(node, dict) or old_name not in node:
+    for old, new in RENAMED_KEYS.items():
+        *path, old_name = old.split(".")
+        node = _node(out, path)
+        if node is None or old_name not in node:
             continue
-        if new_name in node:
+        *new_path, new_name = new.split(".")
+        target = _node(out, new_path, create=True)
+        if target is None or new_name in target:
             raise ConfigError(f"{where}: {old} is the old name of {new}; give one of them, not both")
-        node[new_name] = node.pop(old_name)
+        target[new_name] = node.pop(old_name)
+        if not node and path:  # a section emptied by the move is not a key of its own
+            _node(out, path[:-1]).pop(path[-1])
     return out
+
+
+def _node(data: dict, path: list[str], create: bool = False) -> dict | None:
+    """The mapping at ``path`` in ``data`` (created empty where missing and ``create``); None where absent or
+    where something on the way is not a mapping."""
+    for name in path:
+        if create and name not in data:
+            data[name] = {}
+        data = data.get(name)
+        if not isinstance(data, dict):
+            return None
+    return data
+
+
+def stored_config(data: dict, where: str = "config") -> dict:
+    """A run's stored config (run.json's or a checkpoint's ``config``, written by any earlier version) as the
+    current code reads it: a renamed key under its new name (``current_keys``), a key added since (absent
+    there) at its default, and a removed key (``REMOVED_KEYS``) dropped where it holds the value the code now
+    always behaves as. Everything else is kept as stored, so a comparison with ``Config.to_dict()`` shows only
+    values that really differ."""
+    data = current_keys(data, where)
+    for key, value in REMOVED_KEYS.items():
+        *path, name = key.split(".")
+        node = _node(data, path)
+        if node is not None and name in node and node[name] == value:
+            node.pop(name)
+    return _with_defaults(json_safe(Config().to_dict()), data)
+
+
+def _with_defaults(defaults: dict, stored: dict, cls: type = None) -> dict:
+    """``stored`` over ``defaults``, section by section of the dataclass ``cls`` (``Config``); a value, a
+    mapping such as reward.weights included, is taken whole from ``stored`` where it is there."""
+    hints = typing.get_type_hints(cls or Config)
+    out = dict(stored)
+    for key, default in defaults.items():
+        if key not in stored:
+            out[key] = default
+        elif dataclasses.is_dataclass(hints.get(key)) and isinstance(stored[key], dict):
+            out[key] = _with_defaults(default, stored[key], hints[key])
+    return out
+
+
+def known_keys(cls: type = None, prefix: str = "") -> frozenset[str]:
+    """Every dotted config key of ``cls`` (``Config``): ``optim.lr``, ``reward.weights`` (a mapping value is one
+    key)."""
+    out: set[str] = set()
+    for name, tp in typing.get_type_hints(cls or Config).items():
+        key = f"{prefix}{name}"
+        out |= known_keys(tp, key + ".") if dataclasses.is_dataclass(tp) else {key}
+    return frozenset(out)
+
+
+def json_safe(data: dict) -> dict:
+    """``data`` as it reads back from JSON (run.json), for comparing with a stored config."""
+    return json.loads(json.dumps(data, default=str))
 
 
 def _safe_load(text: str, where: str) -> Any:
@@ -669,11 +734,6 @@ def validate(cfg: Config) -> None:
         model.base_dtype == "compute" or cfg.train.precision in ("bf16", "fp32"),
         f"model.base_dtype=fp32 needs train.precision bf16 or fp32, got {cfg.train.precision!r}",
     )
-    _require(
-        cfg.train.control_structure != "toward_endpoints" or cfg.backward.group_size is not None,
-        "train.control_structure=toward_endpoints moves toward the endpoints rule on groups of "
-        "backward.group_size, which must then be an integer, got 'auto'",
-    )
     _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")
     trained_on = sorted(EVAL_ONLY & set(cfg.reward.weights))
     _require(
@@ -687,13 +747,15 @@ def validate(cfg: Config) -> None:
         not extra, f"reward.kwargs: {extra[0] if extra else ''!r} is not a reward in reward.weights/eval"
     )
     _validate_data(cfg)
+    for plugin in PLUGINS:  # each plug-in's own checks (jagg.plugins.base.PluginConfig.validate)
+        if plugin.CONFIG is not None:
+            getattr(cfg.plugins, plugin.name).validate(cfg)
     for key in (
         "eval_every",
         "checkpoint_every",
         "grid_every",
         "heartbeat_s",
         "phase_timeout_s",
-        "fidelity_every",
     ):
         _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     bad_at = [i for i in cfg.log.eval_at if not (isinstance(i, int) and 0 <= i <= cfg.train.iterations)]
@@ -701,10 +763,6 @@ def validate(cfg: Config) -> None:
         not bad_at,
         f"log.eval_at: {bad_at[0] if bad_at else ''!r} is not an iteration in [0, train.iterations = "
         f"{cfg.train.iterations}]",
-    )
-    _require(
-        not cfg.log.landing or cfg.log.fidelity_every > 0,
-        "log.landing=true measures at the fidelity iterations: needs log.fidelity_every >= 1, got 0",
     )
     _require(
         bool(cfg.log.run_dir) and "\0" not in cfg.log.run_dir,
@@ -906,34 +964,6 @@ def _validate_optim(optim: OptimConfig) -> None:
 
 
 def _validate_train(train: TrainConfig) -> None:
-    _require(
-        train.control_structure is None or train.control_structure in STRUCTURED_CONTROLS,
-        f"train.control_structure must be null or one of {list(STRUCTURED_CONTROLS)}, "
-        f"got {train.control_structure!r}",
-    )
-    _require(
-        train.control_structure is None or train.control_cosine is None,
-        "train.control_structure and train.control_cosine are two controls: set one, got both",
-    )
-    top = 1.0 if train.control_structure == "toward_endpoints" else math.inf
-    _require(
-        0 <= train.control_dial <= top,
-        f"train.control_dial for train.control_structure={train.control_structure} must be in [0, {top}], "
-        f"got {train.control_dial}",
-    )
-    _require(
-        train.control_cosine is None or 0 < train.control_cosine <= 1,
-        f"train.control_cosine must be null or in (0, 1], got {train.control_cosine}",
-    )
-    _require(
-        train.control_direction in CONTROL_DIRECTIONS,
-        f"train.control_direction must be one of {list(CONTROL_DIRECTIONS)}, got {train.control_direction!r}",
-    )
-    _require(
-        train.control_direction == "fixed" or train.iterations <= MAX_FRESH_ITERATIONS,
-        f"train.control_direction=fresh draws from the control's seed stream, which holds "
-        f"{MAX_FRESH_ITERATIONS} iterations; train.iterations must be <= {MAX_FRESH_ITERATIONS}, got {train.iterations}",
-    )
     _require(
         0 <= train.seed <= MAX_SEED,
         f"train.seed must be in [0, {MAX_SEED}] (it seeds torch generators), got {train.seed}",

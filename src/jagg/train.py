@@ -4,9 +4,13 @@
     key=value             overrides (``backward.strategy=exact``), anywhere on the line
     --resume              continue the run in log.run_dir from its checkpoint (log.run_dir/checkpoint/, sharded);
                           the config must equal run.json's and the checkpoint's own (train.iterations may
-                          grow) unless --allow-config-change, which applies optim.* to the restored optimizer
-                          but never changes the model's layout (backbone, source, LoRA rank / targets, EMA on
-                          or off); run.json is kept and the resume recorded in it
+                          grow; a key added since the run was written reads as its default, a renamed one
+                          as its new name); run.json is kept and the resume recorded in it
+    --allow-config-change KEY [KEY ...]
+                          resume although the named keys changed (exactly those; optim.* applies to the
+                          restored optimizer); never the model's layout (backbone, source, LoRA rank /
+                          targets, EMA on or off). The change is recorded in run.json, and a later
+                          --resume (auto) with the new values continues
     --resume auto         the same when a checkpoint exists, else start again from iteration 0 (preemptible
                           clusters: a retry loop passes it on every attempt); metrics rows past the checkpoint
                           (all of them when there is none yet) are dropped and redone, recorded in run.json
@@ -120,7 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=("required", "auto"),
         help="continue from log.run_dir's checkpoint; 'auto': start fresh when there is none yet",
     )
-    ap.add_argument("--allow-config-change", action="store_true", help="resume although the config differs")
+    ap.add_argument(
+        "--allow-config-change",
+        nargs="*",
+        action="extend",
+        metavar="KEY",
+        help="resume although these config keys differ from the run's (exactly those named)",
+    )
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (offline, no weights)")
     ap.add_argument(
@@ -164,6 +174,11 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(options)
     if not args.config:
         _fail("--config is required: a YAML file such as configs/world/flux_dancegrpo.yaml (see configs/)")
+    if args.allow_config_change == []:
+        _fail(
+            "--allow-config-change names the keys a resume may change, e.g. --allow-config-change optim.lr "
+            "(section.key; the values are given as overrides, optim.lr=0.001)"
+        )
     from jagg.config import load_config  # the engine's names (torch), not the model code
     from jagg.errors import ConfigError
     from jagg.ops import preflight
@@ -233,7 +248,7 @@ def _agreed_start(cfg, args: argparse.Namespace, info):
 
     start, error = None, None
     try:
-        start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change)
+        start = preflight.start_run_dir(cfg, args.resume, args.overwrite, args.allow_config_change or ())
     except ConfigError as err:
         error = str(err)
     decision = None if start is None else (start.resume, start.wipe, start.metrics_rows)

@@ -6,7 +6,7 @@ At every optimizer step the exact gradient g (all trained parameters as one vect
 
 where u is a random direction over the trained parameters (``random_direction``) and sin = sqrt(1 - cos^2).
 Then |g'| = |g| and cos(g', g) = cos exactly: the error has the size of a gradient whose cosine to the exact
-one is ``cos``. ``PositiveControl`` draws u in one of two ways (``train.control_direction``):
+one is ``cos``. ``PositiveControl`` draws u in one of two ways (``plugins.control.direction``):
 
 * ``fixed``: once per run. The error is then a bias, as JAGG's is, which Adam's moments accumulate;
 * ``fresh``: anew for every optimizer step. The error is noise, which the moments partly average away.

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jagg.config import Config, current_keys
+from jagg.config import RENAMED_KEYS, Config, json_safe, known_keys, stored_config
 from jagg.errors import ConfigError, WeightsUnavailableError
 from jagg.ops.checkpoint import checkpoint_candidates, find_checkpoint, incomplete_message
 from jagg.ops.rundir import MARKER, check_overwrite, entries, is_run_dir
@@ -191,7 +191,9 @@ class RunStart:
     )
 
 
-def start_run_dir(cfg: Config, resume: str | None, overwrite: bool, allow_change: bool) -> RunStart:
+def start_run_dir(
+    cfg: Config, resume: str | None, overwrite: bool, allow_change: Iterable[str] = ()
+) -> RunStart:
     """Decide fresh / resume for ``--resume`` (``"required"``), ``--resume auto`` or neither; reads only (the
     CLI calls it holding the directory's lock, so no other run changes it meanwhile).
 
@@ -199,8 +201,8 @@ def start_run_dir(cfg: Config, resume: str | None, overwrite: bool, allow_change
     directory or one a preempted attempt left before its first checkpoint (its run.json must match, as on
     resume): nothing is lost there, since metrics rows past the last checkpoint are dropped and redone in every
     case (here all of them; the restart is recorded in run.json's ``restarts``). It never starts over an
-    incomplete checkpoint. A resumed config must equal run.json's except ``RESUMABLE_KEYS``, unless
-    ``allow_change``.
+    incomplete checkpoint. A resumed config must equal run.json's except ``RESUMABLE_KEYS`` and the keys
+    named in ``allow_change`` (``--allow-config-change KEY ...``).
     """
     run_dir = Path(cfg.log.run_dir)
     if resume and overwrite:
@@ -213,7 +215,8 @@ def start_run_dir(cfg: Config, resume: str | None, overwrite: bool, allow_change
         raise ConfigError(f"{what}: {incomplete_message(found[0])}")
     if resume == "required" and checkpoint is None:
         raise ConfigError(f"--resume: missing checkpoint {run_dir / 'checkpoint'} (log.run_dir={run_dir})")
-    changes = _resumed_config_changes(cfg, run_dir, allow_change, what, checkpoint)
+    allowed = allowed_keys(allow_change)
+    changes = _resumed_config_changes(cfg, run_dir, allowed, what, checkpoint)
     rows = _metrics_rows(run_dir)
     if checkpoint is not None:
         return RunStart(resume=True, wipe=False, changes=changes, metrics_rows=rows)
@@ -261,20 +264,39 @@ def _metrics_rows(run_dir: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def allowed_keys(names: Iterable[str]) -> frozenset[str]:
+    """The keys ``--allow-config-change KEY ...`` names, under their current names; a name that is no config key
+    is a ``ConfigError`` (a typo would otherwise allow nothing and be refused as if not given)."""
+    known, out = known_keys(), set()
+    for name in names:
+        key = RENAMED_KEYS.get(name, name)
+        if key not in known:
+            raise ConfigError(
+                f"--allow-config-change: {name!r} is not a config key{_did_you_mean(key, known)}; name the "
+                "keys to allow as section.key (e.g. --allow-config-change optim.lr)"
+            )
+        out.add(key)
+    return frozenset(out)
+
+
 def _resumed_config_changes(
-    cfg: Config, run_dir: Path, allow_change: bool, what: str, checkpoint: Path | None
+    cfg: Config, run_dir: Path, allowed: frozenset[str], what: str, checkpoint: Path | None
 ) -> dict[str, tuple]:
-    """The keys whose value differs from the config the run was trained with; ``ConfigError`` unless allowed
-    or resumable (``RESUMABLE_KEYS``).
+    """The keys whose value differs from the config the run was trained with; ``ConfigError`` unless resumable
+    (``RESUMABLE_KEYS``) or allowed by name.
 
     Compared with both records, whatever the other says: run.json's config and the checkpoint's own (its
     progress.pt), so neither a deleted nor an edited run.json hides a change from the weights' config; where
-    both differ, run.json's value is reported (it is what a resume records). Without run.json and without a checkpoint there is nothing
+    both differ, run.json's value is reported (it is what a resume records). Both are read as the current code
+    reads them (``jagg.config.stored_config``): a run written by an earlier version, which lacks the keys added
+    since, compares equal where nothing changed. run.json's config is the first attempt's with every change a
+    resume recorded applied; a change so recorded that the checkpoint does not carry yet (the resume stopped
+    before its next save) is not asked for again. Without run.json and without a checkpoint there is nothing
     to compare: fine in an empty directory, refused in a non-empty one (not a run directory of this CLI).
     """
-    new = json.loads(json.dumps(cfg.to_dict(), default=str))
+    new = json_safe(cfg.to_dict())
     meta_path, progress_path = run_dir / "run.json", checkpoint / "progress.pt" if checkpoint else None
-    recorded = _run_json_config(meta_path, what)
+    recorded, changed_before = _run_json_config(meta_path, what)
     trained = _checkpoint_config(checkpoint) if checkpoint is not None else None
     if recorded is None and trained is None:
         if entries(run_dir) and not is_run_dir(run_dir):
@@ -282,13 +304,15 @@ def _resumed_config_changes(
                 f"{what}: {meta_path} is missing, so {run_dir} is not a run directory of this CLI"
             )
         return {}
-    # run.json's changes are what a resume records (its config is the first attempt's); the checkpoint adds the
-    # changes run.json does not show (deleted, edited, or an earlier allowed change the weights carry)
+    # run.json's changes are what a resume records; the checkpoint adds the changes run.json does not show
+    # (deleted or edited), except the keys a recorded resume changed to the value run.json now holds
     changes = _changes_from(recorded, new, meta_path) if recorded is not None else {}
     for key, change in _changes_from(trained, new, progress_path).items():
-        if key not in changes and (recorded is None or key not in RESUMABLE_KEYS):
+        if key in changes or key in changed_before:
+            continue
+        if recorded is None or key not in RESUMABLE_KEYS:
             changes[key] = change
-    _refuse_unresumable(changes, allow_change, what)
+    _refuse_unresumable(changes, allowed, what)
     return {k: (old, value) for k, (old, value, _) in sorted(changes.items())}
 
 
@@ -297,24 +321,36 @@ def _changes_from(old: dict | None, new: dict, where: Path) -> dict[str, tuple]:
     return {k: (*change, where) for k, change in config_changes(old or {}, new).items()} if old else {}
 
 
-def _refuse_unresumable(changes: dict[str, tuple], allow_change: bool, what: str) -> None:
+def _refuse_unresumable(changes: dict[str, tuple], allowed: frozenset[str], what: str) -> None:
     """``ConfigError`` (one line naming the keys, their values and where the old ones are recorded) for the
-    changed keys a resume may not make: any outside ``RESUMABLE_KEYS`` without --allow-config-change, and with
-    it those the restored state cannot take (``FIXED_ON_RESUME``)."""
-    fixed = sorted(k for k in changes if k in FIXED_ON_RESUME or _ema_switched(k, changes[k]))
-    refused = fixed if allow_change else sorted(k for k in changes if k not in RESUMABLE_KEYS)
-    if not refused:
-        return
-    shown = ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r} (in {changes[k][2]})" for k in refused)
-    if allow_change:
+    changed keys a resume may not make: those the restored state cannot take (``FIXED_ON_RESUME``), allowed or
+    not, then any outside ``RESUMABLE_KEYS`` that --allow-config-change does not name."""
+
+    def shown(keys: list[str]) -> str:
+        return ", ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r} (in {changes[k][2]})" for k in keys)
+
+    fixed = sorted(k for k in changes if _top_key(k) in FIXED_ON_RESUME or _ema_switched(k, changes[k]))
+    if fixed:
         raise ConfigError(
-            f"{what}: {shown} cannot change on resume, even with --allow-config-change (the checkpoint's "
+            f"{what}: {shown(fixed)} cannot change on resume, even with --allow-config-change (the checkpoint's "
             "tensors are laid out for the old value); start a new run (another log.run_dir) for it"
         )
-    raise ConfigError(
-        f"{what}: the config differs from the one the run was trained with in {shown}; "
-        "pass --allow-config-change to continue with the new values"
-    )
+    refused = sorted(k for k in changes if k not in RESUMABLE_KEYS and _top_key(k) not in allowed)
+    if refused:
+        names = " ".join(sorted({_top_key(k) for k in refused}))
+        raise ConfigError(
+            f"{what}: the config differs from the one the run was trained with in {shown(refused)}; "
+            f"pass --allow-config-change {names} to continue with the new values"
+        )
+
+
+def _top_key(key: str) -> str:
+    """The config key a flattened change belongs to: ``reward.weights.jpeg`` -> ``reward.weights`` (a mapping
+    value is one key), else the key itself."""
+    known = known_keys()
+    while key not in known and "." in key:
+        key = key.rsplit(".", 1)[0]
+    return key
 
 
 def _ema_switched(key: str, change: tuple) -> bool:
@@ -322,11 +358,12 @@ def _ema_switched(key: str, change: tuple) -> bool:
     return key == "optim.ema_decay" and (change[0] == 0) != (change[1] == 0)
 
 
-def _run_json_config(path: Path, what: str) -> dict | None:
-    """run.json's config under the current key names (``jagg.config.RENAMED_KEYS``); None without run.json. A
+def _run_json_config(path: Path, what: str) -> tuple[dict | None, set[str]]:
+    """run.json's config as the current code reads it (``jagg.config.stored_config``) with the changes its
+    ``resumes`` recorded applied in order, and the keys they changed; (None, set()) without run.json. A
     run.json that is not JSON, not a mapping or without a config mapping is one ``ConfigError`` line."""
     if not path.is_file():
-        return None
+        return None, set()
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -335,7 +372,27 @@ def _run_json_config(path: Path, what: str) -> dict | None:
     config = meta.get("config") if isinstance(meta, dict) else None
     if not isinstance(config, dict):
         raise ConfigError(f"{what}: {path} is corrupt (no config mapping in it); {_RUN_JSON_ADVICE}")
-    return current_keys(config, str(path))
+    config, changed = stored_config(config, str(path)), set()
+    resumes = meta.get("resumes")
+    for resume in resumes if isinstance(resumes, list) else []:
+        recorded = resume.get("config_changes") if isinstance(resume, dict) else None
+        for key, change in (recorded if isinstance(recorded, dict) else {}).items():
+            if isinstance(change, list) and len(change) == 2 and _set_key(config, key, change[1]):
+                changed.add(RENAMED_KEYS.get(key, key))
+    return config, changed
+
+
+def _set_key(config: dict, key: str, value) -> bool:
+    """``config[section][...][name] = value`` for the dotted ``key`` (renamed keys under their new name);
+    False where the path is not there (a key removed since)."""
+    *path, name = RENAMED_KEYS.get(key, key).split(".")
+    node = config
+    for part in path:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return False
+    node[name] = value
+    return True
 
 
 # a resume without run.json compares the checkpoint's own config and writes run.json anew
@@ -353,4 +410,4 @@ def _checkpoint_config(checkpoint: Path) -> dict | None:
         return None
     if not isinstance(config, dict):
         return None
-    return current_keys(json.loads(json.dumps(config, default=str)), str(checkpoint / "progress.pt"))
+    return stored_config(json_safe(config), str(checkpoint / "progress.pt"))

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from jagg.config import Config
 from jagg.distributed import DistInfo
 from jagg.engine.grpo import GRPOStepLoss, StepStats
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Velocity
+from jagg.errors import ConfigError
 
 
 @dataclass
@@ -68,18 +68,36 @@ class UpdateView:
             self.setting.exact.backward(self.velocity(batch.rows), loss)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PluginConfig:
+    """A plug-in's config, the YAML section ``plugins.<name>``: a frozen dataclass declared in the plug-in's
+    module, its fields the keys with their defaults (``jagg.config`` composes the section from ``PLUGINS`` and
+    reads it like any other). ``validate`` checks it against the whole config (``cfg``, a
+    ``jagg.config.Config``) and raises ``ConfigError`` naming the key and what is allowed."""
+
+    def validate(self, cfg) -> None:
+        pass
+
+
+def require(ok: bool, msg: str) -> None:
+    """``ConfigError(msg)`` unless ``ok``: a plug-in config's check."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 class Plugin:
     """A plug-in of the update; every touch point does nothing unless overridden (module docstring).
 
-    ``name`` keys its checkpoint state; ``KEYS`` lists the config keys it reads (documentation, and what
-    ``from_config`` looks at to decide whether the run has it)."""
+    ``name`` keys its checkpoint state and its config section ``plugins.<name>``; ``CONFIG`` is that section's
+    ``PluginConfig`` subclass, None for a plug-in without keys."""
 
     name: str = "plugin"
-    KEYS: tuple[str, ...] = ()
+    CONFIG: type[PluginConfig] | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> Plugin | None:
-        """The plug-in this run needs, or None where its keys leave it off."""
+    def from_config(cls, cfg, run: RunView) -> Plugin | None:
+        """The plug-in this run needs, or None where its keys (``cfg.plugins.<name>``; ``cfg`` is the run's
+        ``jagg.config.Config``) leave it off."""
         raise NotImplementedError
 
     def begin_update(self, view: UpdateView) -> None:
@@ -104,7 +122,7 @@ class Plugin:
 @dataclass(frozen=True)
 class RunView:
     """What a plug-in is built from: the run's trained parameters, its seed, its directory, this rank, the
-    device it trains on and its optimizer (read, never stepped: ``jagg.scale.optimizer.shadow_step``)."""
+    device it trains on and its optimizer (read, never stepped: ``jagg.plugins.landing.shadow_step``)."""
 
     params: Sequence[torch.nn.Parameter]
     seed: int

@@ -1,41 +1,107 @@
 """The positive controls as plug-ins of the update (``jagg.engine.control`` holds the math).
 
-``Control``: before every optimizer step the gradient is replaced by one with cosine ``train.control_cosine``
-to it and the same norm. ``StructuredControl`` (``train.control_structure``, ``train.control_dial``): the
+``Control``: before every optimizer step the gradient is replaced by one with cosine ``plugins.control.cosine``
+to it and the same norm. ``StructuredControl`` (``plugins.structured_control.kind`` and ``.dial``): the
 gradient is recomputed with a structured error on the same steps (class ``StructuredControl``).
 
-Config keys: ``train.control_cosine`` (null: off; in (0, 1]) and ``train.control_direction`` (``fixed``: one
-random direction per run, a bias; ``fresh``: one per optimizer step, noise). The directions are functions of
-the seed (``SeedStream.CONTROL``), so a resumed run degrades exactly as the uninterrupted one: no state.
+Config keys (``ControlConfig``, ``StructuredControlConfig``; train.control_* before, still read under those
+names). The directions are functions of the seed (``SeedStream.CONTROL``), so a resumed run degrades exactly as
+the uninterrupted one: no state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from jagg.common import SeedStream, generator
-from jagg.config import Config
-from jagg.engine.control import PositiveControl, reweighted, toward
+from jagg.engine.control import (
+    CONTROL_DIRECTIONS,
+    MAX_FRESH_ITERATIONS,
+    STRUCTURED_CONTROLS,
+    PositiveControl,
+    reweighted,
+    toward,
+)
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Interpolation
-from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
+from jagg.plugins.base import MicroBatch, Plugin, PluginConfig, RunView, UpdateView, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlConfig(PluginConfig):
+    """plugins.control (train.control_cosine / control_direction before): the gradient mixed with a random
+    direction at ``cosine`` (null: off), the direction drawn once per run (``fixed``: a bias, as JAGG's error
+    is) or for every optimizer step (``fresh``: noise)."""
+
+    cosine: float | None = None
+    direction: str = "fixed"
+
+    def validate(self, cfg) -> None:
+        require(
+            self.cosine is None or 0 < self.cosine <= 1,
+            f"plugins.control.cosine must be null or in (0, 1], got {self.cosine}",
+        )
+        require(
+            self.direction in CONTROL_DIRECTIONS,
+            f"plugins.control.direction must be one of {list(CONTROL_DIRECTIONS)}, got {self.direction!r}",
+        )
+        require(
+            self.direction == "fixed" or cfg.train.iterations <= MAX_FRESH_ITERATIONS,
+            f"plugins.control.direction=fresh draws from the control's seed stream, which holds "
+            f"{MAX_FRESH_ITERATIONS} iterations; train.iterations must be <= {MAX_FRESH_ITERATIONS}, "
+            f"got {cfg.train.iterations}",
+        )
+        require(
+            self.cosine is None or cfg.plugins.structured_control.kind is None,
+            "plugins.control.cosine and plugins.structured_control.kind are two controls: set one, got both",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StructuredControlConfig(PluginConfig):
+    """plugins.structured_control (train.control_structure / control_dial before): on the exact strategy's own
+    steps, the gradient recomputed with every step's signal re-weighted at random (``reweight``, ``dial`` = the
+    log-weights' SD) or with the aggregation matrix moved toward the endpoints rule (``toward_endpoints``, dial
+    in [0, 1]: 1 is the endpoints ablation); ``kind`` null: off."""
+
+    kind: str | None = None
+    dial: float = 0.0
+
+    def validate(self, cfg) -> None:
+        require(
+            self.kind is None or self.kind in STRUCTURED_CONTROLS,
+            f"plugins.structured_control.kind must be null or one of {list(STRUCTURED_CONTROLS)}, "
+            f"got {self.kind!r}",
+        )
+        top = 1.0 if self.kind == "toward_endpoints" else math.inf
+        require(
+            0 <= self.dial <= top,
+            f"plugins.structured_control.dial for kind={self.kind} must be in [0, {top}], got {self.dial}",
+        )
+        require(
+            self.kind != "toward_endpoints" or cfg.backward.group_size is not None,
+            "plugins.structured_control.kind=toward_endpoints moves toward the endpoints rule on groups of "
+            "backward.group_size, which must then be an integer, got 'auto'",
+        )
 
 
 class Control(Plugin):
     name = "control"
-    KEYS = ("train.control_cosine", "train.control_direction")
+    CONFIG = ControlConfig
 
     def __init__(self, control: PositiveControl) -> None:
         self.control = control
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> Control | None:
-        train = cfg.train
-        if train.control_cosine is None:
+    def from_config(cls, cfg, run: RunView) -> Control | None:
+        own = cfg.plugins.control
+        if own.cosine is None:
             return None
         draw = lambda i: generator(run.seed, SeedStream.CONTROL, i)  # noqa: E731
-        return cls(PositiveControl(run.params, train.control_cosine, train.control_direction, draw))
+        return cls(PositiveControl(run.params, own.cosine, own.direction, draw))
 
     def begin_update(self, view: UpdateView) -> None:
         self.control.start_iteration(view.iteration)
@@ -53,19 +119,19 @@ class StructuredControl(Plugin):
     shares them (windows)."""
 
     name = "structured_control"
-    KEYS = ("train.control_structure", "train.control_dial", "backward.group_size")
+    CONFIG = StructuredControlConfig
 
     def __init__(self, kind: str, dial: float, seed: int, endpoints: BackwardSetting | None) -> None:
         self.kind, self.dial, self.seed, self.endpoints = kind, dial, seed, endpoints
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> StructuredControl | None:
-        kind = cfg.train.control_structure
+    def from_config(cls, cfg, run: RunView) -> StructuredControl | None:
+        kind = cfg.plugins.structured_control.kind
         if kind is None:
             return None
         rule = dataclasses.replace(cfg.backward, strategy="endpoints", jagg_frac=1.0)
         endpoints = rule.fixed_setting() if kind == "toward_endpoints" else None  # config: a fixed group size
-        return cls(kind, cfg.train.control_dial, run.seed, endpoints)
+        return cls(kind, cfg.plugins.structured_control.dial, run.seed, endpoints)
 
     def begin_update(self, view: UpdateView) -> None:
         self.gen = generator(self.seed, SeedStream.CONTROL, view.iteration)

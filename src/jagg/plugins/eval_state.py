@@ -2,31 +2,41 @@
 part of the evaluated weights, so that two runs can be compared without loading a checkpoint
 (``paired_divergence``, used by ``experiments/curves.py``).
 
-Config key: ``log.save_eval_state`` (writes ``samples/eval_<it>.rank<r>.pt``). No state.
+Config key: ``plugins.eval_state.enabled`` (``EvalStateConfig``; log.save_eval_state before, still read so).
+No state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from jagg.config import Config
-from jagg.plugins.base import Plugin, RunView
+from jagg.plugins.base import Plugin, PluginConfig, RunView
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalStateConfig(PluginConfig):
+    """plugins.eval_state: write samples/eval_<it>.rank<r>.pt at each evaluation, this rank's held-out images
+    and evaluated weights (its shards), for the paired divergence of two runs (experiments/curves.py); ~1 MB
+    per evaluation here."""
+
+    enabled: bool = False
 
 
 class EvalState(Plugin):
     name = "eval_state"
-    KEYS = ("log.save_eval_state",)
+    CONFIG = EvalStateConfig
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.run_dir, self.rank = Path(run_dir), rank
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> EvalState | None:
-        return cls(run.run_dir, run.dist.rank) if cfg.log.save_eval_state else None
+    def from_config(cls, cfg, run: RunView) -> EvalState | None:
+        return cls(run.run_dir, run.dist.rank) if cfg.plugins.eval_state.enabled else None
 
     def after_evaluation(self, it: int, images: Tensor, weights: Sequence[Tensor]) -> None:
         """``samples/eval_<it>.rank<r>.pt``: the held-out images and this rank's part of the evaluated weights
@@ -41,7 +51,7 @@ class EvalState(Plugin):
 
 def _eval_states(run_dir: Path) -> dict[int, list[dict]]:
     """``{iteration: [rank 0's state, rank 1's, ...]}`` of the run's ``samples/eval_<it>.rank<r>.pt``
-    (``log.save_eval_state``)."""
+    (``plugins.eval_state.enabled``)."""
     found: dict[int, dict[int, Path]] = {}
     for path in (Path(run_dir) / "samples").glob("eval_*.rank*.pt"):
         it, rank = path.name[5:-3].split(".rank")
@@ -78,7 +88,7 @@ def paired_divergence(
     recipe, ``experiments/equal_cost.py``). Keyed by this run's iteration."""
     mine, exact = _eval_states(run_dir), _eval_states(exact_dir)
     if 0 not in exact:
-        raise FileNotFoundError(f"{exact_dir}: no samples/eval_00000.rank*.pt (log.save_eval_state)")
+        raise FileNotFoundError(f"{exact_dir}: no samples/eval_00000.rank*.pt (plugins.eval_state.enabled)")
     if by_evaluation and len(mine) != len(exact):
         raise ValueError(
             f"{run_dir}: {len(mine)} evaluations against {len(exact)} of {exact_dir}: pairing by evaluation "

@@ -6,7 +6,7 @@ At a fidelity iteration it measures, on the same rollout and the same weights:
 * per optimizer step, the gradient the arm hands to AdamW (after a positive control's degradation, before
   clipping, which only rescales) against exact's gradient of the same micro-batches, computed as a shadow and
   never applied (``compare_to_exact``): its cosine and relative error. An exact arm gets cosine 1 to rounding, a
-  control arm exactly its ``train.control_cosine``;
+  control arm exactly its ``plugins.control.cosine``;
 * on the update's first micro-batch, every block of the arm's plan alone against the exact backward of the
   steps it spans (``block_cosines``): where along the trajectory the error comes from.
 
@@ -15,21 +15,33 @@ no rank holds a full gradient. Cost: one exact update per fidelity iteration, on
 aggregated block and of the steps it spans on one micro-batch, and two float64 copies of this rank's gradient
 shard while comparing.
 
-Config key: ``log.fidelity_every`` (0: off; N: every N-th iteration, iteration 0 included).
+Config key: ``plugins.fidelity.every`` (``FidelityConfig``; log.fidelity_every before, still read so).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from jagg.config import Config
 from jagg.engine.diagnostics import compare_grads, grads_held, local_grads
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Interpolation, StepLoss, Velocity
-from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
+from jagg.plugins.base import MicroBatch, Plugin, PluginConfig, RunView, UpdateView, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class FidelityConfig(PluginConfig):
+    """plugins.fidelity: every ``every`` iterations (iteration 0 included; 0: off) also compute exact's update on
+    the same rollout and weights (not applied) and log fidelity_cosine / fidelity_rel_err /
+    fidelity_group_cosines; costs one exact update."""
+
+    every: int = 0
+
+    def validate(self, cfg) -> None:
+        require(self.every >= 0, f"plugins.fidelity.every must be >= 0, got {self.every}")
 
 
 def compare_to_exact(
@@ -95,15 +107,16 @@ class Fidelity(Plugin):
     micro-batch when the update begins, then each optimizer step's gradient (module docstring)."""
 
     name = "fidelity"
-    KEYS = ("log.fidelity_every",)
+    CONFIG = FidelityConfig
 
     def __init__(self, every: int) -> None:
         self.every = every
         self.active = False
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> Fidelity | None:
-        return cls(cfg.log.fidelity_every) if cfg.log.fidelity_every else None
+    def from_config(cls, cfg, run: RunView) -> Fidelity | None:
+        every = cfg.plugins.fidelity.every
+        return cls(every) if every else None
 
     def begin_update(self, view: UpdateView) -> None:
         self.active = view.iteration % self.every == 0

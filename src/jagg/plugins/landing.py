@@ -4,8 +4,8 @@ beside the gradient that fidelity compares.
 Why: AdamW scales every coordinate of the gradient to a step of about the learning rate, so the gradient's
 cosine to exact's understates how differently an update lands, and it puts structured errors (JAGG's) and
 random ones (the controls') on different scales: a random direction at gradient cosine 0.95 fills the small
-coordinates and becomes a step at cosine about 0.5. At a fidelity iteration (``log.fidelity_every``) with
-``log.landing: true`` this plug-in measures, before each optimizer step:
+coordinates and becomes a step at cosine about 0.5. At a fidelity iteration (``plugins.fidelity.every``) with
+``plugins.landing.enabled: true`` this plug-in measures, before each optimizer step:
 
 * the step's fidelity: the step the arm's gradient makes (clipped as the trainer clips, through the optimizer's
   current state) against the step exact's gradient of the same micro-batches would make through a copy of that
@@ -19,23 +19,74 @@ An exact arm gets 1 and 0 to rounding. Cost per fidelity iteration: one exact ba
 fidelity's), two optimizer steps undone, and three forwards of one micro-batch per trained step. Under FSDP2 every
 sum is all-reduced over the ranks' shards.
 
-Config key: ``log.landing`` (needs ``log.fidelity_every``).
+Config key: ``plugins.landing.enabled`` (``LandingConfig``; log.landing before, still read so).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from jagg.config import Config
+from jagg.distributed import full_tensor
 from jagg.engine.diagnostics import grads_held, reduced, sharded_sums
-from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
-from jagg.scale.optimizer import shadow_step
+from jagg.plugins.base import MicroBatch, Plugin, PluginConfig, RunView, UpdateView, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class LandingConfig(PluginConfig):
+    """plugins.landing: at the fidelity iterations also compare where the arm's update lands with where exact's
+    would (the AdamW steps, through a copy of the optimizer state, and the velocity's change on the
+    micro-batch's own states); logs landing_step_cosine / landing_sign_agreement / landing_function_cosine ..."""
+
+    enabled: bool = False
+
+    def validate(self, cfg) -> None:
+        require(
+            not self.enabled or cfg.plugins.fidelity.every > 0,
+            "plugins.landing.enabled=true measures at the fidelity iterations: needs plugins.fidelity.every >= 1, "
+            "got 0",
+        )
+
+
+def shadow_step(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], max_grad_norm: float
+) -> list[Tensor] | None:
+    """The parameter change the trainer's step would make from the gradient now in ``.grad``: clipped to
+    ``max_grad_norm`` as the trainer clips, then one ``optimizer`` step through its current state. Weights,
+    ``.grad`` and the optimizer's state are left exactly as they were (the step runs on them and is undone), so
+    the landing can compare the steps two gradients would make from the same state. None where the gradient
+    is not finite (the trainer would skip that step). Under FSDP2 the changes are this rank's shards."""
+    params = list(params)
+    weights = [p.detach().clone() for p in params]
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    state = {p: _copied(optimizer.state[p]) for p in params if p in optimizer.state}
+    try:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        if not math.isfinite(float(full_tensor(norm))):
+            return None
+        optimizer.step()
+        return [p.detach() - w for p, w in zip(params, weights, strict=True)]
+    finally:
+        with torch.no_grad():
+            for p, w, g in zip(params, weights, grads, strict=True):
+                p.copy_(w)
+                p.grad = g
+        for p in params:
+            if p in state:
+                optimizer.state[p] = state[p]
+            else:
+                optimizer.state.pop(p, None)
+
+
+def _copied(state: dict) -> dict:
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def _local(t: Tensor) -> Tensor:
@@ -90,7 +141,7 @@ class Landing(Plugin):
     """The landing measurements of a fidelity iteration, per optimizer step (module docstring)."""
 
     name = "landing"
-    KEYS = ("log.landing", "log.fidelity_every")
+    CONFIG = LandingConfig
 
     def __init__(self, every: int, shadow: Callable[[], list[Tensor] | None]) -> None:
         # the parameter change the optimizer step would make from the gradient now in ``.grad``, leaving
@@ -99,11 +150,11 @@ class Landing(Plugin):
         self.active = False
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> Landing | None:
-        if not cfg.log.landing:
+    def from_config(cls, cfg, run: RunView) -> Landing | None:
+        if not cfg.plugins.landing.enabled:
             return None
         return cls(
-            cfg.log.fidelity_every,
+            cfg.plugins.fidelity.every,
             functools.partial(shadow_step, run.optimizer, run.params, cfg.optim.max_grad_norm),
         )
 

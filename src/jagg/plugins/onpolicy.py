@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jagg.config import Config
 from jagg.distributed import DistInfo
 from jagg.plugins.base import MicroBatch, Plugin, RunView, UpdateView
 
@@ -21,7 +20,7 @@ class OnPolicy(Plugin):
         self.deviation, self.first = 0.0, True
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> OnPolicy:
+    def from_config(cls, cfg, run: RunView) -> OnPolicy:
         return cls(run.dist)
 
     def begin_update(self, view: UpdateView) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from jagg.common import peak_memory_mb
-from jagg.config import Config
 from jagg.plugins.base import Plugin, RunView
 
 
@@ -19,7 +18,7 @@ class PeakMemory(Plugin):
         self.device = device
 
     @classmethod
-    def from_config(cls, cfg: Config, run: RunView) -> PeakMemory:
+    def from_config(cls, cfg, run: RunView) -> PeakMemory:
         return cls(run.device)
 
     def metrics(self) -> dict:

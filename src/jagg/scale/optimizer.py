@@ -10,13 +10,11 @@ run's device and master dtype before the model loads, so an unsupported combinat
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 from jagg.config import Config, OptimConfig
-from jagg.distributed import full_tensor
 from jagg.errors import ConfigError
 
 
@@ -104,37 +102,3 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
             if "step" in optimizer.state.get(p, {}):
                 return int(optimizer.state[p]["step"])
     return 0
-
-
-def shadow_step(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], max_grad_norm: float
-) -> list[torch.Tensor] | None:
-    """The parameter change the trainer's step would make from the gradient now in ``.grad``: clipped to
-    ``max_grad_norm`` as the trainer clips, then one ``optimizer`` step through its current state. Weights,
-    ``.grad`` and the optimizer's state are left exactly as they were (the step runs on them and is undone), so
-    an instrument can compare the steps two gradients would make from the same state. None where the gradient
-    is not finite (the trainer would skip that step). Under FSDP2 the changes are this rank's shards."""
-    params = list(params)
-    weights = [p.detach().clone() for p in params]
-    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-    state = {p: _copied(optimizer.state[p]) for p in params if p in optimizer.state}
-    try:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        if not math.isfinite(float(full_tensor(norm))):
-            return None
-        optimizer.step()
-        return [p.detach() - w for p, w in zip(params, weights, strict=True)]
-    finally:
-        with torch.no_grad():
-            for p, w, g in zip(params, weights, grads, strict=True):
-                p.copy_(w)
-                p.grad = g
-        for p in params:
-            if p in state:
-                optimizer.state[p] = state[p]
-            else:
-                optimizer.state.pop(p, None)
-
-
-def _copied(state: dict) -> dict:
-    return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
