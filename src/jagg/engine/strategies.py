@@ -364,7 +364,14 @@ class _Run:
     """One ``interpolated_backward``: the signals computed so far, the counts and the timers."""
 
     def __init__(
-        self, velocity, latents, sigmas, step_loss, outputs, plan: Interpolation, backward_fn: BackwardFn
+        self,
+        velocity,
+        latents,
+        sigmas,
+        step_loss,
+        outputs,
+        plan: Interpolation,
+        backward_fn: BackwardFn = autograd_backward,
     ) -> None:
         self.velocity, self.latents, self.sigmas, self.step_loss = velocity, latents, sigmas, step_loss
         self.outputs, self.plan, self.backward_fn = outputs, plan, backward_fn
