@@ -16,6 +16,7 @@ these tests are skipped with that reason.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +38,7 @@ from jagg.errors import ConfigError  # noqa: E402
 from jagg.integrations.unirl import JaggFlowGRPO  # noqa: E402
 from jagg.models import tiny_sd3_config  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 B, T, ETA, CLIP = 4, 6, 0.7, 2e-3
 FAMILIES = ("sd3", "flux2_klein")
 
@@ -312,3 +314,38 @@ def test_bad_backward_config_names_the_key():
         algorithms(r, {"strategi": "knots"})
     with pytest.raises(ConfigError, match="measured routing"):
         algorithms(r, {"strategy": "jagg", "jagg_frac": "auto"})
+
+
+def test_the_shipped_config_switches_a_flowgrpo_recipe_with_one_target():
+    """configs/engines/unirl_knots.yaml merged over a FlowGRPO recipe's algorithm block (UniRL's SD3 recipe's
+    keys, conditions_cls through hydra.utils.get_class as there) and built by Hydra with the pipeline, as UniRL's
+    trainer builds its algorithm (``remote_hydra(algorithm_cfg, pipeline=...)``): a JaggFlowGRPO with the recipe's settings and 4 knots, 4 backward passes."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    r = rollout("sd3")
+    recipe = OmegaConf.create(
+        {
+            "algorithm": {
+                "_target_": "unirl.algorithms.flowgrpo.FlowGRPO",
+                "stage_attr": "diffusion",
+                "clip_range": CLIP,
+                "clip_schedule": "constant",
+                "old_logp_source": "rollout",
+                "conditions_cls": {
+                    "_target_": "hydra.utils.get_class",
+                    "path": "unirl.models.sd3.conditions.SD3Conditions",
+                },
+            }
+        }
+    )
+    cfg = OmegaConf.merge(recipe, OmegaConf.load(ROOT / "configs" / "engines" / "unirl_knots.yaml"))
+    # the pipeline and the sampling params are live objects the trainer passes in (Hydra configs hold data only)
+    build = instantiate(cfg.algorithm, _partial_=True)
+    algorithm = build(pipeline=SimpleNamespace(diffusion=r.stage), params=r.params)
+    assert (
+        type(algorithm) is JaggFlowGRPO and algorithm.clip_range == CLIP and algorithm.conditions_cls is r.cls
+    )
+    assert algorithm.setting.key == "knots/K4/time/sequential"
+    _, result = step(algorithm, r)
+    assert algorithm.last_stats.backward_passes == 4 and result.metrics["jagg/backward_passes"] == 4
