@@ -28,7 +28,7 @@ LAYERS = [  # top first; the packages on one line are siblings
     ["jagg.loop"],
     ["jagg.capacity", "jagg.plugins"],
     ["jagg.ops"],
-    ["jagg.world", "jagg.scale"],
+    ["jagg.world", "jagg.scale", "jagg.integrations"],
     ["jagg.config"],
     ["jagg.engine", "jagg.models", "jagg.rewards"],
     ["jagg.errors", "jagg.common", "jagg.distributed", "jagg.stats"],
