@@ -15,6 +15,7 @@ Stored outputs are never read (Flow-Factory's samples keep no model outputs).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -136,8 +137,6 @@ def optimize_micro_batch(
 
 def forward_inputs(trainer, batch: dict[str, Any]) -> dict[str, Any]:
     """What ``adapter.forward`` takes besides (t, latents): their ``filter_kwargs`` of training args and batch."""
-    import inspect
-
     names = set(inspect.signature(trainer.adapter.forward).parameters)
     merged = {**dict(trainer.training_args), "noise_level": trainer.adapter.scheduler.noise_level, **batch}
     return {
