@@ -250,3 +250,18 @@ def test_the_real_grpo_trainer_subclass():
     assert ff.JaggGRPOTrainer is not None and issubclass(ff.JaggGRPOTrainer, GRPOTrainer)
     assert ff.JaggGRPOTrainer.optimize is not GRPOTrainer.optimize
     assert ff.JaggGRPOTrainer.backward.key == "knots/K4/time/sequential"
+    # the contract the always-run test transcribes is the tree's: the same indexing, loss and backward calls
+    import inspect
+
+    theirs = inspect.getsource(GRPOTrainer.optimize)
+    for line in (
+        "self.adapter.scheduler.train_timesteps",
+        "with self.accelerator.accumulate(*self.adapter.trainable_components):",
+        "old_log_prob = batch['log_probs'][:, log_probs_index_map[timestep_index]]",
+        "latents = batch['all_latents'][:, latents_index_map[timestep_index]]",
+        "adv = torch.clamp(adv, adv_clip_range[0], adv_clip_range[1])",
+        "clipped_loss = -adv * torch.clamp(ratio, 1.0 + ratio_clip_range[0], 1.0 + ratio_clip_range[1])",
+        "policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))",
+        "self.accelerator.backward(loss)",
+    ):
+        assert line in theirs, line
