@@ -28,15 +28,21 @@ $(error KERNELS must be avx2 (the default: the committed world's kernels) or nat
 endif
 SCALE ?= world
 
-.PHONY: help venv kernels smoke test test-dist lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-v3 curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv kernels smoke test test-dist engines lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-v3 curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
 
-$(STAMP): requirements.txt pyproject.toml
+# UniRL (jagg.integrations.unirl): its metadata asks for Python >= 3.12 and transformers < 5.13, its code runs here
+# (tests/test_integrations_unirl.py), so it gets its own pip line without dependencies; requirements-engines.txt
+# holds what it imports.
+UNIRL := unirl==0.2.0
+$(STAMP): requirements.txt requirements-engines.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "Installing pinned dependencies into $(VENV) (first run: a few minutes)..."
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-engines.txt 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python $(UNIRL) 2>&1 | { grep -v "^WARNING: Location" || true; }
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@touch $(STAMP)
 
@@ -58,6 +64,9 @@ test: $(STAMP) ## Run the test suite on TEST_WORKERS processes (creates .venv if
 
 test-dist: $(STAMP) ## 2-process FSDP2 tests on CPU (gloo): group backward, trainer, torchrun CLI, checkpoints / loading / export
 	$(PY) -m pytest -q tests/test_dist_harness.py tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py
+
+engines: $(STAMP) ## JAGG inside the engines: accelerate, UniRL (installed by the venv), Flow-Factory (FLOW_FACTORY=<source tree at a0b2bc5> for its source-tree test)
+	$(PY) -m pytest -q -n 0 tests/test_integrations.py tests/test_integrations_unirl.py tests/test_integrations_flow_factory.py
 
 lint: $(STAMP) ## ruff check + format check
 	$(PY) -m ruff check src tests experiments examples

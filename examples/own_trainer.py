@@ -22,6 +22,7 @@ from jagg import (
     sde_step_with_logprob,
     shifted_linear_sigmas,
 )
+from jagg.engine.strategies import StepLoss
 from jagg.models import TextCond, build_tiny_backbone
 
 T, B = 6, 4  # trained SDE steps per trajectory, trajectories per micro-batch (2 prompts x 2 images)
@@ -61,9 +62,10 @@ def per_step_backward(velocity, batch: Batch) -> int:
 
 # --------------------------------------------------------------------------- after: one plan
 @dataclass
-class StepSignals:
-    """What ``BackwardSetting.backward`` reads: the steps' inputs ``x`` (T, B, ...), their times ``sigma`` (T,)
-    and the per-step loss ``loss(i, v)`` as a function of step i's model output (the same function as above)."""
+class StepSignals(StepLoss):
+    """What ``BackwardSetting.backward`` reads, the ``StepLoss`` protocol: the steps' inputs ``x`` (T, B, ...),
+    their times ``sigma`` (T,) and the per-step loss ``loss(i, v)`` as a function of step i's model output (the
+    same function as above)."""
 
     batch: Batch
 
@@ -75,11 +77,11 @@ class StepSignals:
         return step_loss(self.batch, i, v)
 
 
-def one_plan_backward(velocity, batch: Batch, setting: BackwardSetting):
+def one_plan_backward(velocity, batch: Batch, setting: BackwardSetting, stored: bool = True):
     """The same steps as ONE plan: the routing places the knots, every step's signal comes from its stored
-    output (valid only until the first optimizer step after the rollout; pass None afterwards), and only the
-    knots are forwarded with autograd and back-propagated, in one backward call per block."""
-    outputs = batch.outputs.transpose(0, 1)  # (T, B, C, H, W)
+    output (valid only until the first optimizer step after the rollout: ``stored=False`` afterwards), and only
+    the knots are forwarded with autograd and back-propagated, in one backward call per block."""
+    outputs = batch.outputs.transpose(0, 1) if stored else None  # (T, B, C, H, W)
     return setting.backward(velocity, StepSignals(batch), outputs)
 
 
@@ -92,8 +94,18 @@ cond = TextCond(  # stands in for the text encoder's output
     mask=torch.ones(B, 5, dtype=torch.long),
     pooled=torch.randn(B, 32, generator=g, dtype=torch.float64),
 )
-# velocity(z, t): z may hold k * B rows with one t per row (a stacked knot forward); bind tiles the conditioning
-velocity = backbone.bind(cond)
+
+
+def velocity(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """v(z, t) for the micro-batch's conditioning. A stacked knot forward passes k * B rows with one t per row:
+    the conditioning is tiled k times, as your forward must do (``Backbone.bind`` does the same)."""
+    k = z.shape[0] // B
+    tiled = TextCond(
+        embeds=cond.embeds.repeat(k, 1, 1), mask=cond.mask.repeat(k, 1), pooled=cond.pooled.repeat(k, 1)
+    )
+    return backbone.velocity(z, t, tiled)
+
+
 sigmas = shifted_linear_sigmas(T + 1)[: T + 1]  # T stochastic steps of a (T + 1)-step schedule
 with torch.no_grad():  # the rollout: T SDE steps from noise, storing inputs, outputs and log-probs
     x, v, lp = [torch.randn(B, 4, 4, 4, generator=g, dtype=torch.float64)], [], []
@@ -125,7 +137,7 @@ passes = per_step_backward(velocity, batch)
 reference = gradient()
 print(f"per-step loop: {passes} backward passes in {passes} backward calls")
 settings = {
-    "exact": BackwardSetting(routing=Routing(strategy="exact", group_size=2)),
+    "exact": BackwardSetting(routing=Routing.exact()),
     "jagg W=3": BackwardSetting(routing=Routing(strategy="jagg", group_size=3)),  # 2 groups of 3 steps
     "knots K=3": BackwardSetting(routing=Knots(count=3, placement="low_noise")),  # 3 knots shared by 6 steps
 }
@@ -140,3 +152,16 @@ for name, setting in settings.items():
         compare = f"cosine to the loop {torch.nn.functional.cosine_similarity(grad, reference, dim=0):.4f}"
     counts = f"{stats.backward_passes} backward passes in {stats.backward_calls} backward calls"
     print(f"{name}: {counts}, {compare}")
+
+# The optimizer step: the weights move, so the rollout's stored outputs no longer are the model's outputs. A plan
+# that read them now would mix old and new weights: drop them (stored=False) until the next rollout.
+optimizer = torch.optim.SGD(backbone.parameters(), lr=1e-2)
+one_plan_backward(velocity, batch, settings["knots K=3"])
+optimizer.step()
+optimizer.zero_grad(set_to_none=True)
+with torch.no_grad():
+    stale = (velocity(batch.latents[:, 0], sigmas[0]) - batch.outputs[:, 0]).abs().max().item()
+stats = one_plan_backward(velocity, batch, settings["knots K=3"], stored=False)
+print(
+    f"after the optimizer step: stored outputs off by {stale:.1e}, dropped; knots K=3: {stats.backward_passes} backward passes"
+)

@@ -28,7 +28,7 @@ LAYERS = [  # top first; the packages on one line are siblings
     ["jagg.loop"],
     ["jagg.capacity"],
     ["jagg.ops"],
-    ["jagg.world", "jagg.scale"],
+    ["jagg.world", "jagg.scale", "jagg.integrations"],
     ["jagg.config"],
     ["jagg.plugins"],  # below the config, which composes their sections from the registry
     ["jagg.engine", "jagg.models", "jagg.rewards"],

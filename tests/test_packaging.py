@@ -43,8 +43,10 @@ def test_every_import_is_declared_and_pinned():
     extras = {name: {_name(r) for r in reqs} for name, reqs in project["optional-dependencies"].items()}
     used = {DISTRIBUTION.get(m, m).lower() for m in _imports(ROOT / "src" / "jagg")}
     # the trackers are imported only when log.report_to names them: an extra, not a core dependency
-    # (TensorBoard's own package for the events that purge a resumed run's redone steps)
-    assert used - core == {"wandb", "tensorboard"} and used - core <= extras["trackers"]
+    # (TensorBoard's own package for the events that purge a resumed run's redone steps); unirl only by
+    # jagg.integrations.unirl, installed by the Makefile's own pinned line (its metadata asks for Python >= 3.12)
+    assert used - core == {"wandb", "tensorboard", "unirl"} and used - core - {"unirl"} <= extras["trackers"]
+    assert "UNIRL := unirl==" in (ROOT / "Makefile").read_text()
     pinned = {}
     for line in (ROOT / "requirements.txt").read_text().splitlines():
         line = line.split("#")[0].strip()
@@ -53,6 +55,15 @@ def test_every_import_is_declared_and_pinned():
             pinned[_name(line)] = line
     unpinned = (core | extras["trackers"] | extras["experiments"] | extras["dev"]) - set(pinned) - {"wandb"}
     assert not unpinned, f"declared but not pinned in requirements.txt: {sorted(unpinned)}"
+    engines = {}
+    for line in (ROOT / "requirements-engines.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            assert "==" in line, f"requirements-engines.txt pins exactly: {line}"
+            engines[_name(line)] = line
+    assert set(engines) == extras["engines"], (
+        "the engines extra and requirements-engines.txt name the same packages"
+    )
     assert "scikit-learn" not in pinned  # never imported
 
 

@@ -950,6 +950,14 @@ def _validate_backward(backward: BackwardConfig) -> None:
     )
 
 
+def backward_config(data: dict, prefix: str = "backward") -> BackwardConfig:
+    """A ``backward`` section given as a mapping (an engine's config, e.g. UniRL's ``algorithm.backward``), read
+    and checked as a run's: a ``ConfigError`` naming ``prefix.key`` for an unknown key or a bad value."""
+    backward = _build(BackwardConfig, dict(data), prefix)
+    _validate_backward(backward)
+    return backward
+
+
 def _validate_optim(optim: OptimConfig) -> None:
     _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
     _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")

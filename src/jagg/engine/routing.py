@@ -119,6 +119,11 @@ class Routing:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"Routing cuts groups for {STRATEGIES}; knots are routed by Knots")
 
+    @classmethod
+    def exact(cls) -> Routing:
+        """The exact per-step backward: every step a plain step (W is not read; 2, the smallest legal one)."""
+        return cls(strategy="exact", group_size=2)
+
     def plans(self, num_steps: int) -> list[GroupPlan]:
         """The groups of ``num_steps`` trained steps and the strategy of each (``plan_groups``)."""
         return plan_groups(num_steps, self.group_size, self.jagg_frac, self.strategy, self.measured)
@@ -199,8 +204,10 @@ def plans_interpolation(plans: Sequence[GroupPlan], sigma: Tensor) -> Interpolat
 class BackwardSetting(GraphRun):
     """Everything an update needs about its backward, bound once: the routing that places each micro-batch's
     knots (``Routing`` of groups or shared ``Knots``), how the plan runs (``GraphRun``: ``backward.graph_mode``,
-    ``backward.endpoint_signals``, ``backward.max_rows``; the defaults are written there) and whether stored
-    rollout outputs may replace forwards (``backward.stored_outputs``; the loop decides when they are valid)."""
+    ``backward.endpoint_signals``, ``backward.max_rows``; the defaults are written there; and ``backward_fn``,
+    the engine's backward, autograd by default) and whether stored rollout outputs may replace forwards
+    (``backward.stored_outputs``; the loop decides when they are valid: only for a rollout made by this
+    trainer's own forward at the current weights)."""
 
     routing: Routing | Knots | WindowRouting
     stored_outputs: bool = True
@@ -240,7 +247,7 @@ class BackwardSetting(GraphRun):
     @property
     def exact(self) -> BackwardSetting:
         """Exact's backward in this setting's place: every step a plain step (the modes do not apply to it)."""
-        return replace(self, routing=Routing(strategy="exact", group_size=2))
+        return replace(self, routing=Routing.exact())
 
     def cost(self, num_steps: int, *, batch: int = 1, stored_outputs: bool = False) -> GroupCost:
         """The predicted counts of ``backward`` on a micro-batch of ``batch`` samples with ``num_steps``

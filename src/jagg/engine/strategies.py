@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -33,8 +34,29 @@ from torch import Tensor
 # velocity(z, t) -> v : z (B, ...), t scalar tensor or (B,) ; v (B, ...). A velocity made of several networks
 # that switch at fixed times says so with an ``expert_boundaries`` attribute (``expert_boundaries`` below).
 Velocity = Callable[[Tensor, Tensor], Tensor]
-# step_loss(j, v_j) -> scalar loss of step j of the group
-StepLoss = Callable[[int, Tensor], Tensor]
+# step_fn(j, v_j) -> scalar loss of step j of the group: all ``interpolated_backward`` needs of a loss
+StepFn = Callable[[int, Tensor], Tensor]
+# backward_fn(tensors, grads): adds sum_k J_k^T grads[k] to ``.grad``, as ``torch.autograd.backward`` does. An engine
+# hands its own (``jagg.integrations.accelerate_backward``: accelerate's loss scaling, DeepSpeed's hooks).
+BackwardFn = Callable[[Sequence[Tensor], Sequence[Tensor]], None]
+
+
+def autograd_backward(tensors: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """The default ``BackwardFn``: ``torch.autograd.backward`` (looked up at each call, so a wrapper sees it)."""
+    torch.autograd.backward(tensors, grads)
+
+
+@runtime_checkable
+class StepLoss(Protocol):
+    """The per-step loss of a micro-batch's T trained steps, as ``BackwardSetting.backward`` reads it: ``x``
+    (T, B, ...) the steps' model inputs, ``sigma`` (T,) or (T, B) their strictly decreasing times, and
+    ``loss(i, v)`` the scalar loss of step i as a function of the model output ``v`` at (x[i], sigma[i]).
+    ``jagg.GRPOStepLoss`` is one; an engine's loss is another (``jagg.integrations.unirl``)."""
+
+    x: Tensor
+    sigma: Tensor
+
+    def __call__(self, i: int, v: Tensor) -> Tensor: ...
 
 
 @dataclass(kw_only=True)
@@ -325,7 +347,7 @@ def _check_steps(latents: Tensor, sigmas: Tensor) -> None:
         raise ValueError("sigmas must be strictly decreasing within a group (t_0 > ... > t_{W-1})")
 
 
-def _signal(step_loss: StepLoss, j: int, v: Tensor) -> tuple[float, Tensor]:
+def _signal(step_loss: StepFn, j: int, v: Tensor) -> tuple[float, Tensor]:
     """(L_j, s_j = dL_j/dv_j) through a detached proxy of v_j: only the light SDE / PPO math is differentiated."""
     proxy = v.detach().requires_grad_(True)
     with torch.enable_grad():
@@ -341,9 +363,18 @@ def _per_sample(t: Tensor, b: int) -> Tensor:
 class _Run:
     """One ``interpolated_backward``: the signals computed so far, the counts and the timers."""
 
-    def __init__(self, velocity, latents, sigmas, step_loss, outputs, plan: Interpolation) -> None:
+    def __init__(
+        self,
+        velocity,
+        latents,
+        sigmas,
+        step_loss,
+        outputs,
+        plan: Interpolation,
+        backward_fn: BackwardFn = autograd_backward,
+    ) -> None:
         self.velocity, self.latents, self.sigmas, self.step_loss = velocity, latents, sigmas, step_loss
-        self.outputs, self.plan = outputs, plan
+        self.outputs, self.plan, self.backward_fn = outputs, plan, backward_fn
         self.losses: dict[int, float] = {}
         self.signals: dict[int, Tensor] = {}
         self.n = dict(fwd=0, fwd_grad=0, calls=0, skipped=0, bwd=0, graphs=0, bwd_calls=0)
@@ -359,7 +390,7 @@ class _Run:
 
     def backward(self, tensors: list[Tensor], grads: list[Tensor], passes: int) -> None:
         with self.t_bwd:
-            torch.autograd.backward(tensors, [g.to(t.dtype) for g, t in zip(grads, tensors)])
+            self.backward_fn(tensors, [g.to(t.dtype) for g, t in zip(grads, tensors)])
         self.n["bwd"] += passes
         self.n["graphs"] += len(tensors)
         self.n["bwd_calls"] += 1
@@ -467,13 +498,14 @@ def interpolated_backward(
     velocity: Velocity,
     latents: Tensor,
     sigmas: Tensor,
-    step_loss: StepLoss,
+    step_loss: StepFn,
     plan: Interpolation,
     *,
     graph_mode: str,
     endpoint_signals: str,
     outputs: Tensor | None = None,
     max_rows: int | None = None,
+    backward_fn: BackwardFn = autograd_backward,
 ) -> GroupStats:
     """ADD  sum_k J_{knots[k]}^T g_k  (``Interpolation``) for T time-sorted steps to the parameters' ``.grad``.
 
@@ -490,6 +522,7 @@ def interpolated_backward(
             before the first optimizer step): every signal then comes from them and non-knot steps need no
             forward. Plain steps ignore them (they differentiate their own forward).
         max_rows: at most this many rows per stacked forward (``backward.max_rows``; None: a whole block).
+        backward_fn: every backward call goes through it (``BackwardFn``; default ``autograd_backward``).
     Each step's ``step_loss`` is evaluated exactly once; blocks run in order.
     """
     if graph_mode not in GRAPH_MODES:
@@ -504,7 +537,7 @@ def interpolated_backward(
         raise ValueError(
             f"outputs must have the latents' shape {tuple(latents.shape)}, got {tuple(outputs.shape)}"
         )
-    run = _Run(velocity, latents, sigmas, step_loss, outputs, plan)
+    run = _Run(velocity, latents, sigmas, step_loss, outputs, plan, backward_fn)
     for block in plan.blocks:
         run.block(block, GRAPH_MODES[graph_mode], endpoint_signals, max_rows)
     return run.stats(graph_mode)
@@ -527,7 +560,8 @@ class GraphRun:
     """How ``interpolated_backward`` runs a plan: the same gradient at different costs. ``graph_mode`` (a key
     of ``GRAPH_MODES``, ``backward.graph_mode``) builds the knot graphs, ``endpoint_signals`` (one of
     ``ENDPOINT_SIGNALS``) says where the knots' own signals come from, ``max_rows`` bounds the rows of a stacked
-    forward (``backward.max_rows``; None: a whole block).
+    forward (``backward.max_rows``; None: a whole block), ``backward_fn`` is what each backward call goes through
+    (``BackwardFn``: autograd, or an engine's, e.g. ``jagg.integrations.accelerate_backward``; not a config key).
 
     The defaults are written here and nowhere else: ``BackwardSetting`` (a ``GraphRun`` bound to a routing), the
     config's ``backward`` section and the gradient diagnostics all take them from this class."""
@@ -535,8 +569,13 @@ class GraphRun:
     graph_mode: str = DEFAULT_MODE
     endpoint_signals: str = DEFAULT_SIGNALS
     max_rows: int | None = None
+    backward_fn: BackwardFn = field(default=autograd_backward, repr=False)
 
     def __post_init__(self) -> None:
+        if not callable(self.backward_fn):
+            raise ValueError(
+                f"backward_fn must be callable as backward_fn(tensors, grads), got {self.backward_fn!r}"
+            )
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(
                 f"backward.graph_mode must be one of {tuple(GRAPH_MODES)}, got {self.graph_mode!r}"
@@ -554,7 +593,7 @@ class GraphRun:
         velocity: Velocity,
         latents: Tensor,
         sigmas: Tensor,
-        step_loss: StepLoss,
+        step_loss: StepFn,
         outputs: Tensor | None = None,
     ) -> GroupStats:
         """``interpolated_backward`` of ``plan`` run this way (args as there)."""
@@ -568,4 +607,5 @@ class GraphRun:
             endpoint_signals=self.endpoint_signals,
             outputs=outputs,
             max_rows=self.max_rows,
+            backward_fn=self.backward_fn,
         )
