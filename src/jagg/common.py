@@ -141,15 +141,35 @@ def _umask() -> int:
     return mask
 
 
+def open_for_writing(path: str | Path, *, append: bool = False):
+    """``open(path, "a" / "w")`` that never writes through a symbolic link planted at ``path`` (``O_NOFOLLOW``):
+    ``OSError`` (``ELOOP``) naming it instead, which the CLI prints as one line."""
+    import errno
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, never written through", str(path)) from None
+        raise
+    return os.fdopen(fd, "a" if append else "w")
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write via a temporary file + rename, so an interrupted run never leaves a half-written file.
 
-    The file gets the permissions an ordinary ``open(path, "w")`` would (0666 minus the umask; ``mkstemp``
+    A symbolic link at ``path`` is refused (``OSError``, ``ELOOP``), as ``open_for_writing`` refuses one. The file
+    gets the permissions an ordinary ``open(path, "w")`` would (0666 minus the umask; ``mkstemp``
     alone gives 0600), and is fsynced before the rename and its directory after it, so the new content
     survives a crash of the machine, not only of the process.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():  # the rename would replace the link; refused like every write through one
+        import errno
+
+        raise OSError(errno.ELOOP, "a symbolic link, never written through", str(path))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

@@ -20,8 +20,10 @@
                           --nproc-per-node M plan N ranks on nodes of M (default: torchrun's variables, else 1)
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export); OUT must
-                          be absent, empty or an earlier export (never '.', '..', a symlink, the run directory, a
-                          git root or the home directory): written beside OUT and renamed into place
+                          be absent, empty or an earlier export whose files still match its marker's sizes and
+                          hashes (never '', '.', '..', a symlink, inside or above the run directory, a git root
+                          or the home directory; '~' expanded): written beside OUT and renamed into place; an
+                          earlier export is moved aside, checked byte for byte, then deleted or put back
 Invalid configs (unknown keys, bad values, YAML syntax, a config file that is not UTF-8 text or cannot be read,
 unknown reward or prompt-set names, train.device=cuda without CUDA, a driver older than torch's CUDA build needs,
 a rollout larger than the memory it would need (the key named with the largest value that fits), a resume that
@@ -144,11 +146,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI (module docstring); SIGINT (Ctrl-C) stops it with one line and status 130, no traceback."""
+    """The CLI (module docstring), with its one edge for expected failures: an ``OSError`` (one line naming the
+    path and the errno) or an error of ``jagg.errors`` (its message) exits 2, SIGINT (Ctrl-C) 130, each with one
+    line and no traceback."""
+    from jagg.errors import USER_ERRORS, os_error_line
     from jagg.ops.signals import SIGINT_STATUS
 
     try:
         return _main(argv)
+    except USER_ERRORS as err:
+        _fail(str(err))
+    except OSError as err:
+        _fail(_write_error(err) if _disk_full(err) else os_error_line(err))
     except KeyboardInterrupt:
         log.error(
             f"interrupted (SIGINT): stopped without a checkpoint (exit status {SIGINT_STATUS}); continue from "
@@ -179,8 +188,8 @@ def _main(argv: list[str] | None) -> int:
             return _dry_run(cfg, args.world_size, args.nproc_per_node)
         preflight.check_device(cfg)
         preflight.check_trackers(cfg)
-        if args.export:
-            return _export(cfg, Path(args.export), find_checkpoint(cfg.log.run_dir), args)
+        if args.export is not None:  # '' too: refused by name, never a training run
+            return _export(cfg, args.export, find_checkpoint(cfg.log.run_dir), args)
         _check_sizes(cfg)
     except ConfigError as err:
         _fail(str(err))
@@ -373,17 +382,25 @@ def _prepare_run_dir(run_dir: Path, start) -> None:
         rundir.write_marker(run_dir)
 
 
-def _write_error(err: OSError, run_dir: Path) -> str:
-    """One line for a failed write, with the free space when the disk is full."""
+def _disk_full(err: OSError) -> bool:
     import errno
 
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _write_error(err: OSError, run_dir: Path | None = None) -> str:
+    """One line for a failed write, with the free space when the disk is full (on ``run_dir``, else on the
+    nearest existing folder of the file named)."""
+    from jagg.errors import os_error_line
     from jagg.ops.checkpoint import format_bytes
 
     where = err.filename or run_dir
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = format_bytes(shutil.disk_usage(run_dir).free) if run_dir.exists() else "?"
-        return f"disk full while writing {where}: {free} free on {run_dir}; free some space and resume with --resume"
-    return f"cannot write {where}: {err.strerror or err}"
+    if not _disk_full(err):
+        return os_error_line(err)
+    disk = Path(run_dir or where or ".")
+    disk = next((p for p in (disk, *disk.parents) if p.exists()), None)
+    free = format_bytes(shutil.disk_usage(disk).free) if disk is not None else "?"
+    return f"disk full while writing {where}: {free} free on {disk}; free some space and resume with --resume"
 
 
 def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int, nodes: int = 1) -> None:
@@ -449,15 +466,16 @@ def _progress(total: int, start: int):
     return line
 
 
-def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> int:
+def _export(cfg, out_dir: str, ckpt: Path | None, args: argparse.Namespace) -> int:
     """``--export``: the checkpoint's weights to ``out_dir`` (``jagg.loop.export.export_run``), no training."""
     from jagg.common import set_threads
     from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
 
     if args.resume or args.overwrite:
         raise ConfigError("--export does not train: drop --resume / --overwrite (train first, then export)")
-    from jagg.ops.rundir import check_export_target
+    from jagg.ops.exportdir import check_export_target, export_path
 
+    out_dir = export_path(out_dir)  # '~' expanded, '' refused
     check_export_target(out_dir, cfg.log.run_dir)  # before anything is built; export_trained checks it again
     if ckpt is None:
         run_dir = Path(cfg.log.run_dir)
