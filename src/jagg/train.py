@@ -289,6 +289,7 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     from jagg.config import validate_world_size
     from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
     from jagg.loop.components import build_components  # the registries: world, diffusers
+    from jagg.loop.rewards import check_run_rewards
     from jagg.loop.trainer import Trainer, TrainingAborted
     from jagg.ops.signals import StopRequested, stop_requests
 
@@ -297,6 +298,9 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     try:
         validate_world_size(cfg, info.world_size)
         comp = build_components(cfg)
+        check_run_rewards(
+            cfg
+        )  # the trainer builds them; a missing world artefact is one line before any write
     except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
         _fail(str(err))
     try:
@@ -411,6 +415,11 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
     path = run_dir / "run.json"
     if start.resume and path.is_file():
         meta = json.loads(path.read_text())
+        if not isinstance(
+            meta.get("resumes", []), list
+        ):  # edited by hand: kept, not dropped, as the first entry
+            log.warning(f"{path}: 'resumes' was not a list; kept as its first entry")
+            meta["resumes"] = [{"earlier_record": meta["resumes"]}]
         meta.setdefault("resumes", []).append(
             {
                 "argv": argv_used,
