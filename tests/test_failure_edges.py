@@ -151,3 +151,27 @@ def test_an_os_error_anywhere_is_one_line_naming_the_path_and_errno(
         assert f"disk full while writing {run / target}" in err and " free on " in err, err
     else:
         assert f"cannot use {run / target}: Permission denied [EACCES]" in err, err
+
+
+# --------------------------------------------------------------------------- messages that say what is true
+def test_an_unreadable_run_json_is_not_called_corrupt_and_no_deletion_is_advised(
+    trained, tmp_path, monkeypatch, capsys
+):
+    run = _copy(trained, tmp_path)
+    read = Path.read_text
+
+    def read_text(self, *args, **kwargs):  # permission denied (root ignores chmod, so injected)
+        if self == run / "run.json":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    before = _hash(run / "run.json")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(_cli(run, "--resume=auto", "train.iterations=2"))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"cannot read {run / 'run.json'}: Permission denied [EACCES]" in err
+    assert "corrupt" not in err.replace("not known to be corrupt", "") and "delete" not in err
+    assert _hash(run / "run.json") == before
