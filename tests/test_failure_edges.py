@@ -175,3 +175,77 @@ def test_an_unreadable_run_json_is_not_called_corrupt_and_no_deletion_is_advised
     assert f"cannot read {run / 'run.json'}: Permission denied [EACCES]" in err
     assert "corrupt" not in err.replace("not known to be corrupt", "") and "delete" not in err
     assert _hash(run / "run.json") == before
+
+
+# --------------------------------------------------------------------------- signals at any moment
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "jagg.train", *argv]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _handles(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` catches ``signum`` (``SigCgt`` in /proc/<pid>/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "after_s"), [("SIGINT", 0.0), ("SIGINT", 0.3), ("SIGTERM", 0.0), ("SIGUSR1", 1.0)]
+)
+def test_a_signal_during_start_up_is_one_line_and_writes_nothing(tmp_path, name, after_s):
+    """The drill's start-up window (imports, config, the model's build), from the CLI's first instruction
+    (its handlers in place: SigCgt; before it only the interpreter's own start-up and runpy have run): Ctrl-C
+    exits 130, TERM / USR1 143 / 138, each with one line and no traceback, and no run directory is left."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    proc = _start(_cli(run))
+    while not _handles(proc.pid, signal.SIGUSR1):  # the first instruction of jagg.train has run
+        time.sleep(0.001)
+    time.sleep(after_s)
+    proc.send_signal(getattr(signal, name))
+    out, err = proc.communicate(timeout=600)
+    status = {"SIGINT": 130, "SIGTERM": 143, "SIGUSR1": 138}[name]
+    _one_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), status)
+    assert name in err or "SIGINT" in err
+    assert not run.exists()
+
+
+def _signal_in(monkeypatch, method: str, at: int) -> None:
+    """Send SIGTERM to this process inside the trainer's ``method`` (a save, an evaluation) at iteration ``at``."""
+    import signal
+
+    from jagg.loop.trainer import Trainer
+
+    original = getattr(Trainer, method)
+
+    def with_signal(self, *args, **kwargs):
+        if self.iteration == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, method, with_signal)
+
+
+@pytest.mark.parametrize(
+    ("phase", "method", "at", "rows"),
+    [("save", "save_checkpoint", 1, [1]), ("first evaluation", "_evaluate_and_log", 0, [0])],
+)
+def test_a_stop_signal_during_a_save_or_an_evaluation_stops_at_the_end_of_that_phase(
+    tmp_path, monkeypatch, capsys, phase, method, at, rows
+):
+    """Not after another iteration (a scheduler's grace period may not allow one): the save of iteration 1
+    (checkpoint_every=1), or the evaluation before the first iteration, is the last thing the run does."""
+    run = tmp_path / "run"
+    extra = ["train.iterations=3", "log.checkpoint_every=1"] + (["log.eval_every=1"] if at == 0 else [])
+    _signal_in(monkeypatch, method, at)
+    assert main(_cli(run, *extra)) == 143
+    logged = [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == rows, phase
+    from jagg.ops.checkpoint import read_progress
+
+    assert read_progress(run / "checkpoint")["iteration"] == at
+    assert f"stopped by SIGTERM after iteration {at}" in capsys.readouterr().err

@@ -50,9 +50,23 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
+
+
+def _interrupted_at_start(signum, frame) -> None:
+    sys.stderr.write("error: interrupted (SIGINT) during start-up: nothing written (exit status 130)\n")
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # from the first instruction: Ctrl-C is one line, TERM / USR1 set the stop flag
+    signal.signal(signal.SIGINT, _interrupted_at_start)
+    from jagg.ops.signals import install_early
+
+    install_early()
+
 
 log = logging.getLogger("jagg.train")  # not __name__: "__main__" under python -m
 VALUE_OPTIONS = (
@@ -150,10 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     path and the errno) or an error of ``jagg.errors`` (its message) exits 2, SIGINT (Ctrl-C) 130, each with one
     line and no traceback."""
     from jagg.errors import USER_ERRORS, os_error_line
-    from jagg.ops.signals import SIGINT_STATUS
+    from jagg.ops.signals import SIGINT_STATUS, stop_requests
 
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:  # Ctrl-C is KeyboardInterrupt from here on
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return _main(argv)
+        with stop_requests():  # TERM / USR1 set a flag for the whole run (jagg.ops.signals)
+            return _main(argv)
     except USER_ERRORS as err:
         _fail(str(err))
     except OSError as err:
@@ -188,6 +205,7 @@ def _main(argv: list[str] | None) -> int:
             return _dry_run(cfg, args.world_size, args.nproc_per_node)
         preflight.check_device(cfg)
         preflight.check_trackers(cfg)
+        _stop_before_writing()
         if args.export is not None:  # '' too: refused by name, never a training run
             return _export(cfg, args.export, find_checkpoint(cfg.log.run_dir), args)
         _check_sizes(cfg)
@@ -298,11 +316,10 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     try:
         validate_world_size(cfg, info.world_size)
         comp = build_components(cfg)
-        check_run_rewards(
-            cfg
-        )  # the trainer builds them; a missing world artefact is one line before any write
+        check_run_rewards(cfg)  # the trainer builds them: a missing artefact is one line before any write
     except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
         _fail(str(err))
+    _stop_before_writing(info)
     try:
         if info.is_main:
             _prepare_run_dir(run_dir, start)
@@ -322,9 +339,12 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
                         "(recorded in run.json's resumes)"
                     )
         display = _progress(cfg.train.iterations, trainer.iteration) if info.is_main else None
-        with stop_requests() as flag:  # SIGTERM / SIGUSR1: finish the iteration, save, exit 143 / 138
+        with stop_requests() as flag:  # SIGTERM / SIGUSR1: finish the phase, save, exit 143 / 138
             try:
-                trainer.fit(progress=_after_iteration(trainer, display, flag, info, cfg.train.iterations))
+                trainer.fit(
+                    progress=_after_iteration(trainer, display),
+                    before_iteration=_stop_check(flag, info),
+                )
             except StopRequested as stop:
                 stopped = stop
                 _save_and_stop(trainer)
@@ -346,22 +366,45 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     return 0 if stopped is None else stopped.status
 
 
-def _after_iteration(trainer, display, flag, info, total: int):
+def _after_iteration(trainer, display):
     """``Trainer.fit``'s progress callback: the display (rank 0); an asynchronous save whose write is done on
-    every rank becomes the checkpoint (``CheckpointWriter.poll``: a preemption from here on resumes from it);
-    then ``StopRequested`` when a stop signal arrived on any rank (``jagg.ops.signals``) and iterations are
-    left."""
-    from jagg.ops.signals import StopRequested
+    every rank becomes the checkpoint (``CheckpointWriter.poll``: a preemption from here on resumes from it)."""
 
     def after_iteration(row: dict) -> None:
         if display is not None:
             display(row)
         trainer.checkpoints.poll()
-        signum = flag.agreed(info)
-        if signum is not None and row["iteration"] < total:
-            raise StopRequested(signum, row["iteration"])
 
     return after_iteration
+
+
+def _stop_check(flag, info):
+    """``Trainer.fit``'s ``before_iteration`` hook: ``StopRequested`` when a stop signal arrived on any rank
+    (``jagg.ops.signals``; one all-reduce), so the run stops at the end of the phase the signal arrived in
+    (an iteration, its evaluation or its save), not after another iteration."""
+    from jagg.ops.signals import StopRequested
+
+    def before_iteration(iteration: int) -> None:
+        signum = flag.agreed(info)
+        if signum is not None:
+            raise StopRequested(signum, iteration)
+
+    return before_iteration
+
+
+def _stop_before_writing(info=None) -> None:
+    """A stop signal that arrived during start-up, before anything is written: one line and its exit status
+    (every rank agrees when ``info`` is given)."""
+    from jagg.ops.signals import EXIT_STATUS, active_flag, stop_message
+
+    flag = active_flag()
+    if flag is None:
+        return
+    signum = flag.agreed(info) if info is not None else flag.signum
+    if signum is not None:
+        msg = stop_message(signum, "during start-up, before anything was written; start again when ready")
+        code = EXIT_STATUS.get(signum, 128 + signum)
+        _fail_once(info, msg, code) if info is not None else _fail(msg, code)
 
 
 def _save_and_stop(trainer) -> None:
