@@ -34,9 +34,11 @@ naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandab
 flight recorder unless they are set (``jagg.ops.node``); the checkpoints' weights are checked with
 ``python -m jagg.scale.weights_check``.
 
-Signals: SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job) finish the current iteration, write
-a checkpoint and exit with status 143 / 138 and one line (``jagg.ops.signals``); SIGINT (Ctrl-C) stops at once
-with one line and status 130, without a checkpoint.
+Signals, from the first instruction: SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job) finish
+the current phase (an iteration, an evaluation or a save), write a checkpoint and exit with status 143 / 138
+and one line (``jagg.ops.signals``); during start-up, before anything is written, they exit with that status
+and one line. SIGINT (Ctrl-C) stops at once with one line and status 130, without a checkpoint. Any other
+expected failure (an ``OSError``: the path and the errno; an error of ``jagg.errors``) is one line, status 2.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
