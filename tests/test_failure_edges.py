@@ -249,3 +249,33 @@ def test_a_stop_signal_during_a_save_or_an_evaluation_stops_at_the_end_of_that_p
 
     assert read_progress(run / "checkpoint")["iteration"] == at
     assert f"stopped by SIGTERM after iteration {at}" in capsys.readouterr().err
+
+
+def test_a_dead_peer_is_one_line_naming_this_rank(tmp_path, monkeypatch, capsys):
+    """What gloo raises in a collective when another rank's worker was killed ("Connection reset by peer"),
+    injected where every rank meets its peers first (the run directory's lock), reaches the edge as one line."""
+    import torch.distributed as dist
+
+    import jagg.ops.rundir as rundir
+
+    def lost(*args, **kwargs):
+        raise dist.DistBackendError(
+            "[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41: Connection reset by peer"
+        )
+
+    import jagg.distributed
+
+    monkeypatch.setattr(rundir, "hold", lost)
+    monkeypatch.setattr(
+        jagg.distributed, "init_distributed", lambda **kwargs: None
+    )  # rank 1 of 2, alone here
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(_cli(tmp_path / "run"))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert (
+        "rank 1 of 2: another rank's process ended during a collective" in err and "Connection reset" in err
+    )

@@ -177,12 +177,39 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(err))
     except OSError as err:
         _fail(_write_error(err) if _disk_full(err) else os_error_line(err))
+    except RuntimeError as err:
+        if not _peer_lost(err):
+            raise
+        _fail(_peer_lost_line(err))
     except KeyboardInterrupt:
         log.error(
             f"interrupted (SIGINT): stopped without a checkpoint (exit status {SIGINT_STATUS}); continue from "
             "the last one with --resume (SIGTERM or SIGUSR1 save one before stopping)"
         )
         return SIGINT_STATUS
+
+
+# What gloo / NCCL say when another rank's process died in the middle of a collective.
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "communicator was aborted",
+)
+
+
+def _peer_lost(err: RuntimeError) -> bool:
+    return any(m in str(err) for m in PEER_LOST) or type(err).__name__ == "DistBackendError"
+
+
+def _peer_lost_line(err: RuntimeError) -> str:
+    """One line for a rank whose peer died: which rank this is, what the backend said, what to do."""
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    said = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return (
+        f"rank {rank} of {world}: another rank's process ended during a collective ({said}); the rank that "
+        "failed first printed why (torchrun names it); continue with --resume auto"
+    )
 
 
 def _main(argv: list[str] | None) -> int:
