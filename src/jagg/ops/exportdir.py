@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import logging
@@ -224,7 +225,7 @@ def clean_leftovers(out: Path) -> list[Path]:
     exactly the recorded export stays), temporary folders whose writer (``TMP_HOLDER``) is no longer alive
     on this host. Returns what was removed."""
     removed = []
-    for path in sorted(out.parent.glob(f".{out.name}.*")):
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")):
         if path.is_symlink() or not path.is_dir():
             continue
         if path.name.endswith(_OLD):
