@@ -908,8 +908,14 @@ def plot(rows: list[dict], png: Path, meta: dict | None = None, results: Path = 
     save_figure(fig, png, dpi=100)
 
 
+# What make table1 itself rewrites: its tables and figures, and make pretrain's record of the world it trains
+# first (the build is recorded by its own hash, world_build): left out of the meta's dirty check.
+OUTPUTS = ("results/table1*", "paper_figures/table1*", "results/world.md")
+
+
 def _meta(args, argv, cfg) -> dict:
     return run_metadata(
+        outputs=OUTPUTS,
         command=command_line("experiments/table1.py", argv),
         seed=cfg.train.seed,
         iterations=args.iterations,

@@ -98,3 +98,28 @@ def test_progress_eta_from_the_mean_pace():
     assert eta.step(n=2) == "[4/4 100%] table1 | elapsed 1h01m | ETA 0s"
     assert out.getvalue().count("\n") == 3
     assert [format_seconds(s) for s in (0, 59.4, 425, 3720)] == ["0s", "59s", "7m05s", "1h02m"]
+
+
+def test_a_drivers_own_outputs_do_not_make_its_record_dirty_and_other_changes_are_recorded(tmp_path):
+    """Issue 58: ``make table1`` rewrites its committed results; its meta must still name a clean commit, and
+    an edit anywhere else must make it dirty with the diff recorded."""
+    import subprocess
+
+    from jagg.common import tree_state
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "table1.csv").write_text("a\n1\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = git("rev-parse", "HEAD").strip()
+    (tmp_path / "results" / "table1.csv").write_text("a\n2\n")  # the driver's own output, rewritten
+    assert tree_state(["results/table1*"], root=tmp_path) == (head, None)
+    assert tree_state(root=tmp_path)[0] == head + "-dirty"  # without the exclusion it is dirty
+    (tmp_path / "code.py").write_text("x = 2\n")
+    sha, diff = tree_state(["results/table1*"], root=tmp_path)
+    assert sha == head + "-dirty" and "+x = 2" in diff and "table1.csv" not in diff

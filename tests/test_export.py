@@ -183,7 +183,7 @@ def test_export_refuses_what_it_did_not_write(trained_run, tmp_path, monkeypatch
         "dotdot": (Path(".."), "'..'"),
         "dot": (Path("."), "'.'"),
         "symlink": (scratch / "link", "symbolic link"),
-        "forged marker": (forged, "'precious_0.txt', which the earlier export there did not write"),
+        "forged marker": (forged, "no .jagg_export marker recording each file's size and hash"),
     }[case]
     if case == "three files":
         _three_files(out)
@@ -221,13 +221,65 @@ def test_export_writes_an_absent_or_empty_out_and_replaces_an_earlier_export(
         out.mkdir()
     if case == "earlier export":
         assert main(cli) == 0
-        (out / "diffusion_pytorch_model.safetensors").write_bytes(b"stale")  # replaced, not kept
     assert main(cli) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == [".jagg_export", "config.json", "diffusion_pytorch_model.safetensors"]
     marker = json.loads((out / ".jagg_export").read_text())
-    assert marker["files"] == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert sorted(marker["files"]) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    for name, record in marker["files"].items():  # each file's size and hash, computed independently here
+        data = (out / name).read_bytes()
+        assert record == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     saved = load_file(out / "diffusion_pytorch_model.safetensors")
     ckpt = read_checkpoint(trained_run / "checkpoint")
     assert all(torch.equal(saved[k], ckpt[f"ema.transformer.{k}"]) for k in saved)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left beside it
+
+
+# --------------------------------------------------------------------------- issue 58: every refusal one line, before anything is built
+def _refused(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("empty", "--export needs a directory name"),
+        ("under a file", "which is a file"),
+        ("under /dev/null", "lies under /dev/null, which is a file"),
+        ("250 characters", "its name is longer than 234 bytes"),
+        ("a 300-character folder", "File name too long [ENAMETOOLONG]"),  # the CLI's edge: any OSError
+        ("inside the run", "inside the run directory"),
+        ("samples", "inside the run directory"),
+    ],
+)
+def test_export_to_an_unusable_out_is_one_line_and_touches_nothing(trained_run, tmp_path, capsys, case, says):
+    (tmp_path / "a_file").write_text("mine\n")
+    out = {
+        "empty": "",
+        "under a file": str(tmp_path / "a_file" / "out"),
+        "under /dev/null": "/dev/null/out",
+        "250 characters": str(tmp_path / ("x" * 250)),
+        "a 300-character folder": str(tmp_path / ("x" * 300) / "out"),
+        "inside the run": str(trained_run / "checkpoint.tmp"),
+        "samples": str(trained_run / "samples" / "export"),
+    }[case]
+    before = [_tree(tmp_path), _tree(trained_run)]
+    err = _refused(["--config", WORLD, *RUN, f"log.run_dir={trained_run}", "--export", out], capsys)
+    assert says in err and "Traceback" not in err
+    assert [_tree(tmp_path), _tree(trained_run)] == before
+
+
+def test_export_expands_the_home_directory(trained_run, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--config", WORLD, *RUN, f"log.run_dir={trained_run}", "--export", "~/exported"]) == 0
+    assert (home / "exported" / "diffusion_pytorch_model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no literal './~'

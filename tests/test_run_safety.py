@@ -743,7 +743,7 @@ def test_lock_without_flock_checks_the_recorded_pid_and_host(tmp_path, monkeypat
     pid = {"dead": int(dead.stdout), "live": os.getppid(), "other host": os.getppid()}[holder]
     host = "elsewhere.invalid" if holder == "other host" else socket.gethostname()
     (tmp_path / ".lock").write_text(
-        json.dumps({"pid": pid, "start": rundir._process_start(pid), "host": host})
+        json.dumps({"pid": pid, "start": rundir.process_start(pid), "host": host})
     )
     lock = rundir.RunDirLock(tmp_path)
     if holder == "dead":

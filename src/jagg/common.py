@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from enum import IntEnum
 from pathlib import Path
 
@@ -46,9 +47,16 @@ def generator(seed: int, stream: SeedStream, index: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + (int(stream) + index) * 7919)
 
 
-def git_sha(short: bool = False) -> str:
-    """Current commit (suffixed "-dirty" if the tree has uncommitted changes), or "unknown"."""
-    root = Path(__file__).resolve().parents[2]
+def tree_state(
+    ignore: Iterable[str] = (), short: bool = False, root: Path | None = None
+) -> tuple[str, str | None]:
+    """``(sha, diff)``: the current commit, suffixed "-dirty" when tracked files have uncommitted changes, and
+    then their diff (``git diff HEAD``); ``("unknown", None)`` outside a git checkout. ``ignore``: git pathspec
+    globs relative to the repository root (``results/table1*``) left out of both: a driver's own outputs, which
+    the run rewrites, do not make its record dirty (``experiments/curves.py`` leaves its results folder out
+    the same way). ``root``: the checkout (default: this package's)."""
+    root = root or Path(__file__).resolve().parents[2]
+    spec = ["--", ".", *(f":(exclude,glob){p}" for p in ignore)]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short" if short else "HEAD"],
@@ -58,11 +66,22 @@ def git_sha(short: bool = False) -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no", *spec],
+            cwd=root,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        if not dirty:
+            return sha, None
+        diff = subprocess.run(["git", "diff", "HEAD", *spec], cwd=root, capture_output=True, text=True).stdout
+        return sha + "-dirty", diff
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "unknown", None
+
+
+def git_sha(short: bool = False, ignore: Iterable[str] = ()) -> str:
+    """Current commit (suffixed "-dirty" if the tree has uncommitted changes outside ``ignore``), or "unknown"."""
+    return tree_state(ignore, short)[0]
 
 
 def hardware() -> str:
@@ -129,9 +148,15 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     return " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)])
 
 
-def run_metadata(**extra) -> dict:
-    """What every result records: git SHA, versions, hardware, plus caller fields (config, seed, ...)."""
-    return {"git_sha": git_sha(), "hardware": hardware(), "versions": versions(), **extra}
+def run_metadata(*, outputs: Iterable[str] = (), **extra) -> dict:
+    """What every result records: git SHA, versions, hardware (the CPU kernels included), plus caller fields
+    (config, seed, ...). ``outputs``: the driver's own results (pathspec globs, ``tree_state``), left out of
+    the dirty check; anything else uncommitted is recorded as ``git_diff``, so the code can be rebuilt."""
+    sha, diff = tree_state(outputs)
+    meta = {"git_sha": sha, "hardware": hardware(), "versions": versions(), **extra}
+    if diff is not None:
+        meta["git_diff"] = diff
+    return meta
 
 
 def _umask() -> int:
@@ -141,15 +166,35 @@ def _umask() -> int:
     return mask
 
 
+def open_for_writing(path: str | Path, *, append: bool = False):
+    """``open(path, "a" / "w")`` that never writes through a symbolic link planted at ``path`` (``O_NOFOLLOW``):
+    ``OSError`` (``ELOOP``) naming it instead, which the CLI prints as one line."""
+    import errno
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, never written through", str(path)) from None
+        raise
+    return os.fdopen(fd, "a" if append else "w")
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write via a temporary file + rename, so an interrupted run never leaves a half-written file.
 
-    The file gets the permissions an ordinary ``open(path, "w")`` would (0666 minus the umask; ``mkstemp``
+    A symbolic link at ``path`` is refused (``OSError``, ``ELOOP``), as ``open_for_writing`` refuses one. The file
+    gets the permissions an ordinary ``open(path, "w")`` would (0666 minus the umask; ``mkstemp``
     alone gives 0600), and is fsynced before the rename and its directory after it, so the new content
     survives a crash of the machine, not only of the process.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():  # the rename would replace the link; refused like every write through one
+        import errno
+
+        raise OSError(errno.ELOOP, "a symbolic link, never written through", str(path))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

@@ -21,3 +21,17 @@ class WeightsUnavailableError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated or corrupt; the message names the file and what to do."""
+
+
+# the CLI prints each as one line, exit 2
+USER_ERRORS = (ConfigError, ArtefactError, WeightsUnavailableError, CheckpointError)
+
+
+def os_error_line(err: OSError) -> str:
+    """One line for an ``OSError`` the CLI did not expect by name: the path(s), what the system said and the
+    errno's name (``cannot use /dev/null/x: Not a directory [ENOTDIR]``)."""
+    import errno
+
+    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None) or "a file"
+    name = errno.errorcode.get(err.errno or 0, f"errno {err.errno}")
+    return f"cannot use {paths}: {err.strerror or err} [{name}]"

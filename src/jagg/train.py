@@ -24,8 +24,10 @@
                           --nproc-per-node M plan N ranks on nodes of M (default: torchrun's variables, else 1)
     --export OUT          no training: write the weights of log.run_dir's checkpoint to OUT, a diffusers transformer
                           folder (full fine-tuning) or a peft / diffusers LoRA adapter (jagg.loop.export); OUT must
-                          be absent, empty or an earlier export (never '.', '..', a symlink, the run directory, a
-                          git root or the home directory): written beside OUT and renamed into place
+                          be absent, empty or an earlier export whose files still match its marker's sizes and
+                          hashes (never '', '.', '..', a symlink, inside or above the run directory, a git root
+                          or the home directory; '~' expanded): written beside OUT and renamed into place; an
+                          earlier export is moved aside, checked byte for byte, then deleted or put back
 Invalid configs (unknown keys, bad values, YAML syntax, a config file that is not UTF-8 text or cannot be read,
 unknown reward or prompt-set names, train.device=cuda without CUDA, a driver older than torch's CUDA build needs,
 a rollout larger than the memory it would need (the key named with the largest value that fits), a resume that
@@ -36,9 +38,11 @@ naming the holder. A run that may use CUDA sets PYTORCH_CUDA_ALLOC_CONF=expandab
 flight recorder unless they are set (``jagg.ops.node``); the checkpoints' weights are checked with
 ``python -m jagg.scale.weights_check``.
 
-Signals: SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job) finish the current iteration, write
-a checkpoint and exit with status 143 / 138 and one line (``jagg.ops.signals``); SIGINT (Ctrl-C) stops at once
-with one line and status 130, without a checkpoint.
+Signals, from the first instruction: SIGTERM or SIGUSR1 (a scheduler's warning before it kills the job) finish
+the current phase (an iteration, an evaluation or a save), write a checkpoint and exit with status 143 / 138
+and one line (``jagg.ops.signals``); during start-up, before anything is written, they exit with that status
+and one line. SIGINT (Ctrl-C) stops at once with one line and status 130, without a checkpoint. Any other
+expected failure (an ``OSError``: the path and the errno; an error of ``jagg.errors``) is one line, status 2.
 
 Multi-process (FSDP2): ``torchrun --standalone --nproc_per_node N -m jagg.train --config ...`` (gloo on CPU,
 nccl on GPU). Every rank validates and builds; rank 0 alone writes run.json, metrics and grids; each rank
@@ -52,9 +56,23 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
+
+
+def _interrupted_at_start(signum, frame) -> None:
+    sys.stderr.write("error: interrupted (SIGINT) during start-up: nothing written (exit status 130)\n")
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # from the first instruction: Ctrl-C is one line, TERM / USR1 set the stop flag
+    signal.signal(signal.SIGINT, _interrupted_at_start)
+    from jagg.ops.signals import install_early
+
+    install_early()
+
 
 log = logging.getLogger("jagg.train")  # not __name__: "__main__" under python -m
 VALUE_OPTIONS = (
@@ -154,17 +172,54 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI (module docstring); SIGINT (Ctrl-C) stops it with one line and status 130, no traceback."""
-    from jagg.ops.signals import SIGINT_STATUS
+    """The CLI (module docstring), with its one edge for expected failures: an ``OSError`` (one line naming the
+    path and the errno) or an error of ``jagg.errors`` (its message) exits 2, SIGINT (Ctrl-C) 130, each with one
+    line and no traceback."""
+    from jagg.errors import USER_ERRORS, os_error_line
+    from jagg.ops.signals import SIGINT_STATUS, stop_requests
 
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:  # Ctrl-C is KeyboardInterrupt from here on
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return _main(argv)
+        with stop_requests():  # TERM / USR1 set a flag for the whole run (jagg.ops.signals)
+            return _main(argv)
+    except USER_ERRORS as err:
+        _fail(str(err))
+    except OSError as err:
+        _fail(_write_error(err) if _disk_full(err) else os_error_line(err))
+    except RuntimeError as err:
+        if not _peer_lost(err):
+            raise
+        _fail(_peer_lost_line(err))
     except KeyboardInterrupt:
         log.error(
             f"interrupted (SIGINT): stopped without a checkpoint (exit status {SIGINT_STATUS}); continue from "
             "the last one with --resume (SIGTERM or SIGUSR1 save one before stopping)"
         )
         return SIGINT_STATUS
+
+
+# What gloo / NCCL say when another rank's process died in the middle of a collective.
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "communicator was aborted",
+)
+
+
+def _peer_lost(err: RuntimeError) -> bool:
+    return any(m in str(err) for m in PEER_LOST) or type(err).__name__ == "DistBackendError"
+
+
+def _peer_lost_line(err: RuntimeError) -> str:
+    """One line for a rank whose peer died: which rank this is, what the backend said, what to do."""
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    said = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return (
+        f"rank {rank} of {world}: another rank's process ended during a collective ({said}); the rank that "
+        "failed first printed why (torchrun names it); continue with --resume auto"
+    )
 
 
 def _main(argv: list[str] | None) -> int:
@@ -194,8 +249,9 @@ def _main(argv: list[str] | None) -> int:
             return _dry_run(cfg, args.world_size, args.nproc_per_node)
         preflight.check_device(cfg)
         preflight.check_trackers(cfg)
-        if args.export:
-            return _export(cfg, Path(args.export), find_checkpoint(cfg.log.run_dir), args)
+        _stop_before_writing()
+        if args.export is not None:  # '' too: refused by name, never a training run
+            return _export(cfg, args.export, find_checkpoint(cfg.log.run_dir), args)
         _check_sizes(cfg)
     except ConfigError as err:
         _fail(str(err))
@@ -295,6 +351,7 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     from jagg.config import validate_world_size
     from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
     from jagg.loop.components import build_components  # the registries: world, diffusers
+    from jagg.loop.rewards import check_run_rewards
     from jagg.loop.trainer import Trainer, TrainingAborted
     from jagg.ops.signals import StopRequested, stop_requests
 
@@ -303,8 +360,10 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     try:
         validate_world_size(cfg, info.world_size)
         comp = build_components(cfg)
+        check_run_rewards(cfg)  # the trainer builds them: a missing artefact is one line before any write
     except (ConfigError, ArtefactError, WeightsUnavailableError) as err:
         _fail(str(err))
+    _stop_before_writing(info)
     try:
         if info.is_main:
             _prepare_run_dir(run_dir, start)
@@ -324,9 +383,12 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
                         "(recorded in run.json's resumes)"
                     )
         display = _progress(cfg.train.iterations, trainer.iteration) if info.is_main else None
-        with stop_requests() as flag:  # SIGTERM / SIGUSR1: finish the iteration, save, exit 143 / 138
+        with stop_requests() as flag:  # SIGTERM / SIGUSR1: finish the phase, save, exit 143 / 138
             try:
-                trainer.fit(progress=_after_iteration(trainer, display, flag, info, cfg.train.iterations))
+                trainer.fit(
+                    progress=_after_iteration(trainer, display),
+                    before_iteration=_stop_check(flag, info),
+                )
             except StopRequested as stop:
                 stopped = stop
                 _save_and_stop(trainer)
@@ -348,22 +410,45 @@ def _run(cfg, start, argv_used: list[str], info) -> int:
     return 0 if stopped is None else stopped.status
 
 
-def _after_iteration(trainer, display, flag, info, total: int):
+def _after_iteration(trainer, display):
     """``Trainer.fit``'s progress callback: the display (rank 0); an asynchronous save whose write is done on
-    every rank becomes the checkpoint (``CheckpointWriter.poll``: a preemption from here on resumes from it);
-    then ``StopRequested`` when a stop signal arrived on any rank (``jagg.ops.signals``) and iterations are
-    left."""
-    from jagg.ops.signals import StopRequested
+    every rank becomes the checkpoint (``CheckpointWriter.poll``: a preemption from here on resumes from it)."""
 
     def after_iteration(row: dict) -> None:
         if display is not None:
             display(row)
         trainer.checkpoints.poll()
-        signum = flag.agreed(info)
-        if signum is not None and row["iteration"] < total:
-            raise StopRequested(signum, row["iteration"])
 
     return after_iteration
+
+
+def _stop_check(flag, info):
+    """``Trainer.fit``'s ``before_iteration`` hook: ``StopRequested`` when a stop signal arrived on any rank
+    (``jagg.ops.signals``; one all-reduce), so the run stops at the end of the phase the signal arrived in
+    (an iteration, its evaluation or its save), not after another iteration."""
+    from jagg.ops.signals import StopRequested
+
+    def before_iteration(iteration: int) -> None:
+        signum = flag.agreed(info)
+        if signum is not None:
+            raise StopRequested(signum, iteration)
+
+    return before_iteration
+
+
+def _stop_before_writing(info=None) -> None:
+    """A stop signal that arrived during start-up, before anything is written: one line and its exit status
+    (every rank agrees when ``info`` is given)."""
+    from jagg.ops.signals import EXIT_STATUS, active_flag, stop_message
+
+    flag = active_flag()
+    if flag is None:
+        return
+    signum = flag.agreed(info) if info is not None else flag.signum
+    if signum is not None:
+        msg = stop_message(signum, "during start-up, before anything was written; start again when ready")
+        code = EXIT_STATUS.get(signum, 128 + signum)
+        _fail_once(info, msg, code) if info is not None else _fail(msg, code)
 
 
 def _save_and_stop(trainer) -> None:
@@ -388,17 +473,25 @@ def _prepare_run_dir(run_dir: Path, start) -> None:
         rundir.write_marker(run_dir)
 
 
-def _write_error(err: OSError, run_dir: Path) -> str:
-    """One line for a failed write, with the free space when the disk is full."""
+def _disk_full(err: OSError) -> bool:
     import errno
 
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _write_error(err: OSError, run_dir: Path | None = None) -> str:
+    """One line for a failed write, with the free space when the disk is full (on ``run_dir``, else on the
+    nearest existing folder of the file named)."""
+    from jagg.errors import os_error_line
     from jagg.ops.checkpoint import format_bytes
 
     where = err.filename or run_dir
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = format_bytes(shutil.disk_usage(run_dir).free) if run_dir.exists() else "?"
-        return f"disk full while writing {where}: {free} free on {run_dir}; free some space and resume with --resume"
-    return f"cannot write {where}: {err.strerror or err}"
+    if not _disk_full(err):
+        return os_error_line(err)
+    disk = Path(run_dir or where or ".")
+    disk = next((p for p in (disk, *disk.parents) if p.exists()), None)
+    free = format_bytes(shutil.disk_usage(disk).free) if disk is not None else "?"
+    return f"disk full while writing {where}: {free} free on {disk}; free some space and resume with --resume"
 
 
 def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size: int, nodes: int = 1) -> None:
@@ -409,6 +502,11 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
     path = run_dir / "run.json"
     if start.resume and path.is_file():
         meta = json.loads(path.read_text())
+        if not isinstance(
+            meta.get("resumes", []), list
+        ):  # edited by hand: kept, not dropped, as the first entry
+            log.warning(f"{path}: 'resumes' was not a list; kept as its first entry")
+            meta["resumes"] = [{"earlier_record": meta["resumes"]}]
         meta.setdefault("resumes", []).append(
             {
                 "argv": argv_used,
@@ -464,15 +562,16 @@ def _progress(total: int, start: int):
     return line
 
 
-def _export(cfg, out_dir: Path, ckpt: Path | None, args: argparse.Namespace) -> int:
+def _export(cfg, out_dir: str, ckpt: Path | None, args: argparse.Namespace) -> int:
     """``--export``: the checkpoint's weights to ``out_dir`` (``jagg.loop.export.export_run``), no training."""
     from jagg.common import set_threads
     from jagg.errors import ArtefactError, CheckpointError, ConfigError, WeightsUnavailableError
 
     if args.resume or args.overwrite:
         raise ConfigError("--export does not train: drop --resume / --overwrite (train first, then export)")
-    from jagg.ops.rundir import check_export_target
+    from jagg.ops.exportdir import check_export_target, export_path
 
+    out_dir = export_path(out_dir)  # '~' expanded, '' refused
     check_export_target(out_dir, cfg.log.run_dir)  # before anything is built; export_trained checks it again
     if ckpt is None:
         run_dir = Path(cfg.log.run_dir)

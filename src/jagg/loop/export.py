@@ -17,11 +17,13 @@ weights), else the master dtype; adapters as trained (fp32). Under FSDP2 the wei
 at a time (every rank joins each all-gather) and only rank 0 keeps a CPU copy, so rank 0's host peak is the
 exported weights once (FLUX.1-dev in bf16: ~22 GiB) and the other ranks hold nothing extra.
 
-Where: ``OUT`` must be absent, empty or an earlier export (``jagg.ops.rundir.check_export_target``: never ``.``,
-``..``, a symbolic link, the run directory, the working directory, a git root or the home directory), checked
-before anything is gathered and again before the rename. The export is written into a temporary directory beside
-``OUT``, marked (``.jagg_export`` lists its files) and renamed into place, so ``OUT`` is complete or absent and
-nothing the export did not write is ever deleted.
+Where: ``OUT`` must be absent, empty or an earlier export (``jagg.ops.exportdir.check_export_target``: never
+empty, ``.``, ``..``, a symbolic link, inside or above the run directory, the working directory, a git root or
+the home directory; ``~`` expanded), checked before anything is gathered and again before the rename. The
+export is written into a temporary directory beside ``OUT``, marked (``.jagg_export`` records each file's size
+and SHA-256) and renamed into place; an earlier export is moved aside, checked byte for byte and only then
+deleted (``jagg.ops.exportdir.place_export``), so ``OUT`` is complete or absent and nothing the export did not
+write is ever deleted.
 
 ``export_run``: the same from the checkpoint in ``log.run_dir``, without training
 (``python -m jagg.train --config ... --export OUT``): builds the components, places the backbone like the
@@ -30,6 +32,7 @@ trainer (``jagg.scale.placement``; any world size, DCP reshards), loads only the
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,7 +43,7 @@ from jagg.distributed import DistInfo, full_tensor
 from jagg.errors import ConfigError
 from jagg.models import BACKBONES, Backbone
 from jagg.ops.checkpoint import find_checkpoint, load_weights, trainable_names
-from jagg.ops.rundir import check_export_target, export_tmp, place_export
+from jagg.ops.exportdir import check_export_target, export_path, export_tmp, place_export
 from jagg.scale.lora import export_lora
 from jagg.scale.placement import DTYPES, place_backbone, weights_dtype
 
@@ -69,11 +72,30 @@ def export_trained(
     """Write ``backbone``'s weights (``ema``, laid out like its trainable parameters, replaces them) to
     ``out_dir`` in the format of the module docstring. A collective under FSDP2; rank 0 writes. ``ConfigError``
     on every rank when ``out_dir`` may not be written (``check_export_target``), before and after the gather."""
-    out = Path(out_dir)
+    out = export_path(out_dir)
     check_export_target(out, cfg.log.run_dir)  # every rank: the same answer, before any collective
     tmp = export_tmp(out) if dist.is_main else out
+    try:
+        _write_networks(cfg, backbone, tmp, dist, ema)
+    except BaseException:
+        if dist.is_main:  # a failed write leaves nothing (a killed one: the next export removes it)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    refused = None
+    if dist.is_main:
+        try:
+            place_export(tmp, out, cfg.log.run_dir)  # checks ``out`` again: it may have changed meanwhile
+        except (ConfigError, OSError) as err:  # every rank stops, rank 0 with its error
+            refused = err
+    if dist.reduce_scalars({"refused": float(refused is not None)}, op="max")["refused"] > 0:
+        raise refused or ConfigError(f"--export refuses OUT={out} (rank 0 says why)")
+    return out
+
+
+def _write_networks(cfg: Config, backbone: Backbone, tmp: Path, dist: DistInfo, ema) -> None:
+    """Each network's weights into ``tmp`` (rank 0 writes; every rank joins the gathers): the transformer in
+    ``tmp``, Wan2.2-A14B's low-noise expert in ``tmp/transformer_2``."""
     trained = dict(zip(trainable_names(backbone), ema, strict=True)) if ema is not None else {}
-    # one export per network: the transformer in ``out``, Wan2.2-A14B's low-noise expert in out/transformer_2
     for name, network in _named_networks(backbone):
         where, prefix = (tmp if name == "transformer" else tmp / name), f"{name}."
         if cfg.model.lora_rank > 0:
@@ -87,15 +109,6 @@ def export_trained(
             full = _gather(sd, dist, DTYPES[cfg.train.precision])
             if dist.is_main:
                 _save_transformer(cfg.model.backbone, network.config, full, where)
-    refused = None
-    if dist.is_main:
-        try:
-            place_export(tmp, out, cfg.log.run_dir)  # checks ``out`` again: it may have changed meanwhile
-        except ConfigError as err:
-            refused = err
-    if dist.reduce_scalars({"refused": float(refused is not None)}, op="max")["refused"] > 0:
-        raise refused or ConfigError(f"--export refuses OUT={out} (rank 0 says why)")
-    return out
 
 
 def _named_networks(backbone: Backbone) -> list[tuple[str, nn.Module]]:

@@ -69,6 +69,21 @@ def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:
     return build_reward(name, **{"device": device, **kwargs})
 
 
+def check_run_rewards(cfg: Config) -> None:
+    """``ArtefactError`` (one line: what to run) when a world reward of the run (training or eval) lacks its
+    cached artefact or the artefact is stale (``jagg.world.rewards.REWARD_ARTEFACTS``): the error
+    ``build_run_rewards`` would raise inside the trainer, here before the CLI writes anything."""
+    from pathlib import Path
+
+    from jagg.world.pretrained import check_artefact
+    from jagg.world.rewards import REWARD_ARTEFACTS
+
+    for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):
+        cache = cfg.reward.kwargs.get(name, {}).get("cache_dir")
+        for artefact in REWARD_ARTEFACTS.get(name, ()):
+            check_artefact(artefact, Path(cache) if cache else None)
+
+
 def build_run_rewards(cfg: Config, device: torch.device) -> tuple[WeightedRewards, dict[str, Reward]]:
     """The run's training reward (``reward.weights``, a weighted sum) and its eval rewards (``reward.eval``; one
     that is also trained on is the same object), each built once with ``reward.kwargs`` on ``device``."""

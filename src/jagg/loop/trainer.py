@@ -335,8 +335,14 @@ class Trainer:
             group.update(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps)
 
     # ------------------------------------------------------------------ main loop
-    def fit(self, progress: Callable[[dict], None] | None = None) -> list[dict]:
-        """Train from ``self.iteration`` to ``train.iterations``; evaluates, logs and checkpoints on the way."""
+    def fit(
+        self,
+        progress: Callable[[dict], None] | None = None,
+        before_iteration: Callable[[int], None] | None = None,
+    ) -> list[dict]:
+        """Train from ``self.iteration`` to ``train.iterations``; evaluates, logs and checkpoints on the way.
+        ``before_iteration(it)`` runs before each iteration, after the previous one's evaluation and save (the
+        CLI stops there on a scheduler's signal: at the end of the phase the signal arrived in)."""
         train = self.cfg.train
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -345,6 +351,8 @@ class Trainer:
             if self.iteration == 0 and self._evaluates_after(0):
                 self._evaluate_and_log(0, {"iteration": 0})
             while self.iteration < train.iterations:
+                if before_iteration:
+                    before_iteration(self.iteration)
                 self._next_iteration(progress)
             if self.checkpointed_at != self.iteration:  # not again when checkpoint_every just wrote it
                 self.save_checkpoint()

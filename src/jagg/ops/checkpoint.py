@@ -186,8 +186,8 @@ def _digest_share(path: Path, names: list[str], dist: DistInfo) -> dict:
 
 def _advice(path: Path) -> str:
     return (
-        f"delete {path} to resume from an earlier checkpoint, if the run kept one (log.keep_checkpoints=2), "
-        "or start again with --overwrite"
+        f"delete {path} to resume from an earlier checkpoint, if the run kept one (log.keep_checkpoints=2; the "
+        "iterations since it are lost), or start again with --overwrite (every iteration is lost)"
     )
 
 

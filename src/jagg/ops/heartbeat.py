@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from jagg.common import open_for_writing
+
 log = logging.getLogger("jagg.heartbeat")
 TICK_S = 5.0  # how often the thread looks (shorter when the configured periods are shorter)
 
@@ -93,7 +95,7 @@ class PhaseWatch:
         )
         try:
             self.dump_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.dump_path, "a") as f:
+            with open_for_writing(self.dump_path, append=True) as f:
                 # the host: on several nodes the file (global rank, shared run directory) says which machine
                 f.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {socket.gethostname()} {where}\n")
                 f.flush()

@@ -20,6 +20,7 @@ Every failure is a ``ConfigError`` naming the key (the CLI prints it as one line
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import os
 from collections.abc import Iterable
@@ -366,7 +367,12 @@ def _run_json_config(path: Path, what: str) -> tuple[dict | None, set[str]]:
         return None, set()
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except OSError as err:  # unreadable is not corrupt: no advice to delete a file that may be intact
+        raise ConfigError(
+            f"{what}: cannot read {path}: {err.strerror} [{errno.errorcode.get(err.errno, err.errno)}]; it is "
+            "not known to be corrupt: make it readable (permissions, the disk) and start again"
+        ) from None
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"{what}: {path} is corrupt ({first}); {_RUN_JSON_ADVICE}") from None
     config = meta.get("config") if isinstance(meta, dict) else None
@@ -396,7 +402,10 @@ def _set_key(config: dict, key: str, value) -> bool:
 
 
 # a resume without run.json compares the checkpoint's own config and writes run.json anew
-_RUN_JSON_ADVICE = "delete it to resume against the checkpoint's own config (a new run.json is written)"
+_RUN_JSON_ADVICE = (
+    "delete it to resume against the checkpoint's own config (a new run.json is written; the old one's record of "
+    "the first start, resumes and restarts is lost)"
+)
 
 
 def _checkpoint_config(checkpoint: Path) -> dict | None:

@@ -12,9 +12,7 @@ delete, and the temporaries a killed run leaves behind.
   pid, host and command, which name it in the second writer's error, and are the fallback check (pid alive
   on this host) on a filesystem without ``flock``. ``hold`` gives every rank rank 0's outcome, and refuses a
   node that does not see rank 0's lock (``log.run_dir`` not shared).
-* ``EXPORT_MARKER`` (``.jagg_export``) lists what an export (``--export OUT``) wrote. ``check_export_target``
-  accepts an ``OUT`` that is absent, empty, or an earlier export holding nothing its marker does not list;
-  ``place_export`` renames a finished export (written into a sibling temporary directory) into place.
+* Where ``--export OUT`` may write is ``jagg.ops.exportdir``'s (it shares ``protected``).
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from jagg.errors import ConfigError
 
 MARKER = ".jagg_run"
 LOCK = ".lock"
-EXPORT_MARKER = ".jagg_export"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # Everything a run writes at the top of its directory (fnmatch patterns), and the code that writes it: the one
 # list ``--overwrite`` deletes from (anything else there is not the project's, so it refuses), kept in step with
@@ -88,7 +85,7 @@ def foreign_entries(run_dir: Path) -> list[Path]:
     return [p for p in entries(run_dir) if not written_by_run(p)]
 
 
-def _protected(path: Path) -> str | None:
+def protected(path: Path) -> str | None:
     """Why ``path`` (resolved) may never be deleted, or None."""
     cwd, home = Path.cwd().resolve(), Path.home().resolve()
     if path == cwd or path in cwd.parents:
@@ -102,7 +99,7 @@ def _protected(path: Path) -> str | None:
 
 def check_overwrite(run_dir: Path) -> None:
     """``ConfigError`` (one line, saying why) unless ``--overwrite`` may delete what ``run_dir`` holds."""
-    why = _protected(run_dir.resolve())
+    why = protected(run_dir.resolve())
     if why is None and entries(run_dir) and not is_run_dir(run_dir):
         why = f"it is not a run directory of this project (no {MARKER} marker, no run.json of this CLI)"
     foreign = foreign_entries(run_dir) if why is None else []
@@ -128,7 +125,10 @@ def wipe(run_dir: Path) -> None:
 
 
 def write_marker(run_dir: Path) -> None:
-    (run_dir / MARKER).write_text("a run directory of python -m jagg.train (--overwrite may delete it)\n")
+    from jagg.common import open_for_writing
+
+    with open_for_writing(run_dir / MARKER) as f:
+        f.write("a run directory of python -m jagg.train (--overwrite may delete it)\n")
 
 
 def clean_stale(run_dir: Path) -> list[Path]:
@@ -139,89 +139,6 @@ def clean_stale(run_dir: Path) -> list[Path]:
     for p in stale:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     return stale
-
-
-# --------------------------------------------------------------------------- exports
-def _export_refusal(out: Path, run_dir: Path) -> str | None:
-    """Why ``--export`` may not write to ``out`` (it would replace what it did not write), or None."""
-    if out.name in ("", ".", ".."):
-        return "it is '.', '..' or '/'"
-    if out.is_symlink():
-        return "it is a symbolic link"
-    path, run = out.resolve(), run_dir.resolve()
-    if path == run or path in run.parents:
-        return "it is the run directory (log.run_dir) or holds it"
-    why = _protected(path)
-    if why is not None:
-        return why
-    if not out.exists():
-        return None
-    if not out.is_dir():
-        return "it is a file, not a directory"
-    names = {p.name for p in out.iterdir()}
-    if not names:
-        return None
-    listed = _export_listing(out)
-    if listed is None:
-        return f"it is not empty and not an earlier export (no {EXPORT_MARKER} marker)"
-    foreign = sorted(names - listed - {EXPORT_MARKER})
-    if foreign:
-        return f"it holds {foreign[0]!r}, which the earlier export there did not write"
-    return None
-
-
-def _export_listing(out: Path) -> set[str] | None:
-    """The names an earlier export's marker lists, or None when ``out`` holds no readable marker."""
-    try:
-        files = json.loads((out / EXPORT_MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return {str(f) for f in files} if isinstance(files, list) else None
-
-
-def check_export_target(out: str | Path, run_dir: str | Path) -> None:
-    """``ConfigError`` (one line naming ``out`` and why) unless ``--export`` may write ``out``: absent, empty or
-    an earlier export (its marker lists everything it holds); never ``.``, ``..``, a symbolic link, the run
-    directory or a directory holding it, the working directory, a git repository's root or the home directory
-    (or an ancestor of one of those)."""
-    why = _export_refusal(Path(out), Path(run_dir))
-    if why:
-        raise ConfigError(
-            f"--export refuses OUT={out}: {why}; choose an OUT that is absent, empty or an earlier export"
-        )
-
-
-def export_tmp(out: str | Path) -> Path:
-    """A new, empty temporary directory beside ``out`` for an export to be written into."""
-    import tempfile
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export.tmp", dir=out.parent))
-
-
-def place_export(tmp: Path, out: str | Path, run_dir: str | Path) -> Path:
-    """Mark the finished export in ``tmp`` (``EXPORT_MARKER`` lists its files) and rename it to ``out``; an
-    earlier export there is moved aside and removed only after the rename (between the two renames ``out`` is
-    absent for an instant, never partial; an empty ``out`` is replaced by the one rename). ``out`` is checked again first (``ConfigError``; ``tmp`` removed)."""
-    out = Path(out)
-    try:
-        check_export_target(out, run_dir)
-    except ConfigError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    names = sorted(p.name for p in tmp.iterdir())
-    (tmp / EXPORT_MARKER).write_text(
-        json.dumps({"written_by": "python -m jagg.train --export", "files": names}, indent=1) + "\n"
-    )
-    old = None
-    if out.exists() and any(out.iterdir()):  # an earlier export (checked above)
-        old = out.with_name(tmp.name.replace(".export.tmp", ".export.old"))
-        out.rename(old)
-    tmp.rename(out)  # rename(2) replaces an empty directory in one step
-    if old is not None:
-        shutil.rmtree(old)
-    return out
 
 
 # --------------------------------------------------------------------------- one writer at a time
@@ -243,7 +160,7 @@ def _make_dirs(run_dir: Path) -> Path | None:
     return missing[-1] if missing else None
 
 
-def _process_start(pid: int) -> str | None:
+def process_start(pid: int) -> str | None:
     """The start time of process ``pid`` in clock ticks (``/proc/<pid>/stat`` field 22), None where unknown;
     with the pid it names one process, even after the pid is reused."""
     try:
@@ -253,7 +170,7 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _holder_alive(holder: dict) -> bool:
+def holder_alive(holder: dict) -> bool:
     """Whether the recorded holder may still run: always on another host (it cannot be checked from here)."""
     if holder.get("host") != socket.gethostname():
         return True
@@ -264,7 +181,7 @@ def _holder_alive(holder: dict) -> bool:
         return False
     except (PermissionError, OverflowError, ValueError):
         return pid > 0
-    return holder.get("start") in (None, _process_start(pid))
+    return holder.get("start") in (None, process_start(pid))
 
 
 def describe(holder: dict) -> str:
@@ -307,9 +224,14 @@ class RunDirLock:
 
     def _open_locked(self) -> int:
         for _ in range(5):  # retried only when the file was replaced between this process's open and lock
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a symbolic link planted at .lock (it would overwrite the link's target)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             except OSError as err:
+                if err.errno == errno.ELOOP:
+                    raise ConfigError(
+                        f"log.run_dir={self.run_dir}: its lock file {self.path} is a symbolic link, never written "
+                        "through; remove the link (it is not this project's) and start again"
+                    ) from None
                 raise ConfigError(f"log.run_dir={self.run_dir} is not writable ({err.strerror})") from None
             if self._lock(fd) and self._same_file(fd):
                 return fd
@@ -334,7 +256,7 @@ class RunDirLock:
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         holder = self._read_holder()
-        if holder and _holder_alive(holder) and holder.get("pid") != os.getpid():
+        if holder and holder_alive(holder) and holder.get("pid") != os.getpid():
             os.close(fd)
             raise self._busy()
         return True
@@ -342,7 +264,7 @@ class RunDirLock:
     def _write_holder(self) -> None:
         holder = {
             "pid": os.getpid(),
-            "start": _process_start(os.getpid()),
+            "start": process_start(os.getpid()),
             "host": socket.gethostname(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "argv": sys.argv,

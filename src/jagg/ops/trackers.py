@@ -44,7 +44,7 @@ from urllib.parse import urlparse
 import numpy as np
 from torch import Tensor
 
-from jagg.common import atomic_write_text
+from jagg.common import atomic_write_text, open_for_writing
 from jagg.ops.grids import grid_array, save_grid
 
 
@@ -115,7 +115,8 @@ class WandbTracker:
         id_file = run_dir / "wandb_run_id"  # the newest attempt's run
         self.previous = id_file.read_text().strip() if id_file.is_file() else None
         run_id = secrets.token_hex(6)
-        id_file.write_text(run_id + "\n")
+        with open_for_writing(id_file) as f:
+            f.write(run_id + "\n")
         meta = run_metadata()
         linked = {"resumed_from": {"wandb_run": self.previous, "iteration": 0}} if self.previous else {}
         self.run = wandb.init(
@@ -223,7 +224,7 @@ class RunLog:
     def append(self, row: dict) -> None:
         self.rows.append(row)
         if self.is_main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
+            with open_for_writing(self.run_dir / "metrics.jsonl", append=True) as f:
                 f.write(json.dumps(row) + "\n")
             self.trackers.log_row(row)
 

@@ -103,6 +103,17 @@ def _load(name: str, cache_dir: str | Path | None):
 Device = torch.device | str | None
 
 
+# The cached artefacts (``make pretrain``) each world reward loads: ``jagg.loop.rewards.check_run_rewards`` checks
+# them before a run writes anything; a test builds every world reward against an empty cache and compares.
+REWARD_ARTEFACTS: dict[str, tuple[str, ...]] = {
+    "clip": ("clip",),
+    "pref": ("pref",),
+    "attr": ("attr",),
+    "attr_soft": ("attr",),
+    "attr_judge": ("attr_judge",),
+}
+
+
 @register_reward("clip")
 def clip_reward(cache_dir: str | Path | None = None, device: Device = None) -> ClipReward:
     """Embedded-world CLIPScore analogue (needs ``make pretrain``); on the CPU (see ``Device``)."""

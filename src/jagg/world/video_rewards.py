@@ -31,7 +31,7 @@ from jagg.rewards.video import PerFrameReward, check_video
 from jagg.world.models import PreferenceModel
 from jagg.world.motion import clip_match, motion_match
 from jagg.world.pretrained import load_module
-from jagg.world.rewards import attr_reward, clip_reward, pref_reward
+from jagg.world.rewards import REWARD_ARTEFACTS, attr_reward, clip_reward, pref_reward
 from jagg.world.text import WordTokenizer
 from jagg.world.video import VideoWorld
 
@@ -54,6 +54,17 @@ class VideoPrefReward:
                 f"video_pref expects {w.frames} frames of {w.size}x{w.size}, got {tuple(clips.shape)}"
             )
         return self.model(clips.detach().float().cpu().clamp(0, 1), *self.tokenizer(prompts)).float()
+
+
+REWARD_ARTEFACTS.update(  # jagg.world.rewards.REWARD_ARTEFACTS: what each video world reward loads
+    {
+        "video_pref": ("video_pref",),
+        "frames_pref": ("pref",),
+        "frames_clip": ("clip",),
+        "frames_attr": ("attr",),
+        "frames_attr_soft": ("attr",),
+    }
+)
 
 
 @register_reward("video_pref")
