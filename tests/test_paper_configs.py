@@ -117,3 +117,30 @@ def test_paper_config_builds_and_scores_every_reward(stand_ins, config):
     assert total.shape == (2,) and bool(torch.isfinite(total).all())
     assert set(scores) == {*cfg.reward.weights, *cfg.reward.eval}
     assert all(s.shape == (2,) and bool(torch.isfinite(s).all()) for s in scores.values())
+
+
+def test_mixgrpo_as_launched_is_the_advantage_scale_three_quarters():
+    """MixGRPO's launch script passes ``--unified_reward_url None`` (a string), so a fourth reward, UnifiedReward,
+    joins at weight 1 (train_grpo_flux.py:728); its calls fail, its rewards are constant and its advantage 0, and
+    the weights are normalised over four (:746-770). Their merged advantage, computed here as their loop does
+    (:429-456, per group of num_generations: (r - mean) / (std + 1e-8), unbiased), equals ours over the three
+    real rewards with ``algorithm.adv_scale=0.75``, and differs from ours without it."""
+    from jagg.loop.rewards import rollout_advantages
+
+    g = torch.Generator().manual_seed(0)
+    n, groups = 4, 3
+    scores = {k: torch.rand(n * groups, generator=g, dtype=torch.float64) for k in ("hpsv2", "imagereward", "pickscore")}
+    theirs = torch.zeros(n * groups, dtype=torch.float64)
+    for r in [*scores.values(), torch.full((n * groups,), 0.5, dtype=torch.float64)]:  # + the failed UnifiedReward
+        for i in range(groups):
+            grp = r[i * n : (i + 1) * n]
+            theirs[i * n : (i + 1) * n] += (grp - grp.mean()) / (grp.std() + 1e-8) / 4
+    theirs = theirs.clamp(-5, 5)
+    ids = torch.arange(groups).repeat_interleave(n)
+    cfg = load_config("configs/paper/flux_mixgrpo.yaml", ["algorithm.adv_scale=0.75"])
+    assert cfg.algorithm.adv_aggregation == "per_reward" and cfg.algorithm.adv_eps == 1e-8
+    ours = rollout_advantages(cfg, torch.zeros(n * groups), scores, ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    plain = rollout_advantages(load_config("configs/paper/flux_mixgrpo.yaml"), torch.zeros(n * groups), scores, ids)
+    torch.testing.assert_close(plain * 0.75, theirs, rtol=1e-12, atol=1e-12)
+    assert (plain - theirs).abs().max() > 0.1

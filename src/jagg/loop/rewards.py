@@ -115,9 +115,14 @@ def score_samples(
 
 def rollout_advantages(cfg: Config, rewards: Tensor, scores: dict[str, Tensor], group_ids: Tensor) -> Tensor:
     """The advantages of a global batch: the training reward normalised in its prompt group (``algorithm.adv_*``),
-    or under ``algorithm.adv_aggregation: per_reward`` each reward normalised, then weighted (MixGRPO)."""
+    or under ``algorithm.adv_aggregation: per_reward`` each reward normalised, then weighted (MixGRPO); times
+    ``algorithm.adv_scale`` (1: unchanged), then clamped to ``adv_clip``."""
     algorithm = cfg.algorithm
     norm = dict(std_mode=algorithm.adv_std, unbiased=algorithm.adv_unbiased, eps=algorithm.adv_eps)
+    scale = algorithm.adv_scale
+    clip = algorithm.adv_clip if scale == 1 else float("inf")  # scaled first, then clamped (MixGRPO's order)
     if algorithm.adv_aggregation == "per_reward":
-        return per_reward_advantages(scores, cfg.reward.weights, group_ids, **norm, clip=algorithm.adv_clip)
-    return group_advantages(rewards, group_ids, **norm, clip=algorithm.adv_clip)
+        adv = per_reward_advantages(scores, cfg.reward.weights, group_ids, **norm, clip=clip)
+    else:
+        adv = group_advantages(rewards, group_ids, **norm, clip=clip)
+    return adv if scale == 1 else (scale * adv).clamp(-algorithm.adv_clip, algorithm.adv_clip)
