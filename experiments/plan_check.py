@@ -273,7 +273,9 @@ def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
       runs several root forwards (one per endpoint, two per velocity with Qwen-Image's true CFG), which the
       tracker otherwise refuses as "multiple iterative calls". The global peak snapshot read here is kept;
     * the replicated frozen base (``model.shard_frozen_base: false``: parameters FSDP2 ignores, plain tensors)
-      is counted from the start, as ACT (``replicated_parameters``). The tracker registers only FSDP2's
+      is counted from the start as weights (SHARDED_PARAM, the plan's "weights" group, which holds
+      ``frozen base (replicated)``; before issue 55 it was booked as ACT) (``replicated_parameters``). The
+      tracker registers only FSDP2's
       parameters and buffers; any other tensor it sees only as an op's output. A bf16 weight was seen that way
       by chance (the ``aten.t`` view inside each linear shares its storage), an fp32 one never: autocast
       casts it to a new bf16 tensor first, and the fp32 storage is no op's output.
@@ -286,7 +288,7 @@ def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
         def _register_module_and_optimizer_hooks(self) -> None:
             super()._register_module_and_optimizer_hooks()
             for p in replicated_parameters(self._root_mod):
-                self._update_and_maybe_create_winfos(p, _FSDPRefType.ACT)
+                self._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
@@ -853,8 +855,9 @@ EXPLANATION = [
     "  unconditional half detached), so no block gradient waits for a second call's backward and each step",
     "  all-gathers once: the plan's held true-CFG gradients and doubled all-gathers are now Qwen-Image's only",
     "  (`CFG_TWO_CALLS`); the simulated unsharded block gradients (0.003 GiB, LoRA) agree.",
-    "- **Still different, not tuned away.** The replicated frozen base is ACT to the tracker (as in",
-    "  flux_flowgrpo_fast): weights 0.85 vs 5.03 GiB, activations 10.08 vs 5.19; together 10.93 vs 10.22",
+    "- **Still different, not tuned away.** The replicated frozen base was ACT to the tracker until issue 55",
+    "  (now booked as weights; numbers below from the run before): weights 0.85 vs 5.03 GiB, activations",
+    "  10.08 vs 5.19; together 10.93 vs 10.22",
     "  (plan 6.5% low). Inside the activations two errors of the plan partly cancel: the simulated peak is in",
     "  the backward of the last dual block, with 13 checkpointed block inputs alive (36 rows = 9 samples x 2",
     "  CFG x 2 batched endpoints, x 1229 tokens x 1536 x 2 bytes = 0.127 GiB each) and the plain blocks'",
