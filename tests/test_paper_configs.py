@@ -144,3 +144,56 @@ def test_mixgrpo_as_launched_is_the_advantage_scale_three_quarters():
     plain = rollout_advantages(load_config("configs/paper/flux_mixgrpo.yaml"), torch.zeros(n * groups), scores, ids)
     torch.testing.assert_close(plain * 0.75, theirs, rtol=1e-12, atol=1e-12)
     assert (plain - theirs).abs().max() > 0.1
+
+
+# --------------------------------------------------------------------------- one iteration (slow)
+def _pipeline(root: Path, cfg) -> Path:
+    """A tiny pipeline folder of ``cfg``'s backbone in its published layout (Wan: two experts for A14B, expanded
+    timesteps for TI2V-5B), written once per layout under ``root``."""
+    from jagg.scale.tiny_pipeline import save_tiny_sd3_pipeline, save_tiny_wan_pipeline
+    from test_pretrained_pipeline import PROMPTS, save_flux_pipeline, save_qwenimage_pipeline
+
+    b, path = cfg.model.backbone, str(cfg.model.path)
+    name = b if b != "wan" else "wan_a14b" if "A14B" in path else "wan_ti2v" if "TI2V" in path else "wan"
+    folder = root / name
+    if not folder.exists():
+        if b == "flux":
+            save_flux_pipeline(folder)
+        elif b == "qwenimage":
+            save_qwenimage_pipeline(folder)
+        elif b == "sd3":
+            save_tiny_sd3_pipeline(folder, PROMPTS)
+        else:
+            boundary = 0.875 if name == "wan_a14b" else None
+            save_tiny_wan_pipeline(folder, PROMPTS, boundary_ratio=boundary, expand_timesteps=name == "wan_ti2v")
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS)
+def test_paper_config_trains_one_iteration_with_its_own_rewards(stand_ins, tmp_path_factory, config):
+    """The CLI on one process: the config's precision, checkpointing, LoRA, CFG, SDE and KL kept (sizes shrunk,
+    ``helpers.PAPER_TINY_RUN``), its own training and evaluation rewards on the stand-ins."""
+    import jagg.train
+    from helpers import paper_tiny_argv
+    from test_pretrained_pipeline import PROMPTS
+
+    root = tmp_path_factory.getbasetemp() / "paper_pipelines"
+    root.mkdir(exist_ok=True)
+    (root / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
+    cfg = load_config(config)
+    name = Path(config).stem
+    extra = ["sampling.num_steps=9"] if name.endswith("_authors") else []
+    extra += ["backward.knots=2"] if name.endswith("_knots") else []
+    if cfg.model.backbone == "wan":
+        extra += ["sampling.latent_width=null", "sampling.latent_frames=2"]
+    if cfg.model.backbone in ("wan", "sd3"):
+        extra += ["train.precision=fp32"]  # bf16 autocast on the CPU: the tiny VAE's 3-D convolutions
+    run = tmp_path_factory.mktemp(name)
+    argv = paper_tiny_argv(config, _pipeline(root, cfg), root / "prompts.txt", run / "run", *extra)
+    assert jagg.train.main([*argv, *reward_overrides(cfg, stand_ins)]) == 0
+    rows = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["iteration"] == 1 and last["optimizer_steps"] >= 1
+    assert all(f"eval_{n}_mean" in last for n in cfg.reward.eval)
+    assert torch.isfinite(torch.tensor([last["loss"], *(last[f"eval_{n}_mean"] for n in cfg.reward.eval)])).all()
