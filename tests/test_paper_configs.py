@@ -129,9 +129,15 @@ def test_mixgrpo_as_launched_is_the_advantage_scale_three_quarters():
 
     g = torch.Generator().manual_seed(0)
     n, groups = 4, 3
-    scores = {k: torch.rand(n * groups, generator=g, dtype=torch.float64) for k in ("hpsv2", "imagereward", "pickscore")}
+    scores = {
+        k: torch.rand(n * groups, generator=g, dtype=torch.float64)
+        for k in ("hpsv2", "imagereward", "pickscore")
+    }
     theirs = torch.zeros(n * groups, dtype=torch.float64)
-    for r in [*scores.values(), torch.full((n * groups,), 0.5, dtype=torch.float64)]:  # + the failed UnifiedReward
+    for r in [
+        *scores.values(),
+        torch.full((n * groups,), 0.5, dtype=torch.float64),
+    ]:  # + the failed UnifiedReward
         for i in range(groups):
             grp = r[i * n : (i + 1) * n]
             theirs[i * n : (i + 1) * n] += (grp - grp.mean()) / (grp.std() + 1e-8) / 4
@@ -141,7 +147,9 @@ def test_mixgrpo_as_launched_is_the_advantage_scale_three_quarters():
     assert cfg.algorithm.adv_aggregation == "per_reward" and cfg.algorithm.adv_eps == 1e-8
     ours = rollout_advantages(cfg, torch.zeros(n * groups), scores, ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
-    plain = rollout_advantages(load_config("configs/paper/flux_mixgrpo.yaml"), torch.zeros(n * groups), scores, ids)
+    plain = rollout_advantages(
+        load_config("configs/paper/flux_mixgrpo.yaml"), torch.zeros(n * groups), scores, ids
+    )
     torch.testing.assert_close(plain * 0.75, theirs, rtol=1e-12, atol=1e-12)
     assert (plain - theirs).abs().max() > 0.1
 
@@ -165,7 +173,9 @@ def _pipeline(root: Path, cfg) -> Path:
             save_tiny_sd3_pipeline(folder, PROMPTS)
         else:
             boundary = 0.875 if name == "wan_a14b" else None
-            save_tiny_wan_pipeline(folder, PROMPTS, boundary_ratio=boundary, expand_timesteps=name == "wan_ti2v")
+            save_tiny_wan_pipeline(
+                folder, PROMPTS, boundary_ratio=boundary, expand_timesteps=name == "wan_ti2v"
+            )
     return folder
 
 
@@ -196,4 +206,6 @@ def test_paper_config_trains_one_iteration_with_its_own_rewards(stand_ins, tmp_p
     last = rows[-1]
     assert last["iteration"] == 1 and last["optimizer_steps"] >= 1
     assert all(f"eval_{n}_mean" in last for n in cfg.reward.eval)
-    assert torch.isfinite(torch.tensor([last["loss"], *(last[f"eval_{n}_mean"] for n in cfg.reward.eval)])).all()
+    assert torch.isfinite(
+        torch.tensor([last["loss"], *(last[f"eval_{n}_mean"] for n in cfg.reward.eval)])
+    ).all()

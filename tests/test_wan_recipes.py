@@ -66,7 +66,12 @@ def test_per_frame_reducer_from_config_kwargs_and_bad_values():
 
     for kwargs, key in (
         ({"reducer": "median"}, "reward.kwargs.per_frame.reducer must be one of"),
-        ({"reducer": "top_fraction", "fraction": 1.5}, "reward.kwargs.per_frame.fraction must be in (0, 1]"),
+        (
+            {"reducer": "top_fraction", "fraction": 1.5},
+            "reward.kwargs.per_frame.fraction must be a number in",
+        ),
+        ({"fraction": "0.3"}, "reward.kwargs.per_frame.fraction must be a number in (0, 1], got '0.3'"),
+        ({"scale": -0.1}, "reward.kwargs.per_frame.scale must be a number > 0"),
         ({"reducer": "stride", "stride": 0}, "reward.kwargs.per_frame.stride must be an integer >= 1"),
         ({"stirde": 4}, "reward.kwargs.per_frame.stirde: unknown key"),
     ):

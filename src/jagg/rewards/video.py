@@ -64,8 +64,14 @@ class FrameReduction:
     def __post_init__(self) -> None:
         if self.reducer not in FRAME_REDUCERS:
             raise ValueError(f"reducer must be one of {list(FRAME_REDUCERS)}, got {self.reducer!r}")
-        if not 0 < self.fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if (
+            isinstance(self.fraction, bool)
+            or not isinstance(self.fraction, int | float)
+            or not 0 < self.fraction <= 1
+        ):
+            raise ValueError(f"fraction must be a number in (0, 1], got {self.fraction!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float) or not self.scale > 0:
+            raise ValueError(f"scale must be a number > 0, got {self.scale!r}")
         if isinstance(self.stride, bool) or not isinstance(self.stride, int) or self.stride < 1:
             raise ValueError(f"stride must be an integer >= 1, got {self.stride!r}")
 
@@ -101,13 +107,17 @@ class PerFrameReward:
         b, _, f, h, w = videos.shape
         keep = self.reduction.frames(f)
         n = len(keep)
-        frames = videos[:, :, keep].permute(0, 2, 1, 3, 4).reshape(b * n, 3, h, w)  # video-major: row b * n + i
+        frames = (
+            videos[:, :, keep].permute(0, 2, 1, 3, 4).reshape(b * n, 3, h, w)
+        )  # video-major: row b * n + i
         if self.frame_prompts is None:
             per_frame = [p for p in prompts for _ in range(n)]
         else:
             every = [self.frame_prompts(p) for p in prompts]
             if sum(len(q) for q in every) != b * f:
-                raise ValueError(f"frame_prompts gave {sum(map(len, every))} prompts for {b} videos of {f} frames")
+                raise ValueError(
+                    f"frame_prompts gave {sum(map(len, every))} prompts for {b} videos of {f} frames"
+                )
             per_frame = [q[i] for q in every for i in keep]
         return self.reduction(self.reward(frames, per_frame).cpu().view(b, n))  # the image reward's dtype
 
@@ -148,7 +158,9 @@ def per_frame_reward(
     video."""
     unknown = sorted(set(reduction) - set(FrameReduction.__dataclass_fields__))
     if unknown:
-        raise ValueError(f"unknown per_frame kwarg {unknown[0]!r}; known: reward, reward_kwargs, {FRAME_KWARGS}")
+        raise ValueError(
+            f"unknown per_frame kwarg {unknown[0]!r}; known: reward, reward_kwargs, {FRAME_KWARGS}"
+        )
     how = FrameReduction(**reduction)  # before the image reward's weights load
     return PerFrameReward(build_reward(reward, device=device, **(reward_kwargs or {})), reduction=how)
 
