@@ -27,6 +27,30 @@ VIDEO_FRAMES = 9  # frames of the stand-in videos (Flash-GRPO's top 30% of 9: th
 
 
 @pytest.fixture(scope="module")
+def built_once():
+    """Each registered reward built once per distinct kwargs across the configs (the same constructor call
+    gives the same model): the default run stays short. Only the default-run test uses it."""
+    import jagg.loop.rewards  # noqa: F401  (fills the registry)
+    from jagg.rewards import REWARDS
+
+    memo: dict[tuple[str, str], object] = {}
+
+    def cached(name, factory):
+        def build(**kwargs):
+            key = (name, repr(sorted(kwargs.items())))
+            if key not in memo:
+                memo[key] = factory(**kwargs)
+            return memo[key]
+
+        return build
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, factory in list(REWARDS.items()):
+            mp.setitem(REWARDS, name, cached(name, factory))
+        yield memo
+
+
+@pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory) -> Path:
     """Tiny saved checkpoints of every real reward class (the layouts tests/test_weights_check.py checks)."""
     import open_clip
@@ -103,7 +127,7 @@ def test_every_paper_config_is_found():
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_paper_config_builds_and_scores_every_reward(stand_ins, config):
+def test_paper_config_builds_and_scores_every_reward(stand_ins, built_once, config):
     from jagg.loop.components import check_config
     from jagg.loop.rewards import build_run_rewards, score_samples
 
