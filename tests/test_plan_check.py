@@ -134,3 +134,28 @@ def test_plan_within_15_percent_of_the_simulated_node(plan_check, path: str) -> 
     assert update == pytest.approx(sim["Total"], rel=TOLERANCE), "plan transformer + update activations"
     step = sum(plan[k] for k in plan_check.RESIDENT) + plan[plan_check.STEP_TERM]
     assert step == pytest.approx(phases["step"]["Total"], rel=TOLERANCE), "plan resident + step temporaries"
+
+
+def test_the_node_simulates_the_kl_reference_copy_and_its_forward(plan_check, fake_node):
+    """SD3.5-M's config has a KL term (kl_beta 0.01): the simulated node places the trainer's unsharded frozen
+    reference copy (``place_backbone(..., reference=True)``), books it as weights, and runs its forward at every
+    trained step (no grad). Against the same update without KL: the weights grow by the copy's bytes and the
+    update runs more transformer forwards, none of them with a backward."""
+    from jagg.config import load_config
+
+    runs = {}
+    for beta in (0.01, 0.0):
+        small = ["train.train_batch_size=1", "sampling.latent_size=16", "sampling.num_steps=4"]
+        cfg = load_config(str(ROOT / SD3), [f"algorithm.kl_beta={beta}", *small])
+        runs[beta] = plan_check.simulate(cfg, (1, 1), arch=NARROW_SD3)
+    with_kl, without = runs[0.01], runs[0.0]
+    weights = [r["phase_snapshots"]["update"]["SHARDED_PARAM"] for r in (with_kl, without)]
+    copy = weights[0] - weights[1]
+    # the copy: every parameter of the placed model (the fp32 base, LoRA included), unsharded, in full
+    cfg = load_config(str(ROOT / SD3))
+    backbone, _ = plan_check.meta_backbone(cfg, (1, 1), NARROW_SD3)
+    full = sum(p.numel() * p.element_size() for p in backbone.parameters())
+    assert copy == pytest.approx(full, rel=0.05), (copy, full)
+    assert with_kl["backward_passes"] == without["backward_passes"]
+    # one reference forward per trained step of the micro-batch (Flow-GRPO on 4 steps: int(0.99 x 4) = 3)
+    assert with_kl["reference_forwards"] == 3 and without["reference_forwards"] == 0
