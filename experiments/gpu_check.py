@@ -23,6 +23,8 @@ choice, which on torch 2.11 / H200 picked cuDNN attention and crashed the first 
 5. ``vae_rewards``: the FLUX.1-dev VAE decoding a 720 px image and HPSv2.1 / PickScore / CLIPScore scoring it.
 6. ``adamw_dcp``: an AdamW step on a multi-GB shard and its ``torch.distributed.checkpoint`` save (write
    bandwidth) and load (bit-equal).
+8. ``knots_equal_exact`` (after 7): knots with K = T against exact, the relative LoRA gradient error on reduced
+   Flux at 512 px in fp32 and bf16 (expected near 0).
 7. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
    W = 3, jagg_frac 0.6) with ``BackwardSetting.backward`` for exact and JAGG in every
    ``GRAPH_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
@@ -44,6 +46,7 @@ from a CPU. A Markdown summary is written beside the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -68,6 +71,7 @@ from jagg.common import atomic_write_text, command_line, run_metadata, set_threa
 from jagg.config import SDPA_KERNELS, AlgorithmConfig, Config, load_config
 from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.grpo import TrainedSteps
+from jagg.engine.knots import Knots
 from jagg.engine.routing import Routing
 from jagg.engine.sde import sde_step_with_logprob, shifted_linear_sigmas
 from jagg.engine.strategies import GRAPH_MODES, GraphRun, group_interpolation
@@ -986,6 +990,49 @@ def stage_trajectory_updates(ctx: Context, deadline: float) -> dict:
     return dict(rows=rows)
 
 
+def stage_knots_equal_exact(ctx: Context, deadline: float) -> dict:
+    """Knots with K = T (every trained step a knot) against exact, the gradient comparison the other stages lack:
+    the LoRA gradient of one DanceGRPO trajectory on Flux with ``BLOCK_DEPTH`` blocks of each kind at real width,
+    512 px, in fp32 and under bf16 autocast. Expected near 0 (the same steps back-propagated through the knots
+    code path: a stacked forward and hat weights of 0 / 1); a large error is a bug in that path on the device."""
+    device, rows = ctx.device, []
+    config = _reduced_config("flux", ctx.tiny)
+    latent = TINY_LATENT[512] if ctx.tiny else 512 // VAE_SCALE
+    tokens = TINY_TEXT_TOKENS if ctx.tiny else TEXT_TOKENS["flux"]
+    for precision in ("fp32", "bf16"):
+        if time.perf_counter() > deadline:
+            rows.append(dict(precision=precision, status="skipped (time budget)"))
+            continue
+        if precision == "bf16" and device.type != "cuda":  # the trajectory is sampled in bf16 on CUDA only
+            rows.append(
+                dict(precision=precision, status="skipped (bf16 autocast runs on CUDA only, _autocast)")
+            )
+            continue
+        transformer = build_transformer("flux", config, device, torch.float32, ctx.seed)
+        apply_lora(transformer, LORA_RANK, LORA_ALPHA, DEFAULT_TARGETS["flux"])
+        backbone = BACKBONES["flux"](transformer)
+        velocity, x, sigma, outputs, loss = make_trajectory(
+            backbone, config, "flux", latent, tokens, ctx.batch, device, ctx.seed
+        )
+        steps = x.shape[0]
+        trained = [p for p in transformer.parameters() if p.requires_grad]
+        grads = {}
+        for name, routing in (
+            ("exact", Routing(strategy="exact", group_size=GROUP_SIZE)),
+            ("knots", Knots(count=steps, placement="index")),
+        ):
+            transformer.zero_grad(set_to_none=True)
+            with _autocast(device) if precision == "bf16" else contextlib.nullcontext():
+                dataclasses.replace(_SETTING, routing=routing).backward(velocity, loss, outputs)
+            grads[name] = torch.cat([p.grad.float().flatten() for p in trained])
+        err = float((grads["knots"] - grads["exact"]).norm() / grads["exact"].norm())
+        rows.append(dict(precision=precision, trained_steps=steps, knots=steps, rel_error=err, status="ok"))
+        ctx.log(f"  knots K = T = {steps} vs exact, {precision}: relative error {err:.2e}")
+        del backbone, transformer, grads
+        _free(None, device)
+    return dict(comparisons=rows)
+
+
 STAGES = [
     Stage("environment", 15, stage_environment, "versions, GPU, SDPA kernels"),
     Stage(
@@ -1006,6 +1053,7 @@ STAGES = [
     Stage("vae_rewards", 60, stage_vae_rewards, "Flux VAE decode at 720 px, HPSv2.1 / PickScore / CLIPScore"),
     Stage("adamw_dcp", 45, stage_adamw_dcp, "AdamW step and DCP save / load of a multi-GB shard"),
     Stage("trajectory_updates", 150, stage_trajectory_updates, "one trajectory's update, every JAGG mode"),
+    Stage("knots_equal_exact", 15, stage_knots_equal_exact, "knots with K = T against exact: gradient error"),
 ]
 
 

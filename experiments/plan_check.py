@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import time
@@ -62,7 +63,7 @@ from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.sde import shifted_linear_sigmas
 from jagg.models import BACKBONES, TextCond
 from jagg.scale.architectures import CFG_NO_GRAD_CALL, CFG_TWO_CALLS, KNOWN_CONFIGS, TRUE_CFG
-from jagg.scale.distributed import DistInfo, cast_parameters
+from jagg.scale.distributed import DistInfo, broadcast_module, cast_parameters
 from jagg.scale.placement import apply_run_lora, parameter_dtypes, place_backbone
 from jagg.scale.pretrained import adapter_kwargs, latent_shape
 
@@ -264,7 +265,7 @@ def replicated_parameters(root: torch.nn.Module) -> list[Tensor]:
     return [p for p in root.parameters() if not isinstance(p, DTensor)]
 
 
-def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
+def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer, frozen: list[Tensor] = ()):
     """``FSDPMemTracker`` as this simulation needs it (the class is built lazily: the import is slow):
 
     * ops inside DTensor's sharding propagation (``PROPAGATING``) are not tracked (``simulation_shims``);
@@ -273,8 +274,10 @@ def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
       runs several root forwards (one per endpoint, two per velocity with Qwen-Image's true CFG), which the
       tracker otherwise refuses as "multiple iterative calls". The global peak snapshot read here is kept;
     * the replicated frozen base (``model.shard_frozen_base: false``: parameters FSDP2 ignores, plain tensors)
-      is counted from the start, as ACT (``replicated_parameters``). The tracker registers only FSDP2's
-      parameters and buffers; any other tensor it sees only as an op's output. A bf16 weight was seen that way
+      is counted from the start as weights (SHARDED_PARAM, the plan's "weights" group, which holds
+      ``frozen base (replicated)``; before issue 55 it was booked as ACT) (``replicated_parameters``), and so
+      are ``frozen``'s tensors (the KL reference copy, ``KL reference (unsharded copy)`` in the plan). The
+      tracker registers only FSDP2's parameters and buffers; any other tensor it sees only as an op's output. A bf16 weight was seen that way
       by chance (the ``aten.t`` view inside each linear shares its storage), an fp32 one never: autocast
       casts it to a new bf16 tensor first, and the fp32 storage is no op's output.
     """
@@ -285,8 +288,8 @@ def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
 
         def _register_module_and_optimizer_hooks(self) -> None:
             super()._register_module_and_optimizer_hooks()
-            for p in replicated_parameters(self._root_mod):
-                self._update_and_maybe_create_winfos(p, _FSDPRefType.ACT)
+            for p in [*replicated_parameters(self._root_mod), *frozen]:
+                self._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
@@ -318,8 +321,12 @@ def node_mem_tracker(root: torch.nn.Module, optimizer: torch.optim.Optimizer):
 
 
 # --------------------------------------------------------------------------- one update
-def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss, Tensor | None]:
-    """One micro-batch's conditioning, GRPO step loss and stored outputs, shaped as the trainer's."""
+def update_inputs(
+    cfg: Config, backbone, device, reference=None
+) -> tuple[TextCond, GRPOStepLoss, Tensor | None]:
+    """One micro-batch's conditioning, GRPO step loss and stored outputs, shaped as the trainer's; with a KL
+    term (``algorithm.kl_beta > 0``) the loss runs ``reference``'s forward (no grad) at every trained step,
+    as ``Trainer.step_loss``."""
     m, t, s, a = cfg.model, cfg.train, cfg.sampling, cfg.algorithm
     alg = ALGORITHMS[a.name](a, cfg.backward)  # contiguous_groups reads W from the backward config
     gen = torch.Generator().manual_seed(t.seed)
@@ -347,7 +354,10 @@ def update_inputs(cfg: Config, backbone, device) -> tuple[TextCond, GRPOStepLoss
         sigma_next=sigma_next,
         old_log_prob=torch.zeros(n_steps, b, device=device),
     )
-    loss = a.step_loss(steps, torch.randn(b, device=device), scale=1.0 / (t.grad_accum * n_steps))
+    ref = None if reference is None else velocity_fn(reference, cond, device)
+    loss = a.step_loss(
+        steps, torch.randn(b, device=device), scale=1.0 / (t.grad_accum * n_steps), ref_velocity=ref
+    )
     outputs = torch.randn(shape, device=device) if cfg.backward.stored_outputs else None
     return cond, loss, outputs
 
@@ -381,12 +391,24 @@ def simulate(cfg: Config, units: tuple[int, ...], *, fake: bool = True, arch: di
     device = torch.device("cpu")
     reads = ScalarReads()
     backbone, place_cfg = meta_backbone(cfg, units, arch)
+    # with a KL term the trainer's unsharded frozen reference copy (jagg.scale.placement.place_backbone's
+    # ``reference``: a deep copy of the LoRA-applied, cast model), copied on the meta device: a deep copy
+    # inside the fake mode cannot clone meta parameters
+    kl = cfg.algorithm.kl_beta > 0
+    reference = copy.deepcopy(backbone).requires_grad_(False) if kl else None
     backward = cfg.backward
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with simulation_shims(reads), mode:
         backbone, _ = place_backbone(place_cfg, backbone, device=device, dist=DistInfo(SIM_RANK, WORLD_SIZE))
         patched = materialise_plain_tensors(backbone, device)
+        ref_forwards = [0]
+        if reference is not None:  # as placement gives it: a copy of the cast model, broadcast from rank 0
+            reference = broadcast_module(reference, device=device)
+            patched += materialise_plain_tensors(reference, device)
+            reference.transformer.register_forward_hook(
+                lambda *_: ref_forwards.__setitem__(0, ref_forwards[0] + 1)
+            )
         params = [p for p in backbone.parameters() if p.requires_grad]
         o = cfg.optim
         optimizer = torch.optim.AdamW(  # the trainer's; foreach as torch's default on CUDA
@@ -398,8 +420,9 @@ def simulate(cfg: Config, units: tuple[int, ...], *, fake: bool = True, arch: di
         # a step over several micro-batches peaks in a later one: every gradient exists through its forward
         # (the first micro-batch allocates them during its backward, after some activations are freed)
         optimizer.zero_grad(set_to_none=cfg.train.grad_accum == 1)
-        cond, loss, outputs = update_inputs(cfg, backbone, device)
-        tracker = node_mem_tracker(backbone.transformer, optimizer)
+        cond, loss, outputs = update_inputs(cfg, backbone, device, reference)
+        extra = [] if reference is None else list(reference.parameters()) + list(reference.buffers())
+        tracker = node_mem_tracker(backbone.transformer, optimizer, extra)
         tracker.track_inputs((cond.embeds, loss.x, loss.steps.x_next, outputs))
         velocity = velocity_fn(backbone, cond, device)
         with tracker:
@@ -422,6 +445,7 @@ def simulate(cfg: Config, units: tuple[int, ...], *, fake: bool = True, arch: di
         forward_passes=stats.forward_passes,
         backward_passes=stats.backward_passes,
         forwards_skipped=stats.forwards_skipped,
+        reference_forwards=ref_forwards[0],
     )
 
 
@@ -614,7 +638,8 @@ def plan_terms(cfg: Config) -> dict[str, float]:
     return {
         "weights (sharded)": g["transformer weights (sharded)"]
         + g.get("frozen base (replicated)", 0.0)
-        + g.get("transformer buffers (replicated)", 0.0),  # the tracker's BUFFER is in this group too
+        + g.get("transformer buffers (replicated)", 0.0)  # the tracker's BUFFER is in this group too
+        + g.get("KL reference (unsharded copy)", 0.0),  # booked as weights by ``node_mem_tracker``
         "gradients (sharded)": g["gradients (sharded)"],
         "AdamW moments": opt,
         # the trainer's EMA copy of the trained shards: not allocated by ``simulate`` (listed, not compared)
@@ -853,8 +878,9 @@ EXPLANATION = [
     "  unconditional half detached), so no block gradient waits for a second call's backward and each step",
     "  all-gathers once: the plan's held true-CFG gradients and doubled all-gathers are now Qwen-Image's only",
     "  (`CFG_TWO_CALLS`); the simulated unsharded block gradients (0.003 GiB, LoRA) agree.",
-    "- **Still different, not tuned away.** The replicated frozen base is ACT to the tracker (as in",
-    "  flux_flowgrpo_fast): weights 0.85 vs 5.03 GiB, activations 10.08 vs 5.19; together 10.93 vs 10.22",
+    "- **Still different, not tuned away.** The replicated frozen base was ACT to the tracker until issue 55",
+    "  (now booked as weights; numbers below from the run before): weights 0.85 vs 5.03 GiB, activations",
+    "  10.08 vs 5.19; together 10.93 vs 10.22",
     "  (plan 6.5% low). Inside the activations two errors of the plan partly cancel: the simulated peak is in",
     "  the backward of the last dual block, with 13 checkpointed block inputs alive (36 rows = 9 samples x 2",
     "  CFG x 2 batched endpoints, x 1229 tokens x 1536 x 2 bytes = 0.127 GiB each) and the plain blocks'",

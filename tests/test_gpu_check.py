@@ -22,6 +22,7 @@ STAGE_NAMES = [
     "vae_rewards",
     "adamw_dcp",
     "trajectory_updates",
+    "knots_equal_exact",
 ]
 
 
@@ -130,6 +131,10 @@ def test_cpu_run_writes_one_json_with_every_stage(tmp_path, capsys):
     full, lora = (groups[("flux", 720, g)]["exact"] for g in ("full", "lora"))
     assert full["trainable_m"] == pytest.approx(full["params_b"] * 1e3)  # every weight
     assert lora["trainable_m"] != full["trainable_m"]  # adapters only
+    knots = {r["precision"]: r for r in stages["knots_equal_exact"]["result"]["comparisons"]}
+    assert knots["fp32"]["knots"] == knots["fp32"]["trained_steps"] > 1
+    assert knots["fp32"]["rel_error"] < 1e-5  # tiny on the CPU: bf16 autocast is CUDA's only
+    assert knots["bf16"]["status"].startswith("skipped (bf16")
     md = out.with_suffix(".md").read_text()
     assert "Tiny configs, not the real architectures" in md and "| trajectory_updates | ok |" in md
 

@@ -299,3 +299,23 @@ def peak_memory_mb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# --------------------------------------------------------------------------- the expert switch
+NUM_TRAIN_TIMESTEPS = 1000  # FlowMatchEulerDiscreteScheduler's, which WanPipeline scales the boundary by
+
+
+def expert_side(sigma: torch.Tensor | float, boundaries: tuple[float, ...] | list[float]) -> torch.Tensor:
+    """How many expert boundaries lie at or below each step's time: 0 for the low-noise side of every switch.
+    The one rule the model (``jagg.models.wan.WanBackbone``, which network runs a step) and the knots planner
+    (``jagg.engine.knots.expert_segments``, where knots may not straddle a switch) share.
+
+    As diffusers' ``WanPipeline`` decides it (pipeline_wan.py, ``__call__``: ``boundary_timestep =
+    boundary_ratio * num_train_timesteps``; ``if t >= boundary_timestep`` runs ``transformer``): on the float32
+    timestep ``1000 * float32(sigma)``, not on sigma in float64. On Wan2.2-A14B's 10-step shift-3 schedule
+    sigma_3 is 0.8749999999999999 in float64, 0.875 in float32: timestep 875 >= 875, the high-noise expert."""
+    t = torch.as_tensor(sigma).to(torch.float32) * NUM_TRAIN_TIMESTEPS
+    side = torch.zeros(t.shape, dtype=torch.long, device=t.device)
+    for b in boundaries:
+        side += (t >= b * NUM_TRAIN_TIMESTEPS).long()
+    return side

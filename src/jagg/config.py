@@ -196,6 +196,9 @@ class AlgorithmConfig:
     adv_aggregation: str = "weighted_sum"
     kl_beta: float = 0.0
     kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
+    # multiplies the advantages before their clamp (adv_clip): 0.75 reproduces MixGRPO's run as launched, whose
+    # failing UnifiedReward took a quarter of the weight at advantage 0 (docs/references.md, MixGRPO)
+    adv_scale: float = 1.0
 
     def step_loss(
         self, steps: TrainedSteps, advantages, *, scale: float = 1.0, ref_velocity=None
@@ -886,6 +889,10 @@ def _validate_algorithm(
         f"algorithm.adv_aggregation must be one of {list(ADV_AGGREGATIONS)}, got {algorithm.adv_aggregation!r}",
     )
     _require(algorithm.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {algorithm.kl_beta}")
+    _require(
+        isinstance(algorithm.adv_scale, int | float) and 0 < algorithm.adv_scale <= 1e3,
+        f"algorithm.adv_scale must be a number in (0, 1000], got {algorithm.adv_scale!r}",
+    )
     _require(
         algorithm.kl_std in KL_STD,
         f"algorithm.kl_std must be one of {list(KL_STD)}, got {algorithm.kl_std!r}",

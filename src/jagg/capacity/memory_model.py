@@ -211,8 +211,20 @@ def _host_staging(cfg: Config, name: str, resident: float) -> float:
     if name == "hpsv2":
         return aux_params(name) * 4 * 2
     if name in STREAMED_LOAD:
-        return aux_largest_tensor(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}), name)
+        return aux_largest_tensor(name) * _reward_dtype_bytes(reward_models(cfg).get(name, {}), name)
     return resident
+
+
+def reward_models(cfg: Config) -> dict[str, dict]:
+    """The reward models a run holds, train and eval, each with its kwargs: a ``per_frame`` reward holds the
+    image reward it wraps (``reward.kwargs.per_frame.reward``, built with its ``reward_kwargs``)."""
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):
+        kwargs = cfg.reward.kwargs.get(name) or {}
+        if name == "per_frame":
+            name, kwargs = kwargs.get("reward", "jpeg"), kwargs.get("reward_kwargs") or {}
+        out.setdefault(name, kwargs)
+    return out
 
 
 # a reward's default dtype where it is not fp32: HPSv3Reward's (jagg.scale.hpsv3.DTYPE, HPSv3's bf16)
@@ -339,9 +351,9 @@ def memory_plan(cfg: Config, world_size: int, graphs: int, held_grad: bool, mode
         vaes = {"qwenimage": "qwenimage_vae", "wan": known_wan(model_cfg.path).vae}
         vae = vaes.get(model_cfg.backbone, "flux_vae")  # SD3's VAE: Flux's layout
         aux[vae] = aux_params(vae) * frozen
-        for name in dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]):  # train and eval, all resident
+        for name, kwargs in reward_models(cfg).items():  # train and eval, all resident
             if name in AUX_MODELS:
-                aux[name] = aux_params(name) * _reward_dtype_bytes(cfg.reward.kwargs.get(name, {}), name)
+                aux[name] = aux_params(name) * _reward_dtype_bytes(kwargs, name)
     gpu.update({f"{AUX_MODELS[k][0]}": v for k, v in aux.items()})
     # CachedTextEncoder's rows are host memory on every rank (the encoders return CPU tensors; the trainer moves
     # one micro-batch's conditioning to the GPU): the LRU without a cache dir, every prompt when precomputed

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from jagg.common import expert_side
 from jagg.engine.strategies import Interpolation
 
 
@@ -79,14 +80,13 @@ PLACEMENTS: dict[str, Callable[[Tensor, int], tuple[int, ...]]] = {
 
 
 def expert_segments(sigma: Tensor, boundaries: Sequence[float]) -> list[range]:
-    """The T time-sorted steps cut into maximal stretches in which no sample crosses an expert boundary (a
-    step is on the noisier side of b when sigma >= b); one stretch without boundaries. ``sigma`` (T,) or per
+    """The T time-sorted steps cut into maximal stretches in which no sample crosses an expert boundary (which
+    side a step is on: ``jagg.common.expert_side``, the rule the model runs its experts by); one stretch without boundaries. ``sigma`` (T,) or per
     sample (T, B): a cut wherever any sample's step j and step j + 1 lie on different sides."""
     t = sigma.shape[0]
     if not boundaries:
         return [range(t)]
-    sig = sigma.double()
-    side = sum((sig >= b).long() for b in boundaries)  # (T[, B]): how many boundaries lie at or below sigma
+    side = expert_side(sigma, boundaries)  # (T[, B]): the model's own rule (float32 timesteps), jagg.common
     changes = (side[1:] != side[:-1]).reshape(t - 1, -1).any(dim=1)
     cuts = [0, *(j + 1 for j in range(t - 1) if bool(changes[j])), t]
     return [range(a, b) for a, b in zip(cuts[:-1], cuts[1:])]

@@ -39,6 +39,8 @@ def check_sample_kind(cfg: Config) -> None:
     """``ConfigError`` naming the key when a Wan run (its samples are videos) names a reward that scores images,
     or an image run a video reward: caught before anything is written, not at the first scoring."""
     named = list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.eval]))
+    if "per_frame" in named:
+        check_frame_reduction(cfg.reward.kwargs.get("per_frame") or {})
     video = cfg.model.backbone in VIDEO_BACKBONES
     wrong = [n for n in named if (n in VIDEO_REWARDS) != video]
     if not wrong:
@@ -54,6 +56,23 @@ def check_sample_kind(cfg: Config) -> None:
         f"{key}: {wrong[0]!r} scores videos and model.backbone={cfg.model.backbone} makes images; "
         f"allowed: any reward but {sorted(VIDEO_REWARDS)}"
     )
+
+
+def check_frame_reduction(kwargs: dict) -> None:
+    """``ConfigError`` naming ``reward.kwargs.per_frame.<key>`` when its frame reducer or a parameter of it is
+    not allowed (``jagg.rewards.video.FrameReduction``): before any weight loads."""
+    from jagg.rewards.video import FRAME_KWARGS, FrameReduction
+
+    known = {"reward", "reward_kwargs", "device", *FrameReduction.__dataclass_fields__}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(
+            f"reward.kwargs.per_frame.{unknown[0]}: unknown key; known: reward, reward_kwargs, {FRAME_KWARGS}"
+        )
+    try:
+        FrameReduction(**{k: v for k, v in kwargs.items() if k in FrameReduction.__dataclass_fields__})
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"reward.kwargs.per_frame.{err}") from None
 
 
 def build_run_reward(name: str, kwargs: dict, device: torch.device) -> Reward:
@@ -111,9 +130,14 @@ def score_samples(
 
 def rollout_advantages(cfg: Config, rewards: Tensor, scores: dict[str, Tensor], group_ids: Tensor) -> Tensor:
     """The advantages of a global batch: the training reward normalised in its prompt group (``algorithm.adv_*``),
-    or under ``algorithm.adv_aggregation: per_reward`` each reward normalised, then weighted (MixGRPO)."""
+    or under ``algorithm.adv_aggregation: per_reward`` each reward normalised, then weighted (MixGRPO); times
+    ``algorithm.adv_scale`` (1: unchanged), then clamped to ``adv_clip``."""
     algorithm = cfg.algorithm
     norm = dict(std_mode=algorithm.adv_std, unbiased=algorithm.adv_unbiased, eps=algorithm.adv_eps)
+    scale = algorithm.adv_scale
+    clip = algorithm.adv_clip if scale == 1 else float("inf")  # scaled first, then clamped (MixGRPO's order)
     if algorithm.adv_aggregation == "per_reward":
-        return per_reward_advantages(scores, cfg.reward.weights, group_ids, **norm, clip=algorithm.adv_clip)
-    return group_advantages(rewards, group_ids, **norm, clip=algorithm.adv_clip)
+        adv = per_reward_advantages(scores, cfg.reward.weights, group_ids, **norm, clip=clip)
+    else:
+        adv = group_advantages(rewards, group_ids, **norm, clip=clip)
+    return adv if scale == 1 else (scale * adv).clamp(-algorithm.adv_clip, algorithm.adv_clip)

@@ -23,9 +23,8 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import Tensor
 
+from jagg.common import NUM_TRAIN_TIMESTEPS, expert_side
 from jagg.models.base import Backbone, TextCond
-
-NUM_TRAIN_TIMESTEPS = 1000  # FlowMatchEulerDiscreteScheduler's, which WanPipeline scales the boundary by
 
 
 def tiny_wan_config(latent_channels: int = 4, **overrides) -> dict:
@@ -105,12 +104,11 @@ class WanBackbone(Backbone):
         """The sigmas at which the velocity switches network (sigma >= b: the high-noise side); () for one."""
         return () if self.boundary_ratio is None else (self.boundary_ratio,)
 
-    def high_noise(self, timestep: Tensor) -> Tensor:
-        """(B,) bool: rows the first (high-noise) expert serves, ``t >= boundary_ratio * 1000`` on the float32
-        timesteps, as ``WanPipeline``; all True with one expert."""
-        if self.transformer_2 is None:
-            return torch.ones_like(timestep, dtype=torch.bool)
-        return timestep >= self.boundary_ratio * NUM_TRAIN_TIMESTEPS
+    def high_noise(self, sigma: Tensor) -> Tensor:
+        """(B,) bool: rows at times ``sigma`` the first (high-noise) expert serves, by ``jagg.common.expert_side``
+        (the rule the knots planner uses: ``1000 float32(sigma) >= 1000 boundary_ratio`` on the float32
+        timesteps, as ``WanPipeline``); all True with one expert."""
+        return expert_side(sigma, self.expert_boundaries) == len(self.expert_boundaries)
 
     def _call(self, model, x: Tensor, timestep: Tensor, embeds: Tensor) -> Tensor:
         if self.expand_timesteps:  # Wan2.2-TI2V: one timestep per token after the (1, 2, 2) patching
@@ -143,7 +141,7 @@ class WanBackbone(Backbone):
         x = (z if z.ndim == 5 else z[:, :, None]).to(param.dtype)
         # the scheduler's float32 sigmas x 1000 in float32, bit for bit its ``timesteps``
         timestep = (torch.as_tensor(t, dtype=torch.float32, device=z.device) * NUM_TRAIN_TIMESTEPS).expand(b)
-        high = self.high_noise(timestep)
+        high = self.high_noise(torch.as_tensor(t, device=z.device).expand(b))
         if bool(high.all()):
             out = self._guided(self.transformer, self.guidance_scale, x, timestep, cond)
         elif not bool(high.any()):
