@@ -149,12 +149,15 @@ def equal_cost_overrides(ec: dict, arm: str) -> list[str]:
     """An arm's share of an equal budget (issue 39): the budget is ``budget_iterations`` of the ``budget_arm``
     at its measured seconds per training iteration (``seconds_per_iteration``: the timing run's medians,
     recorded in the protocol before the runs); each arm trains as many whole iterations as fit in it and is
-    evaluated after the same ``evaluations`` fractions of it (rounded to iterations), checkpointed at each.
+    evaluated after the same ``evaluations`` fractions of it (rounded to iterations), checkpointed at each; an
+    arm named in ``iterations`` trains that many instead (a per-iteration reference, not at equal cost).
     With ``instruments_per_evaluation`` the measuring plug-ins (fidelity, landing) fire at the checkpoint
     cadence too: a fixed iteration cadence would measure an arm of 80 iterations 20 times and exact 6, spending
     most of a cheap arm's run on measurement (they change nothing in training: tests/test_fidelity.py)."""
     secs = ec["seconds_per_iteration"]
-    n = int(ec["budget_iterations"] * secs[ec["budget_arm"]] // secs[arm])
+    n = (ec.get("iterations") or {}).get(arm) or int(
+        ec["budget_iterations"] * secs[ec["budget_arm"]] // secs[arm]
+    )
     at = sorted({round(n * k / ec["evaluations"]) for k in range(ec["evaluations"] + 1)})
     every = max(1, round(n / ec["evaluations"]))
     cadence = [f"log.fidelity_every={every}"] if ec.get("instruments_per_evaluation") else []
@@ -847,8 +850,10 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         ]
     lines += (
         (equal_cost.section_lines(df, stats, proto, ec) if ec else [])
+        + (equal_cost.drift_lines(df, stats, ec, arms) if ec else [])
         + goal_lines(stats, proto, name, detected)
         + contrast_lines(stats, proto)
+        + share_lines(stats, proto["recipes"].get(name, {}).get("share"))
         + sizing_lines(stats, proto, specs)
         + fidelity_lines(df, arms)
         + dose_lines(df, stats, proto, arms, specs)
@@ -898,6 +903,11 @@ def goal_lines(stats: dict, proto: dict, name: str, detected: dict[tuple, dict[s
     return equal_cost.goal_lines(
         d, goal, proto["alpha"], proto["power"], control, proto.get("is_pilot", False)
     )
+
+
+def share_lines(stats: dict, spec: dict | None) -> list[str]:
+    """The recipe's pre-registered ``share`` (``equal_cost.share_lines``) at its summary (end or auc)."""
+    return equal_cost.share_lines(stats, spec, SUMMARIES[spec["summary"]]) if spec else []
 
 
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
@@ -1353,7 +1363,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
     if args.timing:  # before the seeds exist: the timing sizes the runs they will be drawn for
-        print(measure_timing(proto, proto_path, recipes, Path(args.runs + suffix), args.jobs, argv))
+        print(
+            measure_timing(proto, proto_path, recipes, Path(args.runs + suffix), args.jobs, argv, args.arms)
+        )
         return
     untimed = [
         r
@@ -1414,9 +1426,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out}/<recipe>/*.csv, {out}/summary.md, {figures}/reward_curves_<recipe>.png")
 
 
-def measure_timing(proto: dict, proto_path: Path, recipes: dict, runs: Path, n_parallel: int, argv) -> str:
+def measure_timing(
+    proto: dict,
+    proto_path: Path,
+    recipes: dict,
+    runs: Path,
+    n_parallel: int,
+    argv,
+    arms: list[str] | None = None,
+) -> str:
     """An equal-cost recipe's timing run (``equal_cost: timing``: seed, iterations, warm-up left out): every
-    arm trains only, ``n_parallel`` at a time as the analysis runs do; writes ``results/<results>_timing/
+    arm (or those of ``arms``: an amendment times its new arms beside a yardstick) trains only, ``n_parallel``
+    at a time as the analysis runs do; writes ``results/<results>_timing/
     timing.{csv,md}`` with each arm's median seconds per iteration, which the protocol then records (its
     ``seconds_per_iteration``) before any run it sizes. Returns the markdown."""
     proto["timing"] = True
@@ -1427,15 +1448,17 @@ def measure_timing(proto: dict, proto_path: Path, recipes: dict, runs: Path, n_p
         if not ec:
             continue
         t, view = ec["timing"], recipe_protocol(proto, r)
+        timed = {a: o for a, o in view["arms"].items() if arms is None or a in arms}
         common = [*spec.get("overrides", []), *TIMING, f"train.iterations={t['iterations']}"]
         jobs = [
             ((r, a, t["seed"]), spec["config"], o, t["seed"], runs / "timing" / r / a, common)
-            for a, o in view["arms"].items()
+            for a, o in timed.items()
         ]
         dirs = run_all(jobs, n_parallel)
-        mine = iteration_timing({a: dirs[(r, a, t["seed"])] for a in view["arms"]}, t["skip"])
-        ref = next(x for x in mine if x["arm"] == ec["budget_arm"])
-        budget = ec["budget_iterations"] * ref["median_s"]
+        mine = iteration_timing({a: dirs[(r, a, t["seed"])] for a in timed}, t["skip"])
+        # the budget arm's median in this run, else its recorded one (an amendment's run without it)
+        ref = next((x["median_s"] for x in mine if x["arm"] == ec["budget_arm"]), None)
+        budget = ec["budget_iterations"] * (ref or ec["seconds_per_iteration"][ec["budget_arm"]])
         lines += [
             f"## {r}",
             "",

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS
+from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS, validate_sde_steps
 from jagg.engine.control import CONTROL_DIRECTIONS, MAX_FRESH_ITERATIONS, STRUCTURED_CONTROLS
 from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import PLACEMENTS, Knots
@@ -190,6 +190,10 @@ class AlgorithmConfig:
     adv_aggregation: str = "weighted_sum"
     kl_beta: float = 0.0
     kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
+    # [lo, hi): the rollout samples steps lo..hi-1 with the SDE and every other step with the ODE, whichever steps
+    # the algorithm trains (empty: the algorithm's own SDE steps). Each step it may train must lie inside: an ODE
+    # step has no sampling density (jagg.engine.algorithms.Algorithm.sampling_kinds; issue 56's noise swaps)
+    sde_steps: list[int] = field(default_factory=list)
 
     def step_loss(
         self, steps: TrainedSteps, advantages, *, scale: float = 1.0, ref_velocity=None
@@ -846,6 +850,7 @@ def _validate_algorithm(
         f"got {algorithm.name!r}",
     )
     ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
+    validate_sde_steps(algorithm, sampling.num_steps)
     _require(
         algorithm.name != "mixgrpo" or algorithm.dpm_algorithm_type == "none" or sampling.schedule == "shift",
         f"algorithm.dpm_algorithm_type={algorithm.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "
