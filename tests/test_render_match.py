@@ -47,3 +47,28 @@ def test_render_match_is_eval_only():
     with pytest.raises(ConfigError, match="render_match is an eval-only judge"):
         load_config(None, ["reward.weights={render_match: 1.0}"])
     load_config(None, ["reward.eval=[pref, render_match]"])  # allowed as an evaluation reward
+
+
+def test_judge_resolution_reports_the_seed_sd_and_its_conservative_mdd():
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import judge_resolution
+    from jagg.stats import minimum_detectable_difference
+
+    rows = [
+        {
+            "seed": s,
+            "images_per_prompt": 16,
+            "eval_render_match_mean": 0.9 + 0.01 * (s % 2),
+            "eval_pref_mean": 11.0,
+        }
+        for s in range(10)
+    ]
+    md = judge_resolution.render(rows)
+    line = next(x for x in md.splitlines() if x.startswith("| render_match | 16 |"))
+    sd = float(np.std([0.9 + 0.01 * (s % 2) for s in range(10)], ddof=1))
+    mdd10 = minimum_detectable_difference(math.sqrt(2) * sd, 10, 0.05, 0.8, "greater")
+    assert line.split(" | ")[4] == f"{sd:.4f}" and line.split(" | ")[6] == f"{mdd10:.4f} |"
