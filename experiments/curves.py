@@ -149,12 +149,15 @@ def equal_cost_overrides(ec: dict, arm: str) -> list[str]:
     """An arm's share of an equal budget (issue 39): the budget is ``budget_iterations`` of the ``budget_arm``
     at its measured seconds per training iteration (``seconds_per_iteration``: the timing run's medians,
     recorded in the protocol before the runs); each arm trains as many whole iterations as fit in it and is
-    evaluated after the same ``evaluations`` fractions of it (rounded to iterations), checkpointed at each.
+    evaluated after the same ``evaluations`` fractions of it (rounded to iterations), checkpointed at each; an
+    arm named in ``iterations`` trains that many instead (a per-iteration reference, not at equal cost).
     With ``instruments_per_evaluation`` the measuring plug-ins (fidelity, landing) fire at the checkpoint
     cadence too: a fixed iteration cadence would measure an arm of 80 iterations 20 times and exact 6, spending
     most of a cheap arm's run on measurement (they change nothing in training: tests/test_fidelity.py)."""
     secs = ec["seconds_per_iteration"]
-    n = int(ec["budget_iterations"] * secs[ec["budget_arm"]] // secs[arm])
+    n = (ec.get("iterations") or {}).get(arm) or int(
+        ec["budget_iterations"] * secs[ec["budget_arm"]] // secs[arm]
+    )
     at = sorted({round(n * k / ec["evaluations"]) for k in range(ec["evaluations"] + 1)})
     every = max(1, round(n / ec["evaluations"]))
     cadence = [f"log.fidelity_every={every}"] if ec.get("instruments_per_evaluation") else []
@@ -475,7 +478,7 @@ def paired_diffs(runs: dict, arm: str, metric: str, k: int, reference: str = "ex
 
 def battery(d: list[float], margin: float, alpha: float, power: float) -> dict:
     """The protocol's tests of one paired difference d = arm - reference (higher is better for every metric):
-    the interval, TOST, one-sided 'worse' by t and sign flip, both tests two-sided, the MDD."""
+    the interval, TOST, one-sided 'worse' and 'better' by t and sign flip, both tests two-sided, the MDD."""
     import numpy as np
 
     sd = float(np.std(d, ddof=1))
@@ -484,10 +487,15 @@ def battery(d: list[float], margin: float, alpha: float, power: float) -> dict:
         "tost": tost(d, margin, alpha).p,
         "worse_t": one_sided_below(d),
         "worse_flip": sign_flip_test(d, "less"),
+        "better_t": one_sided_below([-x for x in d]),
+        "better_flip": sign_flip_test(d, "greater"),
         "flip_two_sided": sign_flip_test(d, "two-sided"),
         "t_two_sided": min(1.0, 2 * min(one_sided_below(d), one_sided_below([-x for x in d]))),
         "mdd": minimum_detectable_difference(sd, len(d), alpha, power),
     }
+
+
+TESTS = ("tost", "worse_t", "worse_flip", "better_t", "better_flip")  # the battery's p-values Holm adjusts
 
 
 def analyse(
@@ -505,40 +513,55 @@ def analyse(
             if len(d) >= 2:
                 mine.append({"arm": arm, **spec, "n": len(d), **battery(d, spec["margin"], alpha, power)})
         secondary = [r for r in mine if r["role"] == "secondary"]
-        for test in ("tost", "worse_t", "worse_flip"):
+        for test in TESTS:
             for r, adj in zip(secondary, holm([r[test] for r in secondary]), strict=True):
                 r[test + "_adj"] = adj
         for r in mine:
             if r["role"] == "primary":
-                r.update(tost_adj=r["tost"], worse_t_adj=r["worse_t"], worse_flip_adj=r["worse_flip"])
+                r.update({test + "_adj": r[test] for test in TESTS})
         rows += mine
     return rows
 
 
-def control_detected(rows: list[dict], control_arms: list[str], alpha: float) -> dict[str, bool]:
-    """Per positive-control arm: worse than exact on the primary metric by the t-test AND the sign-flip test."""
-    return {
-        r["arm"]: r["worse_t"] < alpha and r["worse_flip"] < alpha
-        for r in rows
-        if r["role"] == "primary" and r["arm"] in control_arms
-    }
+def control_detected(rows: list[dict], control_arms: list[str], alpha: float) -> dict[tuple, dict[str, bool]]:
+    """Per (metric, summary), per positive-control arm: worse than the reference by the t-test AND the
+    sign-flip test (Holm-adjusted on a secondary metric, as its verdict reads). A control detected on one
+    metric says nothing of the design's power on another, so each metric's equivalence is gated by its own."""
+    out: dict[tuple, dict[str, bool]] = {}
+    for r in (r for r in rows if r["arm"] in control_arms):
+        worse = r["worse_t_adj"] < alpha and r["worse_flip_adj"] < alpha
+        out.setdefault((r["metric"], r["summary"]), {})[r["arm"]] = worse
+    return out
+
+
+def primary_controls(detected: dict[tuple, dict[str, bool]], rows: list[dict]) -> dict[str, bool]:
+    """The controls' detection on the primary metric (``control_detected``), the design check's."""
+    key = next(((r["metric"], r["summary"]) for r in rows if r["role"] == "primary"), None)
+    return detected.get(key, {})
 
 
 def verdict(
     r: dict, alpha: float, controls: dict[str, bool], control_arms: list[str], ref: str = "exact"
 ) -> str:
-    """The row's reading under the protocol (worse / equivalent / no claim), Holm-adjusted p for secondary."""
+    """The row's reading under the protocol (worse / better / equivalent / no claim), Holm-adjusted p for
+    secondary; ``controls``: the controls' detection on this row's metric (``control_detected``). Worse and
+    better each need the one-sided t-test and the sign-flip test; equivalence also a control detected on the
+    same metric (a claim of no difference needs a design shown to see one there)."""
     worse = r["worse_t_adj"] < alpha and r["worse_flip_adj"] < alpha
     if r["arm"] in control_arms:
         return "positive control " + (f"detected (worse than {ref})" if worse else "NOT detected")
     if worse:
         return f"worse than {ref}"
+    detected = bool(controls) and all(controls.values())
+    if r["better_t_adj"] < alpha and r["better_flip_adj"] < alpha:
+        # better by less than the margin is also equivalent, where the design could tell
+        return f"better than {ref}" + (", within the margin" if r["tost_adj"] < alpha and detected else "")
     if r["tost_adj"] < alpha:
-        if controls and all(controls.values()):
+        if detected:
             return "equivalent within the margin"
         if not controls:
             return "TOST passed, NO claim: no positive control ran"
-        return "TOST passed, NO claim: the design does not detect the positive control"
+        return "TOST passed, NO claim: the design does not detect the positive control on this metric"
     if r["mdd"] > r["margin"]:
         return "no difference shown; underpowered (MDD > margin)"
     return "no difference shown, equivalence not shown"
@@ -547,13 +570,14 @@ def verdict(
 def battery_table(
     rows: list[dict],
     alpha: float,
-    controls: dict[str, bool],
+    controls: dict[tuple, dict[str, bool]],
     control_arms: list[str],
     ref: str = "exact",
     baselines: dict | None = None,
 ) -> list[str]:
-    """Markdown: every row of ``analyse`` with its p-values (Holm-adjusted in brackets for secondary); a
-    declared baseline's arm is marked (it trains other steps than ``ref``: its difference is end to end)."""
+    """Markdown: every row of ``analyse`` with its p-values (Holm-adjusted in brackets for secondary) and its
+    verdict under the controls of its own metric (``control_detected``); a declared baseline's arm is marked
+    (it trains other steps than ``ref``: its difference is end to end)."""
     lines = [
         f"| metric | summary | role | margin | MDD | arm | n | paired diff to {ref} [95% CI] | TOST p | "
         "worse t p | worse sign-flip p | two-sided t p | two-sided sign-flip p | verdict |",
@@ -568,7 +592,8 @@ def battery_table(
             f"| {r['metric'][5:-5]} | {r['summary']} | {r['role']} | {r['margin']:.3f} | {r['mdd']:.3f} | "
             f"{r['arm']}{' (baseline, other steps)' if r['arm'] in (baselines or {}) else ''} | {r['n']} | "
             f"{r['ci']} | {p(r, 'tost')} | {p(r, 'worse_t')} | {p(r, 'worse_flip')} | {r['t_two_sided']:.3f} | "
-            f"{r['flip_two_sided']:.3f} | {verdict(r, alpha, controls, control_arms, ref)} |"
+            f"{r['flip_two_sided']:.3f} | "
+            f"{verdict(r, alpha, controls.get((r['metric'], r['summary']), {}), control_arms, ref)} |"
         )
     return lines
 
@@ -732,19 +757,22 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     # an equal-cost recipe's arms end at different iterations
     ec = proto["recipes"].get(name, {}).get("equal_cost")
     rows = analyse(stats, arms, specs, alpha, power, ref)
-    controls = control_detected(rows, controls_named, alpha)
+    detected = control_detected(rows, controls_named, alpha)
+    controls = primary_controls(detected, rows)
     if not controls:
         design = "No positive-control arm ran: the design's power is unknown and NO equivalence is claimed."
     elif all(controls.values()):
         design = (
             f"The positive control ({', '.join(controls)}) is detected on the primary metric: equivalence "
-            "verdicts below count."
+            "verdicts on it count; on a secondary metric one counts only where the control is detected on that "
+            "metric too (its rows below)."
         )
     else:
         design = (
             f"The positive control ({', '.join(a for a, ok in controls.items() if not ok)}) is NOT detected on "
-            "the primary metric: this design cannot discriminate a gradient of that quality from exact, and NO "
-            "equivalence claim is made (a passed TOST below is reported as 'no claim')."
+            "the primary metric: this design cannot discriminate a gradient of that quality from exact there, and "
+            "NO equivalence claim is made on it (a passed TOST below is reported as 'no claim'; on a secondary "
+            "metric one counts only where every control is detected on that metric)."
         )
     if proto.get("note"):
         design += f" {proto['note'].strip()}"
@@ -805,7 +833,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         "brackets (family = the arm's secondary metrics); verdicts use them. 'Worse' needs the t-test and the "
         "sign-flip test. A 95% interval containing 0 means no difference was detected, not that there is none.",
         "",
-        *battery_table(rows, alpha, controls, controls_named, ref, proto.get("baselines")),
+        *battery_table(rows, alpha, detected, controls_named, ref, proto.get("baselines")),
         "",
     ]
     judge = judge_table(stats, df, arms)
@@ -822,8 +850,10 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         ]
     lines += (
         (equal_cost.section_lines(df, stats, proto, ec) if ec else [])
-        + goal_lines(stats, proto, name, controls)
+        + (equal_cost.drift_lines(df, stats, ec, arms) if ec else [])
+        + goal_lines(stats, proto, name, detected)
         + contrast_lines(stats, proto)
+        + share_lines(stats, proto["recipes"].get(name, {}).get("share"))
         + sizing_lines(stats, proto, specs)
         + fidelity_lines(df, arms)
         + dose_lines(df, stats, proto, arms, specs)
@@ -857,8 +887,9 @@ def _p(p: float) -> str:
     return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
 
 
-def goal_lines(stats: dict, proto: dict, name: str, controls: dict[str, bool]) -> list[str]:
-    """The recipe's ``goal`` (an equal-cost recipe's non-inferiority reading, ``equal_cost.goal_lines``)."""
+def goal_lines(stats: dict, proto: dict, name: str, detected: dict[tuple, dict[str, bool]]) -> list[str]:
+    """The recipe's ``goal`` (an equal-cost recipe's non-inferiority reading, ``equal_cost.goal_lines``),
+    claimed only where the controls are detected on the goal's own metric (``control_detected``)."""
     goal = proto["recipes"].get(name, {}).get("goal")
     if not goal or goal["metric"] not in stats["metrics"]:
         return []
@@ -867,10 +898,16 @@ def goal_lines(stats: dict, proto: dict, name: str, controls: dict[str, bool]) -
     )
     if len(d) < 2:
         return []
+    controls = detected.get((goal["metric"], goal["summary"]), {})
     control = all(controls.values()) if controls else None
     return equal_cost.goal_lines(
         d, goal, proto["alpha"], proto["power"], control, proto.get("is_pilot", False)
     )
+
+
+def share_lines(stats: dict, spec: dict | None) -> list[str]:
+    """The recipe's pre-registered ``share`` (``equal_cost.share_lines``) at its summary (end or auc)."""
+    return equal_cost.share_lines(stats, spec, SUMMARIES[spec["summary"]]) if spec else []
 
 
 def contrast_lines(stats: dict, proto: dict) -> list[str]:
@@ -1326,7 +1363,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     recipes = {r: proto["recipes"][r] for r in (args.recipes or proto["recipes"])}
     if args.timing:  # before the seeds exist: the timing sizes the runs they will be drawn for
-        print(measure_timing(proto, proto_path, recipes, Path(args.runs + suffix), args.jobs, argv))
+        print(
+            measure_timing(proto, proto_path, recipes, Path(args.runs + suffix), args.jobs, argv, args.arms)
+        )
         return
     untimed = [
         r
@@ -1387,9 +1426,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out}/<recipe>/*.csv, {out}/summary.md, {figures}/reward_curves_<recipe>.png")
 
 
-def measure_timing(proto: dict, proto_path: Path, recipes: dict, runs: Path, n_parallel: int, argv) -> str:
+def measure_timing(
+    proto: dict,
+    proto_path: Path,
+    recipes: dict,
+    runs: Path,
+    n_parallel: int,
+    argv,
+    arms: list[str] | None = None,
+) -> str:
     """An equal-cost recipe's timing run (``equal_cost: timing``: seed, iterations, warm-up left out): every
-    arm trains only, ``n_parallel`` at a time as the analysis runs do; writes ``results/<results>_timing/
+    arm (or those of ``arms``: an amendment times its new arms beside a yardstick) trains only, ``n_parallel``
+    at a time as the analysis runs do; writes ``results/<results>_timing/
     timing.{csv,md}`` with each arm's median seconds per iteration, which the protocol then records (its
     ``seconds_per_iteration``) before any run it sizes. Returns the markdown."""
     proto["timing"] = True
@@ -1400,15 +1448,17 @@ def measure_timing(proto: dict, proto_path: Path, recipes: dict, runs: Path, n_p
         if not ec:
             continue
         t, view = ec["timing"], recipe_protocol(proto, r)
+        timed = {a: o for a, o in view["arms"].items() if arms is None or a in arms}
         common = [*spec.get("overrides", []), *TIMING, f"train.iterations={t['iterations']}"]
         jobs = [
             ((r, a, t["seed"]), spec["config"], o, t["seed"], runs / "timing" / r / a, common)
-            for a, o in view["arms"].items()
+            for a, o in timed.items()
         ]
         dirs = run_all(jobs, n_parallel)
-        mine = iteration_timing({a: dirs[(r, a, t["seed"])] for a in view["arms"]}, t["skip"])
-        ref = next(x for x in mine if x["arm"] == ec["budget_arm"])
-        budget = ec["budget_iterations"] * ref["median_s"]
+        mine = iteration_timing({a: dirs[(r, a, t["seed"])] for a in timed}, t["skip"])
+        # the budget arm's median in this run, else its recorded one (an amendment's run without it)
+        ref = next((x["median_s"] for x in mine if x["arm"] == ec["budget_arm"]), None)
+        budget = ec["budget_iterations"] * (ref or ec["seconds_per_iteration"][ec["budget_arm"]])
         lines += [
             f"## {r}",
             "",

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from plotting import figure_footer, save_figure
 
-# the metrics drawn and tabled: the primary (held-out pref) and the renderer's own geometry judge (no weights,
-# never trained on): a gain both show is not the policy reading its own reward back
-METRICS = ("eval_pref_mean", "eval_attr_geom_mean")
+# the metrics drawn and tabled: the primary (held-out pref), the renderer's own geometry judge and the distance
+# to the nearest clean render (no weights, never trained on; issue 56): a gain they show is not the policy
+# reading its own reward back
+METRICS = ("eval_pref_mean", "eval_attr_geom_mean", "eval_render_match_mean")
 SHARE = 0.8  # time to reach this share of the reference's final gain (the issue's 80%)
 
 
@@ -220,3 +221,129 @@ def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = Non
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     figure_footer(fig, meta, f"world, seeds {sorted(int(k) for k in df.seed.unique())}")
     save_figure(fig, png, 75)
+
+
+DRIFT = 0.15  # the amendment's default tolerance (issue 56): measured pace against the recorded one
+
+
+def measured_pace(df, arm: str) -> float:
+    """The arm's measured seconds per training iteration: each run's median (``train_seconds``: instruments
+    left out), the median over its runs."""
+    import numpy as np
+
+    train = df[(df.strategy == arm)].dropna(subset=["backward_passes"])
+    per_run = train_seconds(train).groupby(train.seed).median()
+    return float(np.median(per_run)) if len(per_run) else math.nan
+
+
+def value_at(df, arm: str, metric: str, iteration: float) -> dict[int, float]:
+    """Per seed: the arm's ``metric`` at ``iteration`` on its evaluation curve (linear between evaluations;
+    its last evaluation where the run ended before it)."""
+    import numpy as np
+
+    out = {}
+    for seed, e in df[df.strategy == arm].dropna(subset=[metric]).sort_values("iteration").groupby("seed"):
+        out[int(seed)] = float(np.interp(iteration, e.iteration, e[metric]))
+    return out
+
+
+def drift_rows(df, ec: dict, arms: list[str]) -> list[dict]:
+    """Equal cost checked in measured seconds (issue 56): per arm its recorded and measured seconds per
+    iteration, the drift, whether it exceeds ``drift_tolerance``, and the iterations its budget buys at the
+    runs' own medians (``budget_iterations`` x the budget arm's measured median / the arm's). Arms of fixed
+    length (``iterations``) are not at equal cost and get no recomputed budget."""
+    tol, secs = ec.get("drift_tolerance", DRIFT), ec.get("seconds_per_iteration") or {}
+    budget = ec["budget_iterations"] * measured_pace(df, ec["budget_arm"])
+    rows = []
+    for arm in arms:
+        pace, fixed = measured_pace(df, arm), arm in (ec.get("iterations") or {})
+        drift = pace / secs[arm] - 1 if arm in secs else math.nan
+        trained = int(df[df.strategy == arm].iteration.max())
+        rows.append(
+            {
+                "arm": arm,
+                "recorded_s": secs.get(arm, math.nan),
+                "measured_s": pace,
+                "drift": drift,
+                "flagged": bool(abs(drift) > tol) if math.isfinite(drift) else False,
+                "iterations": trained,
+                "iterations_measured": None if fixed or not math.isfinite(pace) else int(budget // pace),
+            }
+        )
+    return rows
+
+
+def drift_lines(df, stats: dict, ec: dict, arms: list[str], metric: str = "eval_pref_mean") -> list[str]:
+    """Markdown: ``drift_rows``, and for a flagged arm its gain over the base at its recomputed budget."""
+    import numpy as np
+
+    if "backward_passes" not in df or ec.get("drift_tolerance") is None:
+        return []
+    rows = drift_rows(df, ec, arms)
+    lines = [
+        f"### Equal cost in measured seconds (drift tolerance {ec['drift_tolerance']:.0%})",
+        "",
+        "Measured: each run's median training seconds per iteration (instruments left out), median over the "
+        "arm's runs. A flagged arm's budget is recomputed from the runs' own medians: "
+        f"{ec['budget_iterations']} x {ec['budget_arm']}'s measured median / the arm's; its {metric[5:-5]} gain "
+        "is read there on its curve (linear between evaluations; 'ran short': the run ended before it, its end).",
+        "",
+        f"| arm | s/iteration recorded | measured | drift | flagged | iterations run | iterations at the measured "
+        f"budget | {metric[5:-5]} gain there |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        there = "-"
+        if r["flagged"] and r["iterations_measured"] is not None:
+            at = value_at(df, r["arm"], metric, r["iterations_measured"])
+            g = [v - stats["base"][k][metric] for k, v in at.items() if k in stats["base"]]
+            short = " (ran short)" if r["iterations_measured"] > r["iterations"] else ""
+            there = f"{np.mean(g):+.3f} (n {len(g)}){short}" if g else "-"
+        lines.append(
+            f"| {r['arm']} | {r['recorded_s']:.2f} | {r['measured_s']:.2f} | {r['drift']:+.1%} | "
+            f"{'**yes**' if r['flagged'] else 'no'} | {r['iterations']} | "
+            f"{r['iterations_measured'] if r['iterations_measured'] is not None else 'fixed length'} | {there} |"
+        )
+    return lines + [""]
+
+
+def share(
+    runs: dict, spec: dict, k: int, n_boot: int = 4000, seed: int = 0
+) -> tuple[float, float, float, int]:
+    """The share of ``arm``'s win over ``over`` that ``without`` loses: mean(arm - without) / mean(arm - over)
+    over the seeds all three ran (paired), with a 95% percentile bootstrap over seeds (seeds drawn with
+    replacement, numerator and denominator from the same draw). Returns (share, lo, hi, n)."""
+    import numpy as np
+
+    a, w, o, m = spec["arm"], spec["without"], spec["over"], spec["metric"]
+    seeds = sorted(s for x, s in runs if x == a and (w, s) in runs and (o, s) in runs)
+    num = np.array([runs[(a, s)][m][k] - runs[(w, s)][m][k] for s in seeds])
+    den = np.array([runs[(a, s)][m][k] - runs[(o, s)][m][k] for s in seeds])
+    draws = np.random.default_rng(seed).integers(len(seeds), size=(n_boot, len(seeds)))
+    boot = num[draws].mean(1) / den[draws].mean(1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(num.mean() / den.mean()), float(lo), float(hi), len(seeds)
+
+
+def share_lines(stats: dict, spec: dict | None, k: int) -> list[str]:
+    """Markdown: the recipe's ``share`` (``share``), where its three arms have 2 paired seeds."""
+    if not spec or spec["metric"] not in stats["metrics"]:
+        return []
+    runs = stats["runs"]
+    if (
+        sum(
+            1
+            for x, s in runs
+            if x == spec["arm"] and (spec["without"], s) in runs and (spec["over"], s) in runs
+        )
+        < 2
+    ):
+        return []
+    value, lo, hi, n = share(runs, spec, k)
+    return [
+        f"### {spec['name'][0].upper()}{spec['name'][1:]}",
+        "",
+        f"({spec['arm']} - {spec['without']}) / ({spec['arm']} - {spec['over']}), {spec['metric'][5:-5]} at the "
+        f"{spec['summary']}: {value:+.2f} [{lo:+.2f}, {hi:+.2f}] (95% percentile bootstrap over {n} paired seeds).",
+        "",
+    ]

@@ -26,6 +26,7 @@ import hashlib
 import itertools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from jagg.common import (
@@ -167,9 +168,36 @@ def measure(recipe: str, seeds: list[int], extra: list[str], runs: Path) -> list
     return rows
 
 
-def spearman(x: list[float], y: list[float]) -> float:
-    rank = lambda v: torch.tensor(v).argsort().argsort().double()  # noqa: E731 (no ties in measured values)
-    return torch.corrcoef(torch.stack([rank(x), rank(y)]))[0, 1].item()
+def spearman(x, y) -> float:
+    """Spearman's rank correlation in float64, tied values sharing their mean rank (``scipy.stats.spearmanr``):
+    two controls' fidelities differ by 1e-10, which a float32 cast ties (issue 56: 0.79 for 0.80)."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)).statistic)
+
+
+N_BOOT = 2000  # bootstrap resamples of the seeds
+
+
+def spearman_interval(d, instrument: str, reference: str, n_boot: int = N_BOOT, level: float = 0.95):
+    """The Spearman of ``instrument``'s distance with the next-iteration reward distance across the arms
+    (means over seeds), and its percentile bootstrap interval over seeds: the seeds drawn with replacement,
+    every arm's mean taken over the same draw (the arms of a seed share its rollout). Returns (rho, lo, hi)."""
+    arms = d[(d.arm != "yardstick") & (d.arm != reference)]
+    per_seed = {
+        k: g.set_index("arm")[[instrument, "next_reward_abs_diff"]].astype(float)
+        for k, g in arms.groupby("seed")
+    }
+    seeds = sorted(per_seed)
+
+    def rho(draw) -> float:
+        m = sum(per_seed[k] for k in draw) / len(draw)
+        return spearman(distance(instrument, m[instrument]), m.next_reward_abs_diff)
+
+    rng = np.random.default_rng(0)
+    boots = [rho([seeds[i] for i in rng.integers(len(seeds), size=len(seeds))]) for _ in range(n_boot)]
+    lo, hi = np.nanpercentile(boots, [50 * (1 - level), 50 * (1 + level)])
+    return rho(seeds), float(lo), float(hi)
 
 
 def render(csv: Path) -> str:
@@ -199,13 +227,15 @@ def render(csv: Path) -> str:
         ]
         others = arms.drop(index=d.reference.iloc[0])
         if len(others) >= 3:
+            n = d[d.arm != "yardstick"].seed.nunique()
             lines.append(
                 "Spearman across arms of each instrument's distance (1 - cosine or agreement; a relative error "
-                "as is) with the next-iteration reward distance:"
+                f"as is) with the next-iteration reward distance, [95% percentile bootstrap over the {n} seeds, "
+                f"{N_BOOT} draws]:"
             )
             for k in [k for k in INSTRUMENTS if k in others]:  # a CSV of fewer instruments (an older run)
-                rho = spearman(distance(k, others[k]).tolist(), others.next_reward_abs_diff.tolist())
-                lines.append(f"- {k}: {rho:+.2f}")
+                rho, lo, hi = spearman_interval(d, k, d.reference.iloc[0])
+                lines.append(f"- {k}: {rho:+.2f} [{lo:+.2f}, {hi:+.2f}]")
             lines.append("")
     return "\n".join(lines)
 

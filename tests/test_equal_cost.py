@@ -295,3 +295,67 @@ def test_the_goal_is_non_inferiority_and_needs_the_positive_control():
     below = [-0.30, -0.25, -0.40, -0.20, -0.35, -0.30]
     assert "**not shown**" in "\n".join(equal_cost.goal_lines(below, goal, 0.05, 0.8, control=True))
     assert "NOT the test" in "\n".join(equal_cost.goal_lines(better, goal, 0.05, 0.8, True, pilot=True))
+
+
+def test_a_fixed_length_arm_trains_its_iterations_not_the_budgets():
+    """exact45 (issue 56): exact's pace, knots4's 45 iterations, evaluated at the same fractions of them."""
+    o = curves.equal_cost_overrides({**EC, "iterations": {"exact": 45}}, "exact")
+    assert iterations_of(o) == 45 and "log.eval_at=[0,8,15,22,30,38,45]" in o
+    assert iterations_of(curves.equal_cost_overrides(EC, "exact")) == 24
+
+
+def test_drift_flags_an_arm_off_its_recorded_pace_and_recomputes_its_budget():
+    """knots4 was recorded at 4.0 s and ran at 5.0 s (+25% > 15%): flagged; at the runs' own medians the
+    budget (3 x exact's measured 10 s) buys it 6 iterations, where its curve reads 11.0 / 10.55 (linear between
+    its evaluations after 4 and 8). window2 (2.4 recorded, 2.5 measured: +4%) is not flagged."""
+    df, stats, ec = equal_cost_frame()
+    spec = {"budget_arm": "exact", "budget_iterations": 3, "drift_tolerance": 0.15}
+    spec["seconds_per_iteration"] = {"exact": 10.0, "knots4": 4.0, "window2": 2.4}
+    rows = {r["arm"]: r for r in ec.drift_rows(df, spec, ["exact", "knots4", "window2"])}
+    assert rows["knots4"]["measured_s"] == 5.0 and rows["knots4"]["drift"] == pytest.approx(0.25)
+    assert rows["knots4"]["flagged"] and not rows["window2"]["flagged"] and not rows["exact"]["flagged"]
+    assert rows["knots4"]["iterations_measured"] == 6 and rows["window2"]["iterations_measured"] == 12
+    assert ec.value_at(df, "knots4", "eval_pref_mean", 6) == {1: pytest.approx(11.0), 2: pytest.approx(10.55)}
+    line = next(x for x in ec.drift_lines(df, stats, spec, ["knots4"]) if x.startswith("| knots4"))
+    assert "**yes**" in line and line.endswith("| 6 | +0.775 (n 2) |")
+    assert ec.drift_lines(df, stats, {**spec, "drift_tolerance": None}, ["knots4"]) == []  # the original
+
+
+def test_the_noise_share_is_a_ratio_of_paired_means_with_a_seed_bootstrap():
+    import equal_cost
+
+    m = "eval_pref_mean"
+    runs = {}
+    for s, (a, w, o) in enumerate([(3.0, 2.0, 1.0), (3.0, 2.5, 2.0), (4.0, 2.0, 1.0)]):
+        runs |= {("window2", s): {m: (a, 0)}, ("dance", s): {m: (w, 0)}, ("knots4", s): {m: (o, 0)}}
+    spec = {"arm": "window2", "without": "dance", "over": "knots4", "metric": m}
+    value, lo, hi, n = equal_cost.share(runs, spec, 0)
+    assert n == 3 and value == pytest.approx((1 + 0.5 + 2) / (2 + 1 + 3))
+    assert lo < value < hi and lo >= 0.5 and hi <= 2 / 3 + 1e-12  # within the seeds' own ratios
+
+
+def test_timing_runs_only_the_named_arms(tmp_path, monkeypatch):
+    """--timing --arms: an amendment times its new arms beside a yardstick, not the whole recipe again."""
+    ran = []
+
+    def fake_run_all(jobs, n_parallel):
+        ran.extend(job[0][1] for job in jobs)
+        return {job[0]: tmp_path for job in jobs}
+
+    monkeypatch.setattr(curves, "run_all", fake_run_all)
+    monkeypatch.setattr(
+        curves,
+        "iteration_timing",
+        lambda runs, skip: [
+            dict(arm=a, n=8, median_s=5.0, q1_s=4.0, q3_s=6.0, backward_passes=8) for a in runs
+        ],
+    )
+    monkeypatch.setattr(curves, "world_build", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    window = Path(__file__).resolve().parents[1] / "experiments" / "curves_protocol_window.yaml"
+    proto = curves.load_protocol(window)
+    text = curves.measure_timing(
+        proto, window, proto["recipes"], tmp_path / "r", 2, [], ["window2", "window2_dance"]
+    )
+    assert sorted(ran) == ["window2", "window2_dance"]
+    assert "Budget: 24 iterations of exact = 392 s" in text  # exact not rerun: its recorded 16.32 s

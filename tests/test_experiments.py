@@ -557,7 +557,7 @@ def test_curves_equivalence_counts_only_where_the_positive_control_is_detected()
         df = _runs_frame({"exact": 0.0, "jagg": 0.0, "endpoints": -0.4, "control_0.5": control_effect})
         stats = curves.per_run(df, ["eval_pref_mean"])
         rows = curves.analyse(stats, ["exact", "jagg", "endpoints", "control_0.5"], spec, 0.05, 0.8)
-        controls = curves.control_detected(rows, ["control_0.5"], 0.05)
+        controls = curves.control_detected(rows, ["control_0.5"], 0.05)[("eval_pref_mean", "end")]
         assert controls == {"control_0.5": claim}
         verdicts = {r["arm"]: curves.verdict(r, 0.05, controls, ["control_0.5"]) for r in rows}
         assert verdicts["endpoints"] == "worse than exact"  # the same battery on every arm
@@ -569,6 +569,44 @@ def test_curves_equivalence_counts_only_where_the_positive_control_is_detected()
             assert verdicts["control_0.5"] == "positive control NOT detected"
         jagg = next(r for r in rows if r["arm"] == "jagg")
         assert jagg["worse_flip"] >= 1 / 2**8 and 0 < jagg["mdd"] < 0.2
+
+
+def test_curves_verdict_reads_an_arm_better_than_the_reference():
+    """A clearly better arm reads 'better' (issue 56: window2's +0.949, p < 0.001, read 'no difference shown;
+    underpowered'); better by less than the margin in a design that detects its control is also equivalent."""
+    spec = [{"metric": "eval_pref_mean", "summary": "end", "margin": 0.2, "role": "primary"}]
+    df = _runs_frame({"exact": 0.0, "window2": 0.9, "jagg": 0.1, "control_0.5": -0.5})
+    rows = curves.analyse(curves.per_run(df, ["eval_pref_mean"]), list(df.strategy.unique()), spec, 0.05, 0.8)
+    controls = curves.control_detected(rows, ["control_0.5"], 0.05)[("eval_pref_mean", "end")]
+    verdicts = {r["arm"]: curves.verdict(r, 0.05, controls, ["control_0.5"]) for r in rows}
+    assert verdicts["window2"] == "better than exact"
+    assert verdicts["jagg"] == "better than exact, within the margin"
+    # without a detected control the small gain is still better, never 'equivalent'
+    assert curves.verdict(rows[1], 0.05, {"control_0.5": False}, ["control_0.5"]) == "better than exact"
+
+
+def test_curves_controls_gate_equivalence_only_on_the_metrics_where_they_are_detected():
+    """The control costs the primary metric and not the secondary one: an arm's passed TOST counts on the
+    primary only (issue 56: control_0.8 passed the equivalence test itself on attr_geom, yet gated it)."""
+    df = _runs_frame({"exact": 0.0, "jagg": 0.0, "control_0.5": -0.5})
+    df["eval_clip_mean"] = df.eval_pref_mean.where(df.strategy != "control_0.5", df.eval_pref_mean + 0.5)
+    df.loc[df.iteration == 0, "eval_clip_mean"] = 0.0
+    specs = [
+        {"metric": "eval_pref_mean", "summary": "end", "margin": 0.2, "role": "primary"},
+        {"metric": "eval_clip_mean", "summary": "end", "margin": 0.2, "role": "secondary"},
+    ]
+    rows = curves.analyse(curves.per_run(df), ["exact", "jagg", "control_0.5"], specs, 0.05, 0.8)
+    detected = curves.control_detected(rows, ["control_0.5"], 0.05)
+    assert detected == {
+        ("eval_pref_mean", "end"): {"control_0.5": True},
+        ("eval_clip_mean", "end"): {"control_0.5": False},
+    }
+    table = curves.battery_table(rows, 0.05, detected, ["control_0.5"])
+    jagg = [line.split(" | ")[-1] for line in table if "| jagg |" in line]
+    assert jagg == [
+        "equivalent within the margin |",
+        "TOST passed, NO claim: the design does not detect the positive control on this metric |",
+    ]
 
 
 def test_curves_holm_adjusts_the_secondary_metrics_of_an_arm():
@@ -910,3 +948,27 @@ def test_run_one_records_each_attempts_cpu_seconds_and_reports_a_failure(tmp_pat
     assert curves.cpu_seconds(failed) is None and not (failed / "done").exists()
     metas = [{"cpu_seconds": 1800.0}, {"cpu_seconds": 5400.0}, {}]
     assert curves.cpu_total(metas) == "CPU time 2.0 h over 2 of 3 runs"
+
+
+def test_landing_spearman_ranks_in_float64_with_a_bootstrap_over_seeds():
+    """Two arms whose distances differ by 1e-10 keep their order (a float32 cast tied them: issue 56), and the
+    interval resamples seeds: seeds that agree give a zero-width interval at the point estimate."""
+    import landing
+
+    x, y = [0.2 + 1e-10, 0.2, 0.5, 0.1], [2.0, 1.0, 3.0, 0.0]
+    assert landing.spearman(x, y) == pytest.approx(1.0)
+    rows = [
+        {"seed": k, "arm": a, "fidelity_cosine": 1 - v, "next_reward_abs_diff": r}
+        for k in (40, 41, 42)
+        for a, v, r in (("exact", 0.0, 0.0), *zip("abcd", x, y, strict=True))
+    ]
+    same = pd.DataFrame(rows)
+    assert landing.spearman_interval(same, "fidelity_cosine", "exact", n_boot=50) == pytest.approx(
+        (1.0, 1.0, 1.0)
+    )
+    # one seed ranks the arms backwards: the point estimate stays, the interval opens below it
+    mixed = same.copy()
+    flip = mixed.seed == 42
+    mixed.loc[flip, "next_reward_abs_diff"] = -mixed.loc[flip, "next_reward_abs_diff"]
+    rho, lo, hi = landing.spearman_interval(mixed, "fidelity_cosine", "exact", n_boot=200)
+    assert lo < rho <= hi and lo <= -0.9

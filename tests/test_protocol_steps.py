@@ -155,3 +155,78 @@ def test_a_run_on_another_world_build_than_the_references_is_left_out(tmp_path):
     df = curves.load(tmp_path, {"reference": "exact_blocks", "arms": {"jagg": [], "exact_blocks": []}})
     assert set(zip(df.strategy, df.seed)) == {("exact_blocks", 40), ("exact_blocks", 43), ("jagg", 43)}
     assert df.attrs["other_build"] == ["jagg_seed40"]
+
+
+WINDOW = Path("experiments/curves_protocol_window.yaml")
+
+
+def _arm(name: str):
+    """(config, the arm's algorithm, its config) of the amendment's every_step recipe."""
+    from jagg.config import load_config
+    from jagg.engine.algorithms import ALGORITHMS
+
+    proto = curves.load_protocol(WINDOW)
+    spec = proto["recipes"]["every_step"]
+    cfg = load_config(spec["config"], [*spec["overrides"], *spec["arms"][name]])
+    return spec, ALGORITHMS[cfg.algorithm.name](cfg.algorithm, cfg.backward), cfg
+
+
+def _kinds(name: str, seed: int = 950, it: int = 0) -> list[str]:
+    from jagg.common import SeedStream, generator
+
+    _, algorithm, cfg = _arm(name)
+    kinds = algorithm.step_kinds(
+        cfg.sampling.num_steps, generator(seed, SeedStream.ROLLOUT, it), iteration=it
+    )
+    return algorithm.sampling_kinds(kinds)
+
+
+def test_the_amendments_arms_train_and_sample_what_their_names_say():
+    """issue 56: window2_dance trains window2's window (same steps every iteration and seed) under the dance SDE
+    on every step but the last; window10_knots2 and knots4_window_noise train steps 0-9 with the window's SDE
+    there and the ODE elsewhere; knots4 trains all 20 steps."""
+    spec = curves.load_protocol(WINDOW)["recipes"]["every_step"]
+    steps = {
+        a: curves.trained_steps_of(spec["config"], [*spec["overrides"], *o], 951, 6)
+        for a, o in spec["arms"].items()
+    }
+    assert all(torch.equal(a, b) for a, b in zip(steps["window2_dance"], steps["window2"], strict=True))
+    assert all(s.shape[1] == 2 and s[0, 0] < 9 and s[0, 1] == s[0, 0] + 1 for s in steps["window2"])
+    for arm in ("window10_knots2", "knots4_window_noise"):
+        assert all(torch.equal(s[0], torch.arange(10)) for s in steps[arm])
+    assert all(torch.equal(s[0], torch.arange(20)) for s in steps["knots4"])
+    assert _kinds("window2_dance") == ["dance"] * 20 + ["ode"]
+    assert _kinds("window10_knots2") == ["flow_grpo"] * 10 + ["ode"] * 11
+    assert _kinds("window2").count("flow_grpo") == 2  # the window's own rollout, untouched
+    assert _arm("window2_dance")[2].algorithm.noise_level == 1.0 == _arm("exact")[2].algorithm.noise_level
+
+
+def test_a_trained_ode_step_is_refused():
+    """knots over all 20 steps with the SDE on steps 0-9 only would train ODE steps (no sampling density)."""
+    from jagg.config import load_config
+    from jagg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algorithm.sde_steps=\[0, 10\] .*steps 0..19"):
+        load_config(
+            "configs/world/curves_flux_every_step.yaml",
+            [
+                "backward.strategy=knots",
+                "backward.knots=4",
+                "algorithm.sde_kind=flow_grpo",
+                "algorithm.sde_steps=[0, 10]",
+            ],
+        )
+
+
+def test_window10_jagg_is_window10_knots2s_plan():
+    """Two knots over a window of 10 sit at its first and last step with the hat weights of t: JAGG's one group
+    of W = 10 (its t-weights), so the amendment registers no window10_jagg arm."""
+    from jagg.engine.knots import Knots
+    from jagg.engine.sde import shifted_linear_sigmas
+    from jagg.engine.strategies import jagg_weights
+
+    cfg = _arm("window10_knots2")[2]
+    sigma = shifted_linear_sigmas(cfg.sampling.num_steps)[:10]
+    plan = Knots(count=cfg.backward.knots, placement=cfg.backward.placement).interpolation(sigma)
+    assert plan.knots == (0, 9)
+    assert torch.allclose(plan.weights, jagg_weights(sigma.double()))

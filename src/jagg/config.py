@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS
+from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS, validate_sde_steps
 from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import PLACEMENTS, Knots
 from jagg.engine.routing import BackwardSetting, Routing, validate_routing
@@ -199,6 +199,10 @@ class AlgorithmConfig:
     # multiplies the advantages before their clamp (adv_clip): 0.75 reproduces MixGRPO's run as launched, whose
     # failing UnifiedReward took a quarter of the weight at advantage 0 (docs/references.md, MixGRPO)
     adv_scale: float = 1.0
+    # [lo, hi): the rollout samples steps lo..hi-1 with the SDE and every other step with the ODE, whichever steps
+    # the algorithm trains (empty: the algorithm's own SDE steps). Each step it may train must lie inside: an ODE
+    # step has no sampling density (jagg.engine.algorithms.Algorithm.sampling_kinds; issue 56's noise swaps)
+    sde_steps: list[int] = field(default_factory=list)
 
     def step_loss(
         self, steps: TrainedSteps, advantages, *, scale: float = 1.0, ref_velocity=None
@@ -911,6 +915,7 @@ def _validate_algorithm(
         f"got {algorithm.name!r}",
     )
     ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
+    validate_sde_steps(algorithm, sampling.num_steps)
     _require(
         algorithm.name != "mixgrpo" or algorithm.dpm_algorithm_type == "none" or sampling.schedule == "shift",
         f"algorithm.dpm_algorithm_type={algorithm.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "

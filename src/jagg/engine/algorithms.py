@@ -78,6 +78,21 @@ class Algorithm:
         MixGRPO-Flash (fewer DPM-Solver++ steps after the window; the trained steps keep their index and time)."""
         return sigmas, kinds
 
+    def sampling_kinds(self, kinds: list[str]) -> list[str]:
+        """The kinds the rollout samples with: ``kinds`` (what ``trained_steps`` reads), or with
+        ``algorithm.sde_steps = [lo, hi)`` the SDE on steps lo..hi-1 and the ODE elsewhere. It swaps the rollout's
+        noise and keeps the trained steps (issue 56: a window trained under every step's noise, every step's
+        arm under the window's); no draw changes, so the trained steps stay those of the same seed."""
+        if not self.cfg.sde_steps:
+            return kinds
+        lo, hi = self.cfg.sde_steps
+        return [self.cfg.sde_kind if lo <= i < hi else "ode" for i in range(len(kinds))]
+
+    @staticmethod
+    def trainable(cfg, num_steps: int) -> range:
+        """Every step the algorithm may train in a schedule of ``num_steps`` steps."""
+        return range(num_steps)
+
     def windows(self, num_steps: int, iterations: range) -> list[range] | None:
         """The windows a routing per window position is measured for (``jagg.loop.calibration``), or None where
         the trained steps are not one window of consecutive steps shared by the batch and keyed by its first step
@@ -131,6 +146,10 @@ class DanceGRPO(Algorithm):
                 f"a multiple of backward.group_size (e.g. sampling.num_steps={-(-(num_steps - 1) // size) * size + 1})"
             )
 
+    @staticmethod
+    def trainable(cfg, num_steps: int) -> range:
+        return range(num_steps - 1)
+
     def step_kinds(self, num_steps: int, gen: torch.Generator, iteration: int = 0) -> list[str]:
         # The last step outputs DanceGRPO's ``pred_original`` (= the ODE step to sigma = 0), see above.
         return [self.cfg.sde_kind] * (num_steps - 1) + ["ode"]
@@ -168,6 +187,10 @@ class FlowGRPO(Algorithm):
         t = max(1, int(0.99 * len(kinds)))
         return torch.arange(t).expand(batch, t).clone()
 
+    @staticmethod
+    def trainable(cfg, num_steps: int) -> range:
+        return range(max(1, int(0.99 * num_steps)))
+
 
 class FlowGRPOFast(Algorithm):
     name = "flowgrpo_fast"
@@ -181,6 +204,10 @@ class FlowGRPOFast(Algorithm):
                 f"algorithm.sde_window_range={cfg.sde_window_range} with sde_window_size={size} is outside the "
                 f"schedule; allowed: [lo, hi] with 0 <= lo, hi <= sampling.num_steps={num_steps}, hi - lo >= size >= 1"
             )
+
+    @staticmethod
+    def trainable(cfg, num_steps: int) -> range:
+        return range(*cfg.sde_window_range)
 
     def window(self, num_steps: int, gen: torch.Generator) -> range:
         lo, hi = self.cfg.sde_window_range
@@ -392,3 +419,25 @@ class MixGRPO(Algorithm):
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (DanceGRPO, FlowGRPO, FlowGRPOFast, MixGRPO)}
+
+
+def validate_sde_steps(cfg, num_steps: int) -> None:
+    """``algorithm.sde_steps`` (``Algorithm.sampling_kinds``): empty, or [lo, hi) inside the schedule covering
+    every step the algorithm may train. A trained ODE step would have no sampling density: its stored log-prob
+    is 0 and the SDE's log-prob of a deterministic sample is not a policy's, so its ratio would be meaningless.
+    MixGRPO's window moves and sets its own SDE steps (and MixGRPO-Flash its solver after them): refused."""
+    if not cfg.sde_steps:
+        return
+    span = cfg.sde_steps
+    if cfg.name == "mixgrpo":
+        raise ConfigError(
+            "algorithm.sde_steps does not apply to algorithm.name=mixgrpo (its window sets the SDE steps)"
+        )
+    need = ALGORITHMS[cfg.name].trainable(cfg, num_steps)
+    ok = len(span) == 2 and 0 <= span[0] < span[1] <= num_steps
+    if not ok or need.start < span[0] or need.stop > span[1]:
+        raise ConfigError(
+            f"algorithm.sde_steps={list(span)} must be [lo, hi] with 0 <= lo < hi <= sampling.num_steps="
+            f"{num_steps} covering every step {cfg.name} may train (steps {need.start}..{need.stop - 1}): "
+            f"allowed lo <= {need.start}, hi >= {need.stop}"
+        )

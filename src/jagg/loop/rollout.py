@@ -172,7 +172,9 @@ class Sampler:
             lambda rows: self.velocity(cond.select(rows)),
             noise,
             sigmas.to(self.device),
-            kinds,
+            self.algorithm.sampling_kinds(
+                kinds
+            ),  # algorithm.sde_steps swaps the noise, not the trained steps
             batch_size=train.train_batch_size,
             first_sample=mine.start,
             sde_seed=sde_seed,

@@ -53,6 +53,7 @@ REWARD_NAMES = (
     "per_frame",
     "pickscore",
     "pref",
+    "render_match",
     "temporal",
     "video_geom",
     "video_pref",

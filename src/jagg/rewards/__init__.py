@@ -33,7 +33,7 @@ class Reward(Protocol):
 REWARDS: dict[str, Callable[..., Reward]] = {}
 # Held-out judges: allowed in ``reward.eval``, refused in ``reward.weights`` (a metric the policy trains on is
 # no longer independent evidence of quality).
-EVAL_ONLY = frozenset({"attr_judge", "attr_geom", "motion_geom", "video_geom"})
+EVAL_ONLY = frozenset({"attr_judge", "attr_geom", "render_match", "motion_geom", "video_geom"})
 # The rewards that score videos (B, 3, F, H, W) (``jagg.rewards.video``, ``jagg.world.video_rewards``): the only
 # ones a Wan run may name (its samples are videos); an image reward scores a video through ``per_frame``.
 VIDEO_REWARDS = frozenset(

@@ -66,6 +66,7 @@ NOT_CHECKED = {
     "jpeg": "no weights: the JPEG size of the image",
     "jpeg_incompressibility": "no weights: the JPEG size of the image",
     "attr_geom": "no weights: read from the embedded world's render geometry",
+    "render_match": "no weights: the distance to the embedded world's own clean renders",
     "temporal": "no weights: differences of consecutive frames",
     **dict.fromkeys(("motion_geom", "video_geom"), "no weights: read from the video world's clip geometry"),
     **dict.fromkeys(

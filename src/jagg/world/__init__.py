@@ -3,8 +3,8 @@
     World / WorldConfig     colours x shapes x positions, prompts, deterministic PIL renders, pixel latents
     WorldTextEncoder        frozen prompt encoder: encode_prompts(list[str]) -> jagg.models.TextCond
     load_pretrained(name)   (backbone, text_encoder) for "flux" | "qwenimage" | "wan" from cache/world/
-    jagg.world.rewards      the "clip", "pref", "attr", "attr_soft" rewards and the eval-only "attr_judge" and
-                            "attr_geom" (registered in jagg.rewards)
+    jagg.world.rewards      the "clip", "pref", "attr", "attr_soft" rewards and the eval-only "attr_judge",
+                            "attr_geom" and "render_match" (registered in jagg.rewards)
     jagg.world.geometry     the non-learned attribute reading behind "attr_geom" (palette, centroid, harmonics)
     VideoWorld              the moving-shapes video world (jagg.world.video): clips (B, 3, F, H, W) of the same
                             objects moving right / left / up / down; its tiny Wan is load_pretrained("wan")

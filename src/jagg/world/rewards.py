@@ -11,6 +11,8 @@
     attr_geom  eval only: exact attribute match read from the renderer's geometry (``jagg.world.geometry``:
           nearest palette colour, coverage centroid, angular harmonics); no weights, a judge of another
           kind than the two learned ones                                                          ({0, 1})
+    render_match  eval only: 1 - the RMS pixel distance to the nearest of ``RENDER_BANK`` clean renders of the
+          sample's own prompt (``RenderMatchReward``); no weights, a quality judge no policy trains on   ([0, 1])
     attr_soft  the same classifier's probability of the prompt's colour x shape x position: a dense training
           signal (every image of a group is ranked, not only right / wrong); ``attr`` stays the metric ([0, 1])
 
@@ -22,8 +24,10 @@ build these rewards (``jagg.world.build.world_rewards`` calls them too).
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -165,3 +169,48 @@ def attr_geom_reward(device: torch.device | None = None) -> GeometryReward:
     """Eval-only exact attribute match read from the render's geometry (no weights, no ``make pretrain``);
     it runs on the CPU whatever ``device`` is, like the world's other judges."""
     return GeometryReward(World())
+
+
+RENDER_BANK = (
+    256  # clean renders per prompt: the jitter's 5 continuous draws, enough that the nearest is close
+)
+
+
+class RenderMatchReward:
+    """1 - the RMS pixel distance from each sample to the nearest clean render of its own prompt (issue 56).
+
+    The world draws every training image from ``World.render`` (jittered position, size, angle, colour and
+    background), so a faithful sample lies near one of them; a degraded, off-prompt or hacked one does not.
+    Each prompt's bank is ``RENDER_BANK`` renders from a generator seeded by the prompt's CRC-32: the same
+    bank on every run and machine, drawn lazily. No weights, nothing learned, never a training reward."""
+
+    def __init__(self, world: World, bank: int = RENDER_BANK) -> None:
+        self.world, self.bank = world, bank
+        self._renders: dict[str, Tensor] = {}
+
+    def renders(self, prompt: str) -> Tensor:
+        """(bank, 3 H W) flat clean renders of ``prompt``."""
+        if prompt not in self._renders:
+            rng = np.random.default_rng(zlib.crc32(prompt.encode()))
+            attrs = [self.world.parse(prompt)] * self.bank
+            self._renders[prompt] = self.world.render_attributes(attrs, rng)[0].flatten(1).double()
+        return self._renders[prompt]
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: list[str]) -> Tensor:
+        if images.ndim != 4 or images.shape[1] != 3 or images.shape[0] != len(prompts):
+            raise ValueError(
+                f"images must be (B, 3, H, W) with B = {len(prompts)}, got {tuple(images.shape)}"
+            )
+        flat = images.detach().cpu().double().clamp(0, 1).flatten(1)
+        rms = [
+            ((self.renders(p) - x).pow(2).mean(1).min()).sqrt() for x, p in zip(flat, prompts, strict=True)
+        ]
+        return (1 - torch.stack(rms)).float()
+
+
+@register_reward("render_match")
+def render_match_reward(device: torch.device | None = None) -> RenderMatchReward:
+    """Eval-only: closeness to the nearest clean render of the sample's own prompt (no weights, no
+    ``make pretrain``); on the CPU whatever ``device`` is, like the world's other judges."""
+    return RenderMatchReward(World())
