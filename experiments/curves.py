@@ -111,6 +111,7 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
             for a in proto["pilot"]["arms"]
             if any(o.startswith("train.control_cosine=") for o in proto["arms"].get(a, []))
         ]
+        proto.pop("design_controls", None)  # named among the later arms: the pilot's check reads its own
         for spec in proto["recipes"].values():  # the pilot's seeds replace a recipe's own
             spec.pop("seeds", None)
         for where in (proto, *proto["recipes"].values()):  # a recipe may name its own arms and controls
@@ -135,7 +136,7 @@ def recipe_protocol(proto: dict, name: str) -> dict:
     (``equal_cost_overrides``), except while its timing is measured (``proto["timing"]``)."""
     spec = proto["recipes"].get(name, {})
     own = ("arms", "control_arms", "contrast", "contrasts", "note", "seeds", "reference", "baselines")
-    own += ("staged_arms",)
+    own += ("staged_arms", "design_controls")
     view = {**proto, **{k: spec[k] for k in own if k in spec}}
     timed = set((spec.get("equal_cost") or {}).get("seconds_per_iteration") or {})
     if timed and timed >= set(view["arms"]) and not proto.get("timing"):  # else main() refuses the runs
@@ -530,8 +531,22 @@ def control_detected(rows: list[dict], control_arms: list[str], alpha: float) ->
     out: dict[tuple, dict[str, bool]] = {}
     for r in (r for r in rows if r["arm"] in control_arms):
         worse = r["worse_t_adj"] < alpha and r["worse_flip_adj"] < alpha
-        out.setdefault((r["metric"], r["summary"]), {})[r["arm"]] = worse
+        # a control with no row on a metric where another has one (too few seeds yet) is not detected there
+        out.setdefault((r["metric"], r["summary"]), dict.fromkeys(control_arms, False))[r["arm"]] = worse
     return out
+
+
+def design_controls(proto: dict) -> list[str]:
+    """The controls the design check reads: the protocol's ``design_controls`` where it names them (v4's
+    amendment 2: the two controls trained on every seed of the contrast; the others, at fewer seeds, are its
+    dose-response and keep their own verdicts), else every control arm. Each must be a control arm."""
+    named = proto.get("control_arms", [])
+    chosen = proto.get("design_controls", named)
+    if not set(chosen) <= set(named):
+        raise ValueError(
+            f"design_controls {sorted(set(chosen) - set(named))} are not in control_arms {named}"
+        )
+    return list(chosen)
 
 
 def primary_controls(detected: dict[tuple, dict[str, bool]], rows: list[dict]) -> dict[str, bool]:
@@ -757,7 +772,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     # an equal-cost recipe's arms end at different iterations
     ec = proto["recipes"].get(name, {}).get("equal_cost")
     rows = analyse(stats, arms, specs, alpha, power, ref)
-    detected = control_detected(rows, controls_named, alpha)
+    detected = control_detected(rows, design_controls(proto), alpha)
     controls = primary_controls(detected, rows)
     if not controls:
         design = "No positive-control arm ran: the design's power is unknown and NO equivalence is claimed."
@@ -773,6 +788,11 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             "the primary metric: this design cannot discriminate a gradient of that quality from exact there, and "
             "NO equivalence claim is made on it (a passed TOST below is reported as 'no claim'; on a secondary "
             "metric one counts only where every control is detected on that metric)."
+        )
+    if design_controls(proto) != controls_named:
+        design += (
+            f" The design check reads {', '.join(design_controls(proto))} (the protocol's `design_controls`); "
+            "the other controls keep their own verdicts below."
         )
     if proto.get("note"):
         design += f" {proto['note'].strip()}"

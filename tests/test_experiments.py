@@ -609,6 +609,38 @@ def test_curves_controls_gate_equivalence_only_on_the_metrics_where_they_are_det
     ]
 
 
+def test_curves_design_controls_gate_equivalence_and_an_undetected_or_missing_one_blocks_it():
+    """v4's amendment 2: the design check reads the protocol's ``design_controls`` (both must be detected), not
+    every control arm; a control that is not detected but not named does not block a verdict, and a named one
+    with too few seeds (no row) counts as not detected. The pilot keeps its own controls."""
+    spec = [{"metric": "eval_pref_mean", "summary": "end", "margin": 0.2, "role": "primary"}]
+    df = _runs_frame(
+        {"exact": 0.0, "jagg": 0.0, "control_0.5": -0.5, "control_0.95": 0.0, "control_0.8": -0.5}
+    )
+    arms = list(df.strategy.unique())
+    rows = curves.analyse(curves.per_run(df, ["eval_pref_mean"]), arms, spec, 0.05, 0.8)
+    proto = {"control_arms": ["control_0.95", "control_0.8", "control_0.5"]}
+    every = curves.control_detected(rows, curves.design_controls(proto), 0.05)[("eval_pref_mean", "end")]
+    assert every == {"control_0.95": False, "control_0.8": True, "control_0.5": True}
+    jagg = next(r for r in rows if r["arm"] == "jagg")
+    assert curves.verdict(jagg, 0.05, every, proto["control_arms"]).startswith("TOST passed, NO claim")
+    proto["design_controls"] = ["control_0.8", "control_0.5"]
+    named = curves.control_detected(rows, curves.design_controls(proto), 0.05)[("eval_pref_mean", "end")]
+    assert named == {"control_0.8": True, "control_0.5": True}
+    assert curves.verdict(jagg, 0.05, named, proto["control_arms"]) == "equivalent within the margin"
+    # one of the named controls has no row yet (too few seeds): not detected, no claim
+    short = [r for r in rows if r["arm"] != "control_0.5"]
+    missing = curves.control_detected(short, curves.design_controls(proto), 0.05)[("eval_pref_mean", "end")]
+    assert missing == {"control_0.8": True, "control_0.5": False}
+    assert curves.verdict(jagg, 0.05, missing, proto["control_arms"]).startswith("TOST passed, NO claim")
+    with pytest.raises(ValueError, match="not in control_arms"):
+        curves.design_controls({"control_arms": ["control_0.8"], "design_controls": ["control_0.3"]})
+    v4 = curves.load_protocol(curves.PROTOCOL.with_name("curves_protocol_v4.yaml"))
+    assert curves.design_controls(v4) == ["control_blocks_0.8", "control_blocks_fresh_0.5"]
+    pilot = curves.load_protocol(curves.PROTOCOL.with_name("curves_protocol_v4.yaml"), pilot=True)
+    assert curves.design_controls(pilot) == pilot["control_arms"] != []
+
+
 def test_curves_holm_adjusts_the_secondary_metrics_of_an_arm():
     df = _runs_frame({"exact": 0.0, "endpoints": -0.05})
     df["eval_clip_mean"] = df.eval_pref_mean
