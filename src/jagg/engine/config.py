@@ -42,42 +42,39 @@ class SamplingConfig:
     def validate(self, model) -> None:
         """Ranges, and what the run's ``model`` section (its ``source`` and ``backbone``) allows; ``ConfigError``
         naming the key and what is allowed."""
-        sampling = self
         require(
-            sampling.schedule in ("shift", "scheduler"),
-            f"sampling.schedule must be shift|scheduler, got {sampling.schedule!r}",
+            self.schedule in ("shift", "scheduler"),
+            f"sampling.schedule must be shift|scheduler, got {self.schedule!r}",
         )
         require(
-            sampling.schedule == "shift" or model.source == "pretrained",
+            self.schedule == "shift" or model.source == "pretrained",
             f"sampling.schedule=scheduler needs model.source=pretrained (a diffusers scheduler), got {model.source!r}",
         )
-        require(sampling.num_steps >= 2, f"sampling.num_steps must be >= 2, got {sampling.num_steps}")
+        require(self.num_steps >= 2, f"sampling.num_steps must be >= 2, got {self.num_steps}")
         require(
-            sampling.eval_num_steps >= 1,
-            f"sampling.eval_num_steps must be >= 1, got {sampling.eval_num_steps}",
+            self.eval_num_steps >= 1,
+            f"sampling.eval_num_steps must be >= 1, got {self.eval_num_steps}",
         )
-        require(sampling.shift > 0, f"sampling.shift must be > 0, got {sampling.shift}")
+        require(self.shift > 0, f"sampling.shift must be > 0, got {self.shift}")
         require(
-            sampling.latent_size >= 2 and sampling.latent_size % 2 == 0,
-            f"sampling.latent_size must be even and >= 2, got {sampling.latent_size}",
+            self.latent_size >= 2 and self.latent_size % 2 == 0,
+            f"sampling.latent_size must be even and >= 2, got {self.latent_size}",
         )
         require(
-            sampling.latent_width is None
-            or (
-                sampling.latent_width >= 2 and sampling.latent_width % 2 == 0 and model.source == "pretrained"
-            ),
+            self.latent_width is None
+            or (self.latent_width >= 2 and self.latent_width % 2 == 0 and model.source == "pretrained"),
             "sampling.latent_width must be null or an even integer >= 2 (model.source=pretrained only), got "
-            f"{sampling.latent_width!r}",
+            f"{self.latent_width!r}",
         )
         require(
-            sampling.latent_frames >= 1 and (model.backbone == "wan" or sampling.latent_frames == 1),
-            f"sampling.latent_frames must be >= 1 for model.backbone=wan and 1 otherwise, got {sampling.latent_frames}",
+            self.latent_frames >= 1 and (model.backbone == "wan" or self.latent_frames == 1),
+            f"sampling.latent_frames must be >= 1 for model.backbone=wan and 1 otherwise, got {self.latent_frames}",
         )
         # Wan's hub scheduler is a UniPC multistep one, which the Euler / SDE steps here do not run: the shifted
         # linear schedule (sampling.shift) is the one Wan GRPO recipes sample with
         require(
-            model.backbone != "wan" or sampling.schedule == "shift",
-            f"sampling.schedule must be shift for model.backbone=wan (its scheduler is UniPC), got {sampling.schedule!r}",
+            model.backbone != "wan" or self.schedule == "shift",
+            f"sampling.schedule must be shift for model.backbone=wan (its scheduler is UniPC), got {self.schedule!r}",
         )
 
 
@@ -158,59 +155,56 @@ class AlgorithmConfig:
     def validate(self, sampling, backward: BackwardConfig) -> None:
         """Ranges and consistency against the run's ``sampling`` section (its ``num_steps`` and ``schedule``)
         and ``backward``; ``ConfigError`` naming the key and what is allowed."""
-        algorithm = self
         require(
-            algorithm.name in ALGORITHMS,
-            f"algorithm.name must be one of {sorted(ALGORITHMS)}, got {algorithm.name!r}",
+            self.name in ALGORITHMS,
+            f"algorithm.name must be one of {sorted(ALGORITHMS)}, got {self.name!r}",
         )
         require(
-            algorithm.sde_kind in SDE_KINDS and algorithm.sde_kind != "ode",
-            f"algorithm.sde_kind must be dance|flow_grpo|cps, got {algorithm.sde_kind!r}",
+            self.sde_kind in SDE_KINDS and self.sde_kind != "ode",
+            f"algorithm.sde_kind must be dance|flow_grpo|cps, got {self.sde_kind!r}",
         )
-        require(algorithm.noise_level > 0, f"algorithm.noise_level must be > 0, got {algorithm.noise_level}")
+        require(self.noise_level > 0, f"algorithm.noise_level must be > 0, got {self.noise_level}")
         require(
-            0 < algorithm.timestep_fraction <= 1,
-            f"algorithm.timestep_fraction must be in (0, 1], got {algorithm.timestep_fraction}",
+            0 < self.timestep_fraction <= 1,
+            f"algorithm.timestep_fraction must be in (0, 1], got {self.timestep_fraction}",
         )
-        require(algorithm.clip_range > 0, f"algorithm.clip_range must be > 0, got {algorithm.clip_range}")
-        require(algorithm.adv_clip > 0, f"algorithm.adv_clip must be > 0, got {algorithm.adv_clip}")
+        require(self.clip_range > 0, f"algorithm.clip_range must be > 0, got {self.clip_range}")
+        require(self.adv_clip > 0, f"algorithm.adv_clip must be > 0, got {self.adv_clip}")
         require(
-            algorithm.adv_std in ("group", "global"),
-            f"algorithm.adv_std must be group|global, got {algorithm.adv_std!r}",
-        )
-        require(
-            algorithm.adv_aggregation in ADV_AGGREGATIONS,
-            f"algorithm.adv_aggregation must be one of {list(ADV_AGGREGATIONS)}, got {algorithm.adv_aggregation!r}",
-        )
-        require(algorithm.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {algorithm.kl_beta}")
-        require(
-            isinstance(algorithm.adv_scale, int | float) and 0 < algorithm.adv_scale <= 1e3,
-            f"algorithm.adv_scale must be a number in (0, 1000], got {algorithm.adv_scale!r}",
+            self.adv_std in ("group", "global"),
+            f"algorithm.adv_std must be group|global, got {self.adv_std!r}",
         )
         require(
-            algorithm.kl_std in KL_STD,
-            f"algorithm.kl_std must be one of {list(KL_STD)}, got {algorithm.kl_std!r}",
+            self.adv_aggregation in ADV_AGGREGATIONS,
+            f"algorithm.adv_aggregation must be one of {list(ADV_AGGREGATIONS)}, got {self.adv_aggregation!r}",
+        )
+        require(self.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {self.kl_beta}")
+        require(
+            isinstance(self.adv_scale, int | float) and 0 < self.adv_scale <= 1e3,
+            f"algorithm.adv_scale must be a number in (0, 1000], got {self.adv_scale!r}",
         )
         require(
-            algorithm.step_selection in STEP_SELECTIONS,
-            f"algorithm.step_selection must be one of {list(STEP_SELECTIONS)}, got {algorithm.step_selection!r}",
+            self.kl_std in KL_STD,
+            f"algorithm.kl_std must be one of {list(KL_STD)}, got {self.kl_std!r}",
         )
         require(
-            algorithm.exact_steps in EXACT_STEPS,
-            f"algorithm.exact_steps must be one of {list(EXACT_STEPS)}, got {algorithm.exact_steps!r}",
+            self.step_selection in STEP_SELECTIONS,
+            f"algorithm.step_selection must be one of {list(STEP_SELECTIONS)}, got {self.step_selection!r}",
         )
         require(
-            algorithm.step_selection == "sorted_subset" or algorithm.name == "dancegrpo",
-            f"algorithm.step_selection={algorithm.step_selection} applies to algorithm.name=dancegrpo only, "
-            f"got {algorithm.name!r}",
+            self.exact_steps in EXACT_STEPS,
+            f"algorithm.exact_steps must be one of {list(EXACT_STEPS)}, got {self.exact_steps!r}",
         )
-        ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
-        validate_sde_steps(algorithm, sampling.num_steps)
         require(
-            algorithm.name != "mixgrpo"
-            or algorithm.dpm_algorithm_type == "none"
-            or sampling.schedule == "shift",
-            f"algorithm.dpm_algorithm_type={algorithm.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "
+            self.step_selection == "sorted_subset" or self.name == "dancegrpo",
+            f"algorithm.step_selection={self.step_selection} applies to algorithm.name=dancegrpo only, "
+            f"got {self.name!r}",
+        )
+        ALGORITHMS[self.name].validate(self, sampling.num_steps, backward)
+        validate_sde_steps(self, sampling.num_steps)
+        require(
+            self.name != "mixgrpo" or self.dpm_algorithm_type == "none" or sampling.schedule == "shift",
+            f"algorithm.dpm_algorithm_type={self.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "
             f"schedule after the window: needs sampling.schedule=shift, got {sampling.schedule!r}",
         )
 
@@ -316,30 +310,29 @@ class BackwardConfig(CalibrationKeys):
 
     def validate(self) -> None:
         """Ranges and consistency; each calibrator's keys by its own config; ``ConfigError`` naming the key."""
-        backward = self
         require(
-            backward.group_size is not None or backward.jagg_frac is None,
+            self.group_size is not None or self.jagg_frac is None,
             "backward.group_size=auto chooses W by the measured routing: set backward.jagg_frac=auto too "
-            f"(got jagg_frac={backward.jagg_frac!r})",
+            f"(got jagg_frac={self.jagg_frac!r})",
         )
         for calibration in dict.fromkeys(CALIBRATIONS.values()):  # each calibrator's keys, its own checks
-            calibration.of(backward).validate()
-        frac = 1.0 if backward.jagg_frac is None else backward.jagg_frac
+            calibration.of(self).validate()
+        frac = 1.0 if self.jagg_frac is None else self.jagg_frac
         try:  # the one routing validator (the engine's)
-            for w in backward.candidate_group_sizes:
-                validate_routing(w, frac, backward.strategy)
-            GraphRun(graph_mode=backward.graph_mode, endpoint_signals=backward.endpoint_signals)
+            for w in self.candidate_group_sizes:
+                validate_routing(w, frac, self.strategy)
+            GraphRun(graph_mode=self.graph_mode, endpoint_signals=self.endpoint_signals)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         require(
-            isinstance(backward.knots, int) and backward.knots >= 2,
-            f"backward.knots must be an integer >= 2, got {backward.knots!r}",
+            isinstance(self.knots, int) and self.knots >= 2,
+            f"backward.knots must be an integer >= 2, got {self.knots!r}",
         )
         require(
-            backward.placement is None or backward.placement in PLACEMENTS,
-            f"backward.placement must be one of {[*PLACEMENTS, 'auto']}, got {backward.placement!r}",
+            self.placement is None or self.placement in PLACEMENTS,
+            f"backward.placement must be one of {[*PLACEMENTS, 'auto']}, got {self.placement!r}",
         )
         require(
-            backward.max_rows is None or backward.max_rows >= 1,
-            f"backward.max_rows must be an integer >= 1 or null, got {backward.max_rows!r}",
+            self.max_rows is None or self.max_rows >= 1,
+            f"backward.max_rows must be an integer >= 1 or null, got {self.max_rows!r}",
         )
