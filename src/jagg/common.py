@@ -3,6 +3,7 @@ atomic writes, a progress line with an ETA for long drivers, and the old names o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -319,3 +320,9 @@ def expert_side(sigma: torch.Tensor | float, boundaries: tuple[float, ...] | lis
     for b in boundaries:
         side += (t >= b * NUM_TRAIN_TIMESTEPS).long()
     return side
+
+
+def auto_field(default, allowed: str):
+    """A config field whose YAML value may be ``auto``: None in the dataclass (decided at run time), ``default``
+    otherwise; the metadata says what else the key allows (``jagg.config`` reads it and names it in errors)."""
+    return dataclasses.field(default=default, metadata={"auto": allowed})

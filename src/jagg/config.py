@@ -1,20 +1,18 @@
-"""Typed training configuration: dataclasses, YAML loading with inheritance, ``a.b=value`` overrides, checks.
+"""Typed training configuration: the ``Config`` of a run, YAML loading with inheritance, ``a.b=value`` overrides,
+stored configs of earlier versions, checks.
 
-A YAML file may name a parent with ``inherit: other.yaml`` (relative to itself); keys are merged recursively,
-so configs that differ only in, e.g., the backward strategy share one base file. A key that was renamed
-(``RENAMED_KEYS``) is still read under its old name, in a file, an override and a run's stored config
-(``current_keys``), and means the same. Every error is a
-``ConfigError`` (``jagg.errors``) whose message names the key and what is allowed; the CLI turns it into one
-line on stderr and exit status 2 before anything is written.
+A YAML file may name a parent with ``inherit: other.yaml`` (relative to itself); keys are merged recursively.
+A key that was renamed (``RENAMED_KEYS``) is still read under its old name, in a file, an override and a run's
+stored config (``current_keys``); a run's stored config, written by any earlier version, reads through
+``stored_config`` (keys added since at their defaults). Every error is a ``ConfigError`` (``jagg.errors``)
+naming the key and what is allowed; the CLI prints it as one line and exits 2 before anything is written.
 
-The ``plugins:`` section is composed from the plug-in registry (``jagg.plugins.PLUGINS``): each plug-in declares
-its keys, defaults and checks beside it (``jagg.plugins.base.PluginConfig``). A run's stored config, written by
-any earlier version, reads through ``stored_config`` (keys added since at their defaults).
-
-Layer: above the plug-ins, the engine, the model adapters and the rewards, below the world / scale / loop. It
-imports only those (the names it checks against) and ``jagg.errors``, so loading a config imports neither
-diffusers nor the world; the reward names are checked by the composition root
-(``jagg.loop.components.check_config``).
+A section is declared beside its owner where the owner sits below this module, with its defaults and checks:
+``sampling``, ``algorithm`` and ``backward`` in ``jagg.engine.config`` (``backward`` composes the calibrators'
+keys from ``jagg.engine.routing.CALIBRATIONS``), ``reward`` in ``jagg.rewards``, and ``plugins:`` composed here
+from ``jagg.plugins.PLUGINS`` (each a ``PluginConfig`` beside its plug-in). The sections whose owners sit
+above (model, optim, train, data, log) are declared here. Importing this module imports neither diffusers
+nor the world; the reward names are checked by the composition root (``jagg.loop.components.check_config``).
 """
 
 from __future__ import annotations
@@ -33,15 +31,11 @@ from typing import Any
 
 import yaml
 
-from jagg.engine.algorithms import ALGORITHMS, EXACT_STEPS, STEP_SELECTIONS, validate_sde_steps
-from jagg.engine.grpo import ADV_AGGREGATIONS, KL_STD, GRPOStepLoss, TrainedSteps
-from jagg.engine.knots import PLACEMENTS, Knots
-from jagg.engine.routing import BackwardSetting, Routing, validate_routing
-from jagg.engine.sde import SDE_KINDS
-from jagg.engine.strategies import GraphRun
-from jagg.errors import ConfigError
+from jagg.common import auto_field
+from jagg.engine.config import AlgorithmConfig, BackwardConfig, SamplingConfig
+from jagg.errors import ConfigError, require
 from jagg.plugins import PLUGINS
-from jagg.rewards import EVAL_ONLY
+from jagg.rewards import RewardConfig
 
 # The adapters of ``jagg.models.BACKBONES``, named without importing them (they import diffusers); a test
 # (tests/test_architecture.py) checks that the two agree.
@@ -106,14 +100,12 @@ def tiny_pipeline_overrides(pipeline: str | Path, prompts: str | Path) -> list[s
 class ModelConfig:
     backbone: str = "flux"  # flux | qwenimage | sd3 | wan (SD3 / SD3.5: model.source=pretrained only; wan on
     # model.source=world|tiny is the video world's tiny Wan)
-    source: str = (
-        "world"  # world (embedded default, `make pretrain`) | tiny (random init) | pretrained (hub/path)
-    )
+    # world (embedded default, `make pretrain`) | tiny (random init) | pretrained (hub/path)
+    source: str = "world"
     path: str | None = None  # hub id or local directory for source=pretrained
     guidance_scale: float = 3.5  # Flux embedded guidance
-    true_cfg_scale: float = (
-        1.0  # Qwen-Image / SD3 / Wan true CFG (> 1 needs a negative prompt; SD3.5 in Flow-GRPO: 4.5)
-    )
+    # Qwen-Image / SD3 / Wan true CFG (> 1 needs a negative prompt; SD3.5 in Flow-GRPO: 4.5)
+    true_cfg_scale: float = 1.0
     # Wan2.2-A14B's low-noise expert's CFG scale (WanPipeline's guidance_scale_2); null = true_cfg_scale
     true_cfg_scale_2: float | None = None
     gradient_checkpointing: bool = False
@@ -124,102 +116,13 @@ class ModelConfig:
     # (all-gathered at every forward); false (LoRA only) = it stays replicated on every rank in the compute
     # dtype and only the adapters are sharded and reduced, as Flow-GRPO trains LoRA (docs/decisions.md)
     shard_frozen_base: bool = True
-    negative_prompt: str = (
-        " "  # Qwen-Image true CFG (used when true_cfg_scale > 1), as the Qwen-Image pipeline
-    )
+    # Qwen-Image true CFG (used when true_cfg_scale > 1), as the Qwen-Image pipeline
+    negative_prompt: str = " "
     max_sequence_length: int = 512  # text tokens: Flux T5 padding length, Qwen-Image truncation
     # the dtype the frozen transformer weights (the LoRA base; all of it before LoRA) and the VAE are loaded
     # and kept in: compute = train.precision's (bf16 at paper scale); fp32 = Flow-GRPO's SD3 trainer, whose
     # transformer and VAE stay fp32 with the matmuls under autocast (jagg.scale.placement.weights_dtype)
     base_dtype: str = "compute"
-
-
-@dataclass(kw_only=True)
-class SamplingConfig:
-    num_steps: int = 16
-    shift: float = 3.0  # shifted-linear schedule (DanceGRPO); real models use their scheduler
-    latent_size: int = 16  # latent height = width (must be even: 2x2 packing)
-    # latent width where it differs from the height (model.source=pretrained: Wan's 480x832 video, 60 x 104); null:
-    # square, latent_size
-    latent_width: int | None = None
-    latent_frames: int = 1  # Wan: latent frames F of a video, (frames - 1) / 4 + 1 (81 frames: 21); else 1
-    eval_num_steps: int = 16
-    schedule: str = "shift"  # shift (shifted linear, DanceGRPO) | scheduler (the model's diffusers scheduler)
-
-
-@dataclass(kw_only=True)
-class AlgorithmConfig:
-    name: str = "dancegrpo"  # dancegrpo | flowgrpo_fast | flowgrpo | mixgrpo
-    sde_kind: str = "dance"  # dance | flow_grpo | cps
-    noise_level: float = 0.3  # eta (dance) or a (flow_grpo, cps)
-    timestep_fraction: float = 0.6  # DanceGRPO: fraction of the S-1 steps trained per sample
-    # DanceGRPO, which steps are trained (jagg.engine.algorithms.STEP_SELECTIONS):
-    #   sorted_subset      per sample a random int((S-1) * timestep_fraction) single steps, sorted (DanceGRPO)
-    #   contiguous_groups  the S-1 steps cut into blocks of W = backward.group_size consecutive steps (S-1 must
-    #                      be a multiple of W); per sample a random int((S-1)/W * timestep_fraction) whole blocks,
-    #                      each one JAGG group (the JAGG authors' code)
-    step_selection: str = "sorted_subset"
-    # what backward.strategy=exact trains under contiguous_groups (jagg.engine.algorithms.EXACT_STEPS):
-    #   structure       the same blocks as every other strategy (the gradient reference of a quality comparison)
-    #   random_singles  as many random single steps: the JAGG authors' exact baseline (their per-step path), a
-    #                   baseline with other trained steps
-    exact_steps: str = "structure"
-    sde_window_size: int = 3  # Flow-GRPO-Fast: consecutive SDE steps per rollout
-    # Flow-GRPO-Fast: the window start is drawn uniformly in [lo, hi - size], so the window lies in [lo, hi)
-    sde_window_range: list[int] = field(default_factory=lambda: [0, 3])
-    # MixGRPO (jagg.engine.algorithms.MixGRPO; Tencent-Hunyuan/MixGRPO's argument names): a window of group_size
-    # consecutive SDE steps (the SDE window, not backward.group_size = W), ODE elsewhere, moved with the training
-    # iteration by sample_strategy: progressive | random | decay | exp_decay (MIX_SCHEDULES)
-    group_size: int = 4
-    sample_strategy: str = "progressive"
-    iters_per_group: int = 25  # progressive: iterations at each window position
-    prog_overlap_step: int = 1  # progressive: steps the window moves (their --prog_overlap off = group_size)
-    max_iters_per_group: int = 10  # decay: iterations at start 0, decaying linearly to ...
-    min_iters_per_group: int = 1  # ... this at the last position
-    exp_decay_thre_timestep: int = 13  # exp_decay: iters_per_group exp(-k relu(start - thre)) iterations
-    exp_decay_k: float = 0.1
-    # MixGRPO-Flash: after the window, none (Euler ODE on the run's schedule) | dpmsolver++ (deterministic
-    # DPM-Solver++ of dpm_solver_order, midpoint | heun, on int((S - last window step) * ratio) schedule points;
-    # needs sampling.schedule=shift and sample_strategy=progressive)
-    dpm_algorithm_type: str = "none"
-    dpm_post_compress_ratio: float = 0.4
-    dpm_solver_order: int = 2
-    dpm_solver_type: str = "midpoint"
-    init_same_noise: bool = False  # one initial noise per prompt group (DanceGRPO's --init_same_noise)
-    clip_range: float = 1e-4
-    adv_clip: float = 5.0
-    adv_eps: float = 1e-8
-    adv_unbiased: bool = True
-    adv_std: str = "group"  # group | global
-    # several training rewards (jagg.engine.grpo.ADV_AGGREGATIONS): weighted_sum (normalise the weighted sum) |
-    # per_reward (normalise each reward within its group, then sum with reward.weights: MixGRPO's advantage_aggr)
-    adv_aggregation: str = "weighted_sum"
-    kl_beta: float = 0.0
-    kl_std: str = "flow_grpo"  # flow_grpo (Flow-GRPO's std_dev_t, no sqrt(dt)) | step (exact step KL)
-    # multiplies the advantages before their clamp (adv_clip): 0.75 reproduces MixGRPO's run as launched, whose
-    # failing UnifiedReward took a quarter of the weight at advantage 0 (docs/references.md, MixGRPO)
-    adv_scale: float = 1.0
-    # [lo, hi): the rollout samples steps lo..hi-1 with the SDE and every other step with the ODE, whichever steps
-    # the algorithm trains (empty: the algorithm's own SDE steps). Each step it may train must lie inside: an ODE
-    # step has no sampling density (jagg.engine.algorithms.Algorithm.sampling_kinds; issue 56's noise swaps)
-    sde_steps: list[int] = field(default_factory=list)
-
-    def step_loss(
-        self, steps: TrainedSteps, advantages, *, scale: float = 1.0, ref_velocity=None
-    ) -> GRPOStepLoss:
-        """THE per-step GRPO loss of ``steps`` under this algorithm's objective (SDE kind and noise, clip range,
-        KL against ``ref_velocity`` when given and ``kl_beta > 0``), scaled by ``scale``."""
-        return GRPOStepLoss.of(
-            steps,
-            advantages,
-            kind=self.sde_kind,
-            noise_level=self.noise_level,
-            clip_range=self.clip_range,
-            kl_beta=self.kl_beta if ref_velocity is not None else 0.0,
-            kl_std=self.kl_std,
-            ref_velocity=ref_velocity,
-            scale=scale,
-        )
 
 
 # Keys that were renamed, old -> new (dotted). Files, overrides and the configs stored in run.json and checkpoints
@@ -239,95 +142,6 @@ RENAMED_KEYS = {
 # checkpoint) holding that value reads as if the key were absent; another value is a real change of behaviour,
 # which a resume reports like any other.
 REMOVED_KEYS: dict[str, Any] = {}
-
-
-# A field whose YAML value may be ``auto``: None in the dataclass (decided at run time); the metadata says what
-# else the key allows (the error message names it).
-def _auto(default, allowed: str):
-    return field(default=default, metadata={"auto": allowed})
-
-
-def _engine_default(name: str):
-    """The default of a ``BackwardSetting`` field: the engine writes it once (``GraphRun``), the config reads it."""
-    return {f.name: f.default for f in dataclasses.fields(BackwardSetting)}[name]
-
-
-@dataclass(kw_only=True)
-class BackwardConfig:
-    # exact | jagg | endpoints | uniform | jagg_index (alpha_j = j / (W - 1)) | knots (shared knots, below)
-    strategy: str = "jagg"
-    # W; None (YAML `auto`): chosen from `group_sizes` at each calibration (see below)
-    group_size: int | None = _auto(3, "an integer >= 2 or 'auto'")
-    # leading fraction of groups on `strategy`; None (YAML `auto`): routed by measured cosines (see below)
-    jagg_frac: float | None = _auto(0.6, "a number in [0, 1] or 'auto'")
-    min_cosine: float = 0.9  # auto: a group position uses `strategy` when cos(its gradient, exact) >= this
-    calibrate_every: int = 25  # auto: measure the cosines at iteration 0 and every this many iterations
-    group_sizes: list[int] = field(default_factory=lambda: [2, 3, 4])  # group_size=auto: the candidates
-    # how the knot graphs are built (GRAPH_MODES): batched | joint (paper-literal) | sequential (one graph alive);
-    # the old key backward.endpoints still reads as this one
-    graph_mode: str = _engine_default("graph_mode")
-    # graph (endpoint signals from the graph-building forwards) | nograd (the authors' code: W + 2 forwards)
-    endpoint_signals: str = _engine_default("endpoint_signals")
-    # intermediate signals from the rollout's stored outputs while the weights are the rollout's; the old key
-    # backward.reuse_rollout still reads as this one
-    stored_outputs: bool = _engine_default("stored_outputs")
-    # strategy knots: K shared knots over each micro-batch's trained steps (jagg.engine.knots), placed by a rule
-    # (index | time | low_noise) or measured (YAML `auto`: the rule whose gradient is closest to exact, measured
-    # at iteration 0 and every calibrate_every iterations)
-    knots: int = 4
-    placement: str | None = _auto("low_noise", f"one of {[*PLACEMENTS, 'auto']}")
-    # at most this many rows (samples x knots) per stacked knot forward, for memory; null: a whole block at once
-    max_rows: int | None = None
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether the trainer measures cosines at run time (jagg_frac auto, group_size may be auto too;
-        knots: placement auto)."""
-        if self.strategy == "knots":
-            return self.placement is None
-        return self.strategy != "exact" and self.jagg_frac is None
-
-    @property
-    def candidate_group_sizes(self) -> list[int]:
-        """The group sizes a run may use: ``group_sizes`` under group_size=auto, else ``[group_size]``."""
-        return sorted(set(self.group_sizes)) if self.group_size is None else [self.group_size]
-
-    def fixed_setting(self) -> BackwardSetting | None:
-        """The run's backward when nothing is measured (None under jagg_frac=auto: ``calibrate_routing``
-        decides). The exact strategy with jagg_frac=auto routes nothing, so it is fixed too."""
-        if self.calibrated:
-            return None
-        if self.strategy == "knots":
-            return self.setting(Knots(count=self.knots, placement=self.placement))
-        routing = Routing(
-            strategy=self.strategy,
-            group_size=self.candidate_group_sizes[0],
-            jagg_frac=1.0 if self.jagg_frac is None else self.jagg_frac,
-        )
-        return self.setting(routing)
-
-    def planned_setting(self) -> BackwardSetting:
-        """The backward a plan without measurements assumes (``--dry-run``, the memory figures, plan-check):
-        the fixed setting, or under ``auto`` the largest candidate W with every group routed to the strategy
-        (knots: K knots, placed low_noise; the cost does not depend on where)."""
-        if self.strategy == "knots":
-            return self.setting(Knots(count=self.knots, placement=self.placement or "low_noise"))
-        routing = Routing(
-            strategy=self.strategy,
-            group_size=max(self.candidate_group_sizes),
-            jagg_frac=1.0 if self.jagg_frac is None else self.jagg_frac,
-        )
-        return self.setting(routing)
-
-    def setting(self, routing: Routing | Knots) -> BackwardSetting:
-        """``routing`` with this config's graph mode, stored-output rule, endpoint-signal source and row bound."""
-        return BackwardSetting(
-            routing=routing,
-            graph_mode=self.graph_mode,
-            stored_outputs=self.stored_outputs,
-            endpoint_signals=self.endpoint_signals,
-            max_rows=self.max_rows,
-        )
 
 
 @dataclass(kw_only=True)
@@ -370,13 +184,6 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
-class RewardConfig:
-    weights: dict[str, float] = field(default_factory=lambda: {"pref": 1.0})
-    eval: list[str] = field(default_factory=lambda: ["pref", "clip", "attr"])
-    kwargs: dict[str, dict] = field(default_factory=dict)  # reward name -> constructor kwargs
-
-
-@dataclass(kw_only=True)
 class DataConfig:
     """Prompts and text-embedding cache for model.source=pretrained (the world sources use the world's own)."""
 
@@ -405,7 +212,7 @@ class LogConfig:
     # then written while training goes on; the save becomes the checkpoint only once complete, as a synchronous
     # one); auto (null in the dataclass): on CUDA, where the copy is fast and the write is not. Costs host memory
     # for this rank's share of a checkpoint while it is written.
-    async_checkpoint: bool | None = _auto(None, "true, false or 'auto'")
+    async_checkpoint: bool | None = auto_field(None, "true, false or 'auto'")
     grid_every: int = 0  # sample grid PNG every N iterations (0 = with each eval)
     report_to: list[str] = field(default_factory=list)  # trackers fed the metrics rows: tensorboard | wandb
     # also score every training batch with the eval rewards (reward_<name>_mean of reward.eval in the metrics);
@@ -719,11 +526,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # --------------------------------------------------------------------------- validation
-def _require(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(msg)
-
-
 def validate(cfg: Config) -> None:
     """Range and consistency checks; each failure names the key and the allowed range.
 
@@ -732,233 +534,84 @@ def validate(cfg: Config) -> None:
     """
     model, sampling = cfg.model, cfg.sampling
     _validate_model(model)
-    _validate_sampling(sampling, model)
-    _validate_algorithm(cfg.algorithm, sampling, cfg.backward)
-    _validate_backward(cfg.backward)
+    sampling.validate(model)
+    cfg.algorithm.validate(sampling, cfg.backward)
+    cfg.backward.validate()
     _validate_optim(cfg.optim)
     _validate_train(cfg.train)
-    _require(
+    require(
         model.base_dtype == "compute" or cfg.train.precision in ("bf16", "fp32"),
         f"model.base_dtype=fp32 needs train.precision bf16 or fp32, got {cfg.train.precision!r}",
     )
-    _require(bool(cfg.reward.weights), "reward.weights must name at least one reward")
-    trained_on = sorted(EVAL_ONLY & set(cfg.reward.weights))
-    _require(
-        not trained_on,
-        f"reward.weights: {', '.join(trained_on)} is an eval-only judge (allowed in reward.eval only): "
-        "a metric the policy trains on is no longer an independent check",
-    )
-    named = set(cfg.reward.weights) | set(cfg.reward.eval)
-    extra = sorted(set(cfg.reward.kwargs) - named)
-    _require(
-        not extra, f"reward.kwargs: {extra[0] if extra else ''!r} is not a reward in reward.weights/eval"
-    )
+    cfg.reward.validate()
     _validate_data(cfg)
     for plugin in PLUGINS:  # each plug-in's own checks (jagg.plugins.base.PluginConfig.validate)
         if plugin.CONFIG is not None:
             getattr(cfg.plugins, plugin.name).validate(cfg)
-    for key in (
-        "eval_every",
-        "checkpoint_every",
-        "grid_every",
-        "heartbeat_s",
-        "phase_timeout_s",
-    ):
-        _require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
+    for key in ("eval_every", "checkpoint_every", "grid_every", "heartbeat_s", "phase_timeout_s"):
+        require(getattr(cfg.log, key) >= 0, f"log.{key} must be >= 0, got {getattr(cfg.log, key)}")
     bad_at = [i for i in cfg.log.eval_at if not (isinstance(i, int) and 0 <= i <= cfg.train.iterations)]
-    _require(
+    require(
         not bad_at,
         f"log.eval_at: {bad_at[0] if bad_at else ''!r} is not an iteration in [0, train.iterations = "
         f"{cfg.train.iterations}]",
     )
-    _require(
+    require(
         bool(cfg.log.run_dir) and "\0" not in cfg.log.run_dir,
         f"log.run_dir must be a non-empty path without NUL bytes, got {cfg.log.run_dir!r}",
     )
-    _require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
-    _require(
+    require(cfg.log.eval_prompts >= 1, f"log.eval_prompts must be >= 1, got {cfg.log.eval_prompts}")
+    require(
         cfg.log.keep_checkpoints in (1, 2),
         f"log.keep_checkpoints must be 1 or 2, got {cfg.log.keep_checkpoints}",
     )
     bad = [name for name in cfg.log.report_to if name not in TRACKER_NAMES]
-    _require(
+    require(
         not bad, f"log.report_to: unknown tracker {bad[0] if bad else ''!r}; allowed: {list(TRACKER_NAMES)}"
     )
 
 
 def _validate_model(model: ModelConfig) -> None:
-    _require(
+    require(
         model.backbone in BACKBONE_NAMES,
         f"model.backbone must be one of {sorted(BACKBONE_NAMES)}, got {model.backbone!r}",
     )
-    _require(
+    require(
         model.source in ("world", "tiny", "pretrained"),
         f"model.source must be world|tiny|pretrained, got {model.source!r}",
     )
-    _require(
+    require(
         model.source != "pretrained" or bool(model.path),
         "model.path is required when model.source=pretrained",
     )
-    _require(
+    require(
         model.backbone != "sd3" or model.source == "pretrained",
         f"model.backbone={model.backbone} needs model.source=pretrained (the embedded world has no "
         f"{model.backbone} backbone), "
         f"got {model.source!r}",
     )
-    _require(
+    require(
         model.true_cfg_scale_2 is None or model.true_cfg_scale_2 >= 1,
         f"model.true_cfg_scale_2 must be null or >= 1, got {model.true_cfg_scale_2}",
     )
-    _require(model.lora_rank >= 0, f"model.lora_rank must be >= 0, got {model.lora_rank}")
-    _require(
+    require(model.lora_rank >= 0, f"model.lora_rank must be >= 0, got {model.lora_rank}")
+    require(
         model.lora_rank == 0 or model.lora_alpha > 0,
         f"model.lora_alpha must be > 0 when model.lora_rank > 0, got {model.lora_alpha}",
     )
-    _require(
+    require(
         model.shard_frozen_base or model.lora_rank > 0,
         "model.shard_frozen_base=false needs a frozen base to replicate: set model.lora_rank > 0 "
         f"(got lora_rank={model.lora_rank}) or model.shard_frozen_base=true",
     )
-    _require(model.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {model.true_cfg_scale}")
-    _require(
+    require(model.true_cfg_scale >= 1, f"model.true_cfg_scale must be >= 1, got {model.true_cfg_scale}")
+    require(
         model.base_dtype in ("compute", "fp32"),
         f"model.base_dtype must be compute|fp32, got {model.base_dtype!r}",
     )
-    _require(
+    require(
         model.max_sequence_length >= 1,
         f"model.max_sequence_length must be >= 1, got {model.max_sequence_length}",
-    )
-
-
-def _validate_sampling(sampling: SamplingConfig, model: ModelConfig) -> None:
-    _require(
-        sampling.schedule in ("shift", "scheduler"),
-        f"sampling.schedule must be shift|scheduler, got {sampling.schedule!r}",
-    )
-    _require(
-        sampling.schedule == "shift" or model.source == "pretrained",
-        f"sampling.schedule=scheduler needs model.source=pretrained (a diffusers scheduler), got {model.source!r}",
-    )
-    _require(sampling.num_steps >= 2, f"sampling.num_steps must be >= 2, got {sampling.num_steps}")
-    _require(
-        sampling.eval_num_steps >= 1, f"sampling.eval_num_steps must be >= 1, got {sampling.eval_num_steps}"
-    )
-    _require(sampling.shift > 0, f"sampling.shift must be > 0, got {sampling.shift}")
-    _require(
-        sampling.latent_size >= 2 and sampling.latent_size % 2 == 0,
-        f"sampling.latent_size must be even and >= 2, got {sampling.latent_size}",
-    )
-    _require(
-        sampling.latent_width is None
-        or (sampling.latent_width >= 2 and sampling.latent_width % 2 == 0 and model.source == "pretrained"),
-        "sampling.latent_width must be null or an even integer >= 2 (model.source=pretrained only), got "
-        f"{sampling.latent_width!r}",
-    )
-    _require(
-        sampling.latent_frames >= 1 and (model.backbone == "wan" or sampling.latent_frames == 1),
-        f"sampling.latent_frames must be >= 1 for model.backbone=wan and 1 otherwise, got {sampling.latent_frames}",
-    )
-    # Wan's hub scheduler is a UniPC multistep one, which the Euler / SDE steps here do not run: the shifted
-    # linear schedule (sampling.shift) is the one Wan GRPO recipes sample with
-    _require(
-        model.backbone != "wan" or sampling.schedule == "shift",
-        f"sampling.schedule must be shift for model.backbone=wan (its scheduler is UniPC), got {sampling.schedule!r}",
-    )
-
-
-def _validate_algorithm(
-    algorithm: AlgorithmConfig, sampling: SamplingConfig, backward: BackwardConfig
-) -> None:
-    _require(
-        algorithm.name in ALGORITHMS,
-        f"algorithm.name must be one of {sorted(ALGORITHMS)}, got {algorithm.name!r}",
-    )
-    _require(
-        algorithm.sde_kind in SDE_KINDS and algorithm.sde_kind != "ode",
-        f"algorithm.sde_kind must be dance|flow_grpo|cps, got {algorithm.sde_kind!r}",
-    )
-    _require(algorithm.noise_level > 0, f"algorithm.noise_level must be > 0, got {algorithm.noise_level}")
-    _require(
-        0 < algorithm.timestep_fraction <= 1,
-        f"algorithm.timestep_fraction must be in (0, 1], got {algorithm.timestep_fraction}",
-    )
-    _require(algorithm.clip_range > 0, f"algorithm.clip_range must be > 0, got {algorithm.clip_range}")
-    _require(algorithm.adv_clip > 0, f"algorithm.adv_clip must be > 0, got {algorithm.adv_clip}")
-    _require(
-        algorithm.adv_std in ("group", "global"),
-        f"algorithm.adv_std must be group|global, got {algorithm.adv_std!r}",
-    )
-    _require(
-        algorithm.adv_aggregation in ADV_AGGREGATIONS,
-        f"algorithm.adv_aggregation must be one of {list(ADV_AGGREGATIONS)}, got {algorithm.adv_aggregation!r}",
-    )
-    _require(algorithm.kl_beta >= 0, f"algorithm.kl_beta must be >= 0, got {algorithm.kl_beta}")
-    _require(
-        isinstance(algorithm.adv_scale, int | float) and 0 < algorithm.adv_scale <= 1e3,
-        f"algorithm.adv_scale must be a number in (0, 1000], got {algorithm.adv_scale!r}",
-    )
-    _require(
-        algorithm.kl_std in KL_STD,
-        f"algorithm.kl_std must be one of {list(KL_STD)}, got {algorithm.kl_std!r}",
-    )
-    _require(
-        algorithm.step_selection in STEP_SELECTIONS,
-        f"algorithm.step_selection must be one of {list(STEP_SELECTIONS)}, got {algorithm.step_selection!r}",
-    )
-    _require(
-        algorithm.exact_steps in EXACT_STEPS,
-        f"algorithm.exact_steps must be one of {list(EXACT_STEPS)}, got {algorithm.exact_steps!r}",
-    )
-    _require(
-        algorithm.step_selection == "sorted_subset" or algorithm.name == "dancegrpo",
-        f"algorithm.step_selection={algorithm.step_selection} applies to algorithm.name=dancegrpo only, "
-        f"got {algorithm.name!r}",
-    )
-    ALGORITHMS[algorithm.name].validate(algorithm, sampling.num_steps, backward)
-    validate_sde_steps(algorithm, sampling.num_steps)
-    _require(
-        algorithm.name != "mixgrpo" or algorithm.dpm_algorithm_type == "none" or sampling.schedule == "shift",
-        f"algorithm.dpm_algorithm_type={algorithm.dpm_algorithm_type} (MixGRPO-Flash) rebuilds the shifted-linear "
-        f"schedule after the window: needs sampling.schedule=shift, got {sampling.schedule!r}",
-    )
-
-
-def _validate_backward(backward: BackwardConfig) -> None:
-    _require(
-        backward.group_size is not None or backward.jagg_frac is None,
-        "backward.group_size=auto chooses W by the measured routing: set backward.jagg_frac=auto too "
-        f"(got jagg_frac={backward.jagg_frac!r})",
-    )
-    _require(
-        bool(backward.group_sizes) and all(isinstance(w, int) and w >= 2 for w in backward.group_sizes),
-        f"backward.group_sizes must be a non-empty list of integers >= 2, got {backward.group_sizes!r}",
-    )
-    frac = 1.0 if backward.jagg_frac is None else backward.jagg_frac
-    try:  # the one routing validator (the engine's)
-        for w in backward.candidate_group_sizes:
-            validate_routing(w, frac, backward.strategy)
-        GraphRun(graph_mode=backward.graph_mode, endpoint_signals=backward.endpoint_signals)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    _require(
-        isinstance(backward.knots, int) and backward.knots >= 2,
-        f"backward.knots must be an integer >= 2, got {backward.knots!r}",
-    )
-    _require(
-        backward.placement is None or backward.placement in PLACEMENTS,
-        f"backward.placement must be one of {[*PLACEMENTS, 'auto']}, got {backward.placement!r}",
-    )
-    _require(
-        backward.max_rows is None or backward.max_rows >= 1,
-        f"backward.max_rows must be an integer >= 1 or null, got {backward.max_rows!r}",
-    )
-    _require(
-        -1.0 <= backward.min_cosine <= 1.0,
-        f"backward.min_cosine must be in [-1, 1], got {backward.min_cosine}",
-    )
-    _require(
-        backward.calibrate_every >= 1,
-        f"backward.calibrate_every must be >= 1, got {backward.calibrate_every}",
     )
 
 
@@ -966,29 +619,29 @@ def backward_config(data: dict, prefix: str = "backward") -> BackwardConfig:
     """A ``backward`` section given as a mapping (an engine's config, e.g. UniRL's ``algorithm.backward``), read
     and checked as a run's: a ``ConfigError`` naming ``prefix.key`` for an unknown key or a bad value."""
     backward = _build(BackwardConfig, dict(data), prefix)
-    _validate_backward(backward)
+    backward.validate()
     return backward
 
 
 def _validate_optim(optim: OptimConfig) -> None:
-    _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
-    _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
-    _require(optim.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {optim.max_grad_norm}")
-    _require(0 <= optim.ema_decay < 1, f"optim.ema_decay must be in [0, 1), got {optim.ema_decay}")
+    require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
+    require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    require(optim.max_grad_norm > 0, f"optim.max_grad_norm must be > 0, got {optim.max_grad_norm}")
+    require(0 <= optim.ema_decay < 1, f"optim.ema_decay must be in [0, 1), got {optim.ema_decay}")
     for key in ("ema_every", "ema_repeats"):
-        _require(getattr(optim, key) >= 1, f"optim.{key} must be >= 1, got {getattr(optim, key)}")
-    _require(
+        require(getattr(optim, key) >= 1, f"optim.{key} must be >= 1, got {getattr(optim, key)}")
+    require(
         len(optim.betas) == 2 and all(0 <= x < 1 for x in optim.betas),
         f"optim.betas must be two values in [0, 1), got {optim.betas}",
     )
 
 
 def _validate_train(train: TrainConfig) -> None:
-    _require(
+    require(
         0 <= train.seed <= MAX_SEED,
         f"train.seed must be in [0, {MAX_SEED}] (it seeds torch generators), got {train.seed}",
     )
-    _require(
+    require(
         train.sdpa_kernels is None
         or (bool(train.sdpa_kernels) and set(train.sdpa_kernels) <= set(SDPA_KERNELS)),
         f"train.sdpa_kernels must be null or a non-empty list from {list(SDPA_KERNELS)}, got {train.sdpa_kernels!r}",
@@ -1002,16 +655,16 @@ def _validate_train(train: TrainConfig) -> None:
         "max_consecutive_skips",
         "dist_timeout_s",
     ):
-        _require(getattr(train, key) >= 1, f"train.{key} must be >= 1, got {getattr(train, key)}")
-    _require(
+        require(getattr(train, key) >= 1, f"train.{key} must be >= 1, got {getattr(train, key)}")
+    require(
         train.images_per_prompt >= 2,
         f"train.images_per_prompt must be >= 2 (group advantages), got {train.images_per_prompt}",
     )
-    _require(
+    require(
         train.precision in ("fp32", "bf16", "fp64"),
         f"train.precision must be fp32|bf16|fp64, got {train.precision!r}",
     )
-    _require(
+    require(
         train.device in ("cpu", "cuda", "auto"), f"train.device must be cpu|cuda|auto, got {train.device!r}"
     )
 
@@ -1020,13 +673,13 @@ def _validate_data(cfg: Config) -> None:
     data = cfg.data
     for key in ("train_limit", "eval_limit"):
         limit = getattr(data, key)
-        _require(limit is None or limit >= 1, f"data.{key} must be >= 1 or null, got {limit}")
+        require(limit is None or limit >= 1, f"data.{key} must be >= 1 or null, got {limit}")
     for key in ("train_prompts", "eval_prompts"):
-        _require(
+        require(
             bool(getattr(data, key)),
             f"data.{key} must name a prompt file or dataset, got {getattr(data, key)!r}",
         )
-    _require(
+    require(
         cfg.model.source == "pretrained" or dataclasses.asdict(data) == dataclasses.asdict(DataConfig()),
         f"data.* is used only with model.source=pretrained (world/tiny use the world's prompts), "
         f"got model.source={cfg.model.source!r}",
@@ -1037,7 +690,7 @@ def validate_world_size(cfg: Config, world_size: int) -> None:
     """Multi-process runs split the global batch into whole micro-batches per rank (same count everywhere)."""
     train = cfg.train
     n = train.prompts_per_iter * train.images_per_prompt
-    _require(
+    require(
         world_size == 1 or n % (world_size * train.train_batch_size) == 0,
         f"train.prompts_per_iter * train.images_per_prompt = {n} must be a multiple of "
         f"world_size * train.train_batch_size = {world_size} * {train.train_batch_size} for multi-process runs",

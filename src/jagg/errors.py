@@ -11,6 +11,12 @@ class ConfigError(ValueError):
     """An invalid configuration value; the message names the key and the allowed values."""
 
 
+def require(ok: bool, msg: str) -> None:
+    """``ConfigError(msg)`` unless ``ok``: one config check (every section's ``validate`` writes them so)."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 class ArtefactError(RuntimeError):
     """A cached world artefact is missing or does not match the code's configuration."""
 

@@ -45,6 +45,7 @@ from jagg.engine.strategies import (
     expert_boundaries,
     group_interpolation,
 )
+from jagg.errors import require
 
 # ``backward.strategy``: the group strategies (one weight matrix per group of W) and shared knots.
 BACKWARD_STRATEGIES: tuple[str, ...] = (*STRATEGIES, "knots")
@@ -578,3 +579,63 @@ def calibrate_knots(
     cosines = {name: cos for name, (cos, _) in measured.items()}
     best = max(rules, key=lambda name: cosines[name])  # max keeps the first of equal cosines
     return KnotsCalibration(chosen=rules[best], cosines=cosines)
+
+
+# --------------------------------------------------------------------------- the calibrators' keys
+@dataclass(frozen=True, kw_only=True)
+class CalibrationConfig:
+    """A calibrator's keys, with their defaults and checks: flat keys of the ``backward:`` section (the
+    calibrators were there before they had a config of their own, so the key paths stay). Every calibrator
+    re-measures before the first update and every ``calibrate_every`` iterations; this one is the knots
+    calibrator's whole config (``backward.placement: auto`` is its switch, a routing key)."""
+
+    calibrate_every: int = 25
+
+    @classmethod
+    def of(cls, backward) -> CalibrationConfig:
+        """This config's keys read from ``backward`` (a ``jagg.engine.config.BackwardConfig``)."""
+        return cls(**{f.name: getattr(backward, f.name) for f in fields(cls)})
+
+    def validate(self) -> None:
+        """``ConfigError`` naming the key and what is allowed."""
+        require(
+            self.calibrate_every >= 1, f"backward.calibrate_every must be >= 1, got {self.calibrate_every}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CosineCalibrationConfig(CalibrationConfig):
+    """The windows calibrator's keys (``calibrate_windows``): a position is routed to the strategy when the
+    cosine of its gradient to the exact one reaches ``min_cosine``."""
+
+    min_cosine: float = 0.9
+
+    def validate(self) -> None:
+        super().validate()
+        require(
+            -1.0 <= self.min_cosine <= 1.0, f"backward.min_cosine must be in [-1, 1], got {self.min_cosine}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupsCalibrationConfig(CosineCalibrationConfig):
+    """The groups calibrator's keys (``calibrate_routing``): the cosine threshold, and under
+    ``backward.group_size: auto`` the candidate group sizes W it measures."""
+
+    group_sizes: list[int] = dataclasses.field(default_factory=lambda: [2, 3, 4])
+
+    def validate(self) -> None:
+        super().validate()
+        require(
+            bool(self.group_sizes) and all(isinstance(w, int) and w >= 2 for w in self.group_sizes),
+            f"backward.group_sizes must be a non-empty list of integers >= 2, got {self.group_sizes!r}",
+        )
+
+
+# The calibrators' configs by routing kind (``jagg.loop.calibration``'s calibrators point at theirs; a test
+# checks they agree). ``jagg.engine.config.BackwardConfig`` composes its calibration keys from here.
+CALIBRATIONS: dict[str, type[CalibrationConfig]] = {
+    "groups": GroupsCalibrationConfig,
+    "windows": CosineCalibrationConfig,
+    "knots": CalibrationConfig,
+}

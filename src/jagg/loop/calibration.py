@@ -1,8 +1,10 @@
 """Measured backward settings: one calibrator per routing kind, each with one shape.
 
-A calibrator says when it is due (``due``: before the first update, then every ``backward.calibrate_every``
-iterations), measures a setting on one micro-batch of the iteration's rollout (``measure``, from a ``Probe``:
-velocity, loss, parameters; ``.grad`` is left as it was) and keeps what it measured for checkpoints
+Each calibrator points at its keys (``CONFIG``: a frozen config in the engine's ``CALIBRATIONS``, flat keys of
+``backward:``, with their defaults and checks) and reads them once (``keys``). A calibrator says when it is due
+(``due``: before the first update, then every ``backward.calibrate_every`` iterations), measures a setting on
+one micro-batch of the iteration's rollout (``measure``, from a ``Probe``: velocity, loss, parameters; ``.grad``
+is left as it was) and keeps what it measured for checkpoints
 (``state_dict`` / ``load_state_dict``), so a resumed run restores it instead of measuring again early.
 
     GroupsCalibrator   ``backward.jagg_frac: auto``: the cosine of each group position's gradient to its exact one
@@ -33,7 +35,9 @@ from jagg.engine.algorithms import Algorithm
 from jagg.engine.grpo import GRPOStepLoss, TrainedSteps
 from jagg.engine.knots import Knots
 from jagg.engine.routing import (
+    CALIBRATIONS,
     BackwardSetting,
+    CalibrationConfig,
     Routing,
     WindowRouting,
     calibrate_knots,
@@ -70,13 +74,15 @@ class Calibrator(Plugin):
     nothing but keep its checkpoint state under ``name`` in the trainer's one list (``jagg.plugins.base``)."""
 
     name = "calibration"
+    CONFIG: type[CalibrationConfig] = CalibrationConfig
 
     def __init__(self, backward: BackwardConfig) -> None:
         self.config = backward
+        self.keys = self.CONFIG.of(backward)
         self.setting: BackwardSetting | None = None
 
     def due(self, it: int) -> bool:
-        return self.setting is None or it % self.config.calibrate_every == 0
+        return self.setting is None or it % self.keys.calibrate_every == 0
 
     def measure(self, probe: Probe) -> dict:
         """Measure on ``probe``, keep the result as ``setting``; returns the measurement's metrics."""
@@ -90,6 +96,8 @@ class Calibrator(Plugin):
 
 
 class GroupsCalibrator(Calibrator):
+    CONFIG = CALIBRATIONS["groups"]
+
     def measure(self, probe: Probe) -> dict:
         backward = self.config
         calibration = calibrate_routing(
@@ -98,7 +106,7 @@ class GroupsCalibrator(Calibrator):
             probe.params,
             setting=backward.planned_setting(),
             group_sizes=backward.candidate_group_sizes,
-            min_cosine=backward.min_cosine,
+            min_cosine=self.keys.min_cosine,
             micro_batches=probe.micro_batches,
             grad_accum=probe.grad_accum,
         )
@@ -120,6 +128,8 @@ class GroupsCalibrator(Calibrator):
 
 
 class WindowsCalibrator(Calibrator):
+    CONFIG = CALIBRATIONS["windows"]
+
     def __init__(self, backward: BackwardConfig, algorithm: Algorithm, num_steps: int, seed: int) -> None:
         super().__init__(backward)
         self.algorithm, self.num_steps, self.seed = algorithm, num_steps, seed
@@ -128,14 +138,14 @@ class WindowsCalibrator(Calibrator):
         """The windows trained until the next calibration (positions further on would be measured on weights
         they are not used with), each on a rollout of its own (``rebuilt``)."""
         backward, it = self.config, probe.iteration
-        windows = self.algorithm.windows(self.num_steps, range(it, it + backward.calibrate_every))
+        windows = self.algorithm.windows(self.num_steps, range(it, it + self.keys.calibrate_every))
         calibration = calibrate_windows(
             probe.velocity,
             self.rebuilt(probe, windows),
             probe.params,
             strategy=backward.strategy,
             group_size=backward.group_size,
-            min_cosine=backward.min_cosine,
+            min_cosine=self.keys.min_cosine,
             graph_mode=backward.graph_mode,
         )
         self.setting = backward.setting(calibration.routing)
@@ -165,6 +175,8 @@ class WindowsCalibrator(Calibrator):
 
 
 class KnotsCalibrator(Calibrator):
+    CONFIG = CALIBRATIONS["knots"]
+
     def measure(self, probe: Probe) -> dict:
         backward = self.config
         measured = calibrate_knots(

@@ -32,7 +32,7 @@ from jagg.distributed import DistInfo
 from jagg.engine.grpo import GRPOStepLoss, StepStats
 from jagg.engine.routing import BackwardSetting
 from jagg.engine.strategies import Velocity
-from jagg.errors import ConfigError
+from jagg.errors import require as require  # a plug-in config's check (re-exported for the plug-ins)
 
 
 @dataclass
@@ -77,12 +77,6 @@ class PluginConfig:
 
     def validate(self, cfg) -> None:
         pass
-
-
-def require(ok: bool, msg: str) -> None:
-    """``ConfigError(msg)`` unless ``ok``: a plug-in config's check."""
-    if not ok:
-        raise ConfigError(msg)
 
 
 class Plugin:

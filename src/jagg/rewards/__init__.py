@@ -18,10 +18,13 @@ when imported; the loop's composition root (``jagg.loop.rewards``) imports all t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from jagg.errors import require
 
 
 class Reward(Protocol):
@@ -40,6 +43,31 @@ VIDEO_REWARDS = frozenset(
     {"temporal", "per_frame", "video_pref", "frames_pref", "frames_clip", "frames_attr", "frames_attr_soft"}
     | {"motion_geom", "video_geom"}
 )
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """The ``reward:`` section: the training rewards' weights, the evaluation's rewards and their constructor
+    kwargs. Its checks need no reward imported; the names are checked against ``REWARDS`` by the loop's
+    composition root (``jagg.loop.components.check_config``), where every reward has registered."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"pref": 1.0})
+    eval: list[str] = field(default_factory=lambda: ["pref", "clip", "attr"])
+    kwargs: dict[str, dict] = field(default_factory=dict)  # reward name -> constructor kwargs
+
+    def validate(self) -> None:
+        """``ConfigError`` naming the key and what is allowed."""
+        require(bool(self.weights), "reward.weights must name at least one reward")
+        trained_on = sorted(EVAL_ONLY & set(self.weights))
+        require(
+            not trained_on,
+            f"reward.weights: {', '.join(trained_on)} is an eval-only judge (allowed in reward.eval only): "
+            "a metric the policy trains on is no longer an independent check",
+        )
+        extra = sorted(set(self.kwargs) - set(self.weights) - set(self.eval))
+        require(
+            not extra, f"reward.kwargs: {extra[0] if extra else ''!r} is not a reward in reward.weights/eval"
+        )
 
 
 def register_reward(name: str):
