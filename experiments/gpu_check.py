@@ -1,46 +1,58 @@
 """``make gpu-check``: what one lent GPU can tell in one run, in stages with time budgets, into one JSON.
 
-For the day a GPU is lent (one GPU, ~10 minutes, no weights or downloads). Every stage builds random-init models
-of the real classes and configs (``jagg.scale.architectures.KNOWN_CONFIGS``, the hub configs of the VAE and reward
-models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage still
-runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts only
-if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
-(a stage that runs past its budget is flagged ``over_budget``). On CUDA each stage runs in its own process
-(``--isolate``), since a CUDA error such as an illegal memory access poisons every later call in its process; a
-failed stage keeps the end of its traceback. ``--sdpa`` names the attention kernels torch may pick; by default
-those of the paper configs' ``train.sdpa_kernels``, which a training run enables too (all four: torch's own
-choice, which on torch 2.11 / H200 picked cuDNN attention and crashed the first update). Stages, in order:
+For the day a GPU is lent (one GPU of 80 GB, 8 minutes, no weights or downloads). Every stage builds random-init
+models of the real classes and configs (``jagg.scale.architectures.KNOWN_CONFIGS``, the hub configs of the VAE and
+reward models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage
+still runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts
+only if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
+(a stage that runs past its budget is flagged ``over_budget``); ``STAGES`` writes each budget and why. On CUDA the
+stages run in a worker child process (``--isolate``, ``StageWorker``), restarted after a failed stage, since a
+CUDA error such as an illegal memory access poisons every later call in its process; a failed stage keeps the end
+of its traceback. ``--sdpa`` names the attention kernels torch may pick; by default those of the paper configs'
+``train.sdpa_kernels``, which a training run enables too (all four: torch's own choice, which on torch 2.11 /
+H200 picked cuDNN attention and crashed the first update). Stages, in order:
 
 1. ``environment``: torch / CUDA / cuDNN / NCCL versions, the GPU, the SDPA flags and one tiny SDPA call per
    kernel (flash / mem-efficient / cuDNN / math) checked against the math kernel.
-2. ``qwen_meta_load``: Qwen-Image built on the meta device and materialised as the trainer does
+2. ``knots_equal_exact``: knots with K = T against exact, the relative LoRA gradient error on reduced Flux at
+   512 px in fp32 and bf16 (expected near 0).
+3. ``wan_video``, 4. ``sd3_kl``, 5. ``flux_knots_720``: paper configs (``configs/paper/``), placed by the
+   trainer's ``place_backbone`` (LoRA, checkpointing, fp32 trained weights, the frozen base and the KL copy in
+   their dtypes), one micro-batch's update per backward setting: seconds, passes, peak memory against the memory
+   plan of the same config (``jagg.capacity.memory_model.memory_plan`` at world size 1, the terms an update
+   holds: ``PaperUpdate.plan``), and the gradient's relative error to the first setting's. A setting whose plan
+   needs more than ``--memory-gb`` (80; or the GPU's own memory) is not attempted and carries the plan's reason.
+   Wan2.1-1.3B at 480x832x81: exact against knots K = 4 over 10 trained steps, ``sequential`` and ``batched``;
+   SD3.5-M with the fp32 base and the KL reference copy: one update of 9 samples with CFG (the config's
+   backward); Flux at 720 px with LoRA: knots K = 4 against exact over the knots recipe's 15 trained steps.
+6. ``qwen_meta_load``: Qwen-Image built on the meta device and materialised as the trainer does
    (``materialize_tensor_attributes``: the rotary tables must be real and equal a CPU build), then
    ``shard_from_rank0`` in a one-rank process group (NCCL on CUDA), whose forward must equal the unsharded one.
-3. ``blocks``: Flux and Qwen-Image at real width, 2 blocks of each kind: per-block forward / backward /
+7. ``blocks``: Flux and Qwen-Image at real width, 2 blocks of each kind: per-block forward / backward /
    checkpointed backward (recompute + backward) time and activation memory, and the gradients of the whole
    reduced model with and without gradient checkpointing equal (max relative error under a tolerance).
-4. ``flux_lora_512``: the full-depth Flux LoRA update of one DanceGRPO trajectory at 512 px, every variant.
-5. ``vae_rewards``: the FLUX.1-dev VAE decoding a 720 px image and HPSv2.1 / PickScore / CLIPScore scoring it.
-6. ``adamw_dcp``: an AdamW step on a multi-GB shard and its ``torch.distributed.checkpoint`` save (write
-   bandwidth) and load (bit-equal).
-8. ``knots_equal_exact`` (after 7): knots with K = T against exact, the relative LoRA gradient error on reduced
-   Flux at 512 px in fp32 and bf16 (expected near 0).
-7. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
-   W = 3, jagg_frac 0.6) with ``BackwardSetting.backward`` for exact and JAGG in every
-   ``GRAPH_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
-   backbones at the paper resolutions (Flux 720 px; Qwen-Image 720 and 512 px), with peak memory.
+8. ``flux_lora_512``: the full-depth Flux LoRA update of one DanceGRPO trajectory at 512 px, every variant.
+9. ``vae_rewards``: the FLUX.1-dev VAE decoding a 720 px image and HPSv2.1 / PickScore / CLIPScore scoring it.
+10. ``adamw_dcp``: an AdamW step on a multi-GB shard and its ``torch.distributed.checkpoint`` save (write
+    bandwidth) and load (bit-equal).
+11. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
+    W = 3, jagg_frac 0.6) with ``BackwardSetting.backward`` for exact and JAGG in every
+    ``GRAPH_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
+    backbones at the paper resolutions (Flux 720 px; Qwen-Image 720 and 512 px), with peak memory; the rows
+    past its deadline are listed as skipped.
 
-"Update" is the gradient computation of one micro-batch (no optimizer step, which stage 6 times). Full-parameter
+"Update" is the gradient computation of one micro-batch (no optimizer step, which stage 10 times). Full-parameter
 runs keep bf16 weights and gradients (fp32 master weights of Qwen-Image do not fit one GPU; FSDP2 shards them
 over 8 in training). Random weights are N(0, 1/fan_in), norm scales 1, biases 0, drawn on the device.
 
-Without CUDA every stage runs its tiny version (``jagg.models.TINY_CONFIGS``, small VAE / CLIPs, a few-MB shard)
-in seconds, says so, and writes ``runs/gpu_check/gpu_check.json``, so nothing under ``results/gpu/`` ever comes
+Without CUDA every stage runs its tiny version (``jagg.models.TINY_CONFIGS``, small VAE / CLIPs, a few-MB shard,
+the paper configs at tiny shapes in fp32) in seconds, says so, and writes ``runs/gpu_check/gpu_check.json``, so nothing under ``results/gpu/`` ever comes
 from a CPU. A Markdown summary is written beside the JSON.
 
     python experiments/gpu_check.py [--out results/gpu/gpu_check.json] [--tiny] [--budget-s 480]
                                     [--stages environment blocks ...] [--scratch DIR]
                                     [--sdpa flash mem_efficient cudnn math] [--[no-]isolate]
+                                    [--memory-gb 80]
 """
 
 from __future__ import annotations
