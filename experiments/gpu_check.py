@@ -1167,8 +1167,7 @@ class PaperUpdate:
 
     @classmethod
     def load(cls, name: str, overrides: list[str], tiny: bool) -> PaperUpdate:
-        cfg = paper_config(name)
-        backbone = cfg.model.backbone
+        backbone = paper_config(name).model.backbone
         cfg = load_config(
             PAPER_CONFIGS / f"{name}.yaml", overrides + (TINY_SHAPES[backbone] + TINY_RUN if tiny else [])
         )
@@ -1231,7 +1230,7 @@ class PaperUpdate:
 
     def trajectory(self, backbone, reference, ctx: Context):
         """(velocity, loss, outputs) of one micro-batch at its trained steps, as ``Trainer.grpo_loss`` gives them:
-        random prompt embeddings (and the empty negative prompt's, with CFG) of the plan's text length, straight-
+        random prompt embeddings (and the negative prompt's, with CFG) of the plan's text length, straight-
         path latents at the steps' times, the velocity there (the stored outputs), an SDE step from it (the next
         latents and old log-probs: ratio 1), and the config's GRPO step loss (KL against ``reference``)."""
         cfg, device = self.cfg, ctx.device
@@ -1239,7 +1238,8 @@ class PaperUpdate:
         batch, g = cfg.train.train_batch_size, torch.Generator().manual_seed(ctx.seed)
         alg = ALGORITHMS[a.name](a, cfg.backward)
         steps = alg.trained_steps(alg.step_kinds(s.num_steps, g), batch, g).T  # (T, B), sorted by time
-        sig = shifted_linear_sigmas(s.num_steps, s.shift).float()  # SD3's scheduler: shift 3 as well
+        # SD3.5-M's scheduler (``sampling.schedule: scheduler``): the same shift-3 sigmas
+        sig = shifted_linear_sigmas(s.num_steps, s.shift).float()
         sigma, sigma_next = sig[steps].to(device), sig[steps + 1].to(device)
         config = self.meta.config
         width = getattr(config, "joint_attention_dim", None) or config.text_dim  # Wan: UMT5 rows of text_dim
@@ -1250,12 +1250,9 @@ class PaperUpdate:
             mask=torch.ones(batch, tokens, dtype=torch.long),
             pooled=None if pooled is None else torch.randn(batch, pooled, generator=g),
         )
-        if m.true_cfg_scale > 1:
-            cond.neg_embeds, cond.neg_mask, cond.neg_pooled = (
-                torch.randn_like(cond.embeds),
-                cond.mask.clone(),
-                (None if pooled is None else torch.randn_like(cond.pooled)),
-            )
+        if m.true_cfg_scale > 1:  # a stand-in for the negative prompt's conditioning, of the same shapes
+            cond.neg_embeds, cond.neg_mask = torch.randn_like(cond.embeds), cond.mask.clone()
+            cond.neg_pooled = None if pooled is None else torch.randn_like(cond.pooled)
         velocity = _paper_velocity(backbone, cond, device, cfg)
         shape = latent_shape(cfg, backbone.latent_channels)
         x0, eps = (torch.randn(batch, *shape, generator=g) for _ in range(2))
