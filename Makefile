@@ -82,7 +82,7 @@ bench: $(STAMP) ## Time one group, exact vs JAGG, on tiny Flux / Qwen-Image back
 bench-checkpoint: $(STAMP) ## Training blocked by a checkpoint save, synchronous vs asynchronous (log.async_checkpoint), random-init Flux on the CPU -> results/checkpoint_async.csv
 	$(PY) experiments/checkpoint_bench.py --repeats 5 --out results/checkpoint_async.csv
 
-gpu-check: $(STAMP) ## One GPU, <= 8 min, no weights, stages with time budgets (a failing one does not stop the rest): environment + SDPA kernels, Qwen meta load, Flux / Qwen-Image blocks at real width, full-depth Flux LoRA 512 px, VAE + rewards 720 px, AdamW + DCP save, every JAGG mode's update -> results/gpu/gpu_check.json (without CUDA: tiny versions -> runs/gpu_check/)
+gpu-check: $(STAMP) ## One 80 GB GPU, <= 8 min, no weights, stages with time budgets (a failing one does not stop the rest): environment + SDPA kernels, knots K = T vs exact, Wan2.1-1.3B video / SD3.5-M KL / Flux 720 px knots against the memory plan (rows over 80 GB not attempted), Qwen meta load, blocks at real width, Flux LoRA 512 px, VAE + rewards, AdamW + DCP save, every JAGG mode's update -> results/gpu/gpu_check.json (without CUDA: tiny versions -> runs/gpu_check/)
 	$(PY) experiments/gpu_check.py
 
 plan-check: $(STAMP) ## Simulated 8-GPU node on the CPU (fake tensors + fake process group + FSDPMemTracker): one real-size update per paper config next to the dry-run plan, and Wan2.1-1.3B video exact vs knots stacked / per knot -> results/plan_check.md

@@ -1,46 +1,58 @@
 """``make gpu-check``: what one lent GPU can tell in one run, in stages with time budgets, into one JSON.
 
-For the day a GPU is lent (one GPU, ~10 minutes, no weights or downloads). Every stage builds random-init models
-of the real classes and configs (``jagg.scale.architectures.KNOWN_CONFIGS``, the hub configs of the VAE and reward
-models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage still
-runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts only
-if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
-(a stage that runs past its budget is flagged ``over_budget``). On CUDA each stage runs in its own process
-(``--isolate``), since a CUDA error such as an illegal memory access poisons every later call in its process; a
-failed stage keeps the end of its traceback. ``--sdpa`` names the attention kernels torch may pick; by default
-those of the paper configs' ``train.sdpa_kernels``, which a training run enables too (all four: torch's own
-choice, which on torch 2.11 / H200 picked cuDNN attention and crashed the first update). Stages, in order:
+For the day a GPU is lent (one GPU of 80 GB, 8 minutes, no weights or downloads). Every stage builds random-init
+models of the real classes and configs (``jagg.scale.architectures.KNOWN_CONFIGS``, the hub configs of the VAE and
+reward models), runs, and reports ``ok`` with its measurements, ``failed`` with the error line (the next stage
+still runs), or ``skipped`` with the reason (the time left was under its budget, or not selected). A stage starts
+only if the time left of ``--budget-s`` (default 480 s) is at least its own budget, so the run ends within it
+(a stage that runs past its budget is flagged ``over_budget``); ``STAGES`` writes each budget and why. On CUDA the
+stages run in a worker child process (``--isolate``, ``StageWorker``), restarted after a failed stage, since a
+CUDA error such as an illegal memory access poisons every later call in its process; a failed stage keeps the end
+of its traceback. ``--sdpa`` names the attention kernels torch may pick; by default those of the paper configs'
+``train.sdpa_kernels``, which a training run enables too (all four: torch's own choice, which on torch 2.11 /
+H200 picked cuDNN attention and crashed the first update). Stages, in order:
 
 1. ``environment``: torch / CUDA / cuDNN / NCCL versions, the GPU, the SDPA flags and one tiny SDPA call per
    kernel (flash / mem-efficient / cuDNN / math) checked against the math kernel.
-2. ``qwen_meta_load``: Qwen-Image built on the meta device and materialised as the trainer does
+2. ``knots_equal_exact``: knots with K = T against exact, the relative LoRA gradient error on reduced Flux at
+   512 px in fp32 and bf16 (expected near 0).
+3. ``wan_video``, 4. ``sd3_kl``, 5. ``flux_knots_720``: paper configs (``configs/paper/``), placed by the
+   trainer's ``place_backbone`` (LoRA, checkpointing, fp32 trained weights, the frozen base and the KL copy in
+   their dtypes), one micro-batch's update per backward setting: seconds, passes, peak memory against the memory
+   plan of the same config (``jagg.capacity.memory_model.memory_plan`` at world size 1, the terms an update
+   holds: ``PaperUpdate.plan``), and the gradient's relative error to the first setting's. A setting whose plan
+   needs more than ``--memory-gb`` (80; or the GPU's own memory) is not attempted and carries the plan's reason.
+   Wan2.1-1.3B at 480x832x81: exact against knots K = 4 over 10 trained steps, ``sequential`` and ``batched``;
+   SD3.5-M with the fp32 base and the KL reference copy: one update of 9 samples with CFG (the config's
+   backward); Flux at 720 px with LoRA: knots K = 4 against exact over the knots recipe's 15 trained steps.
+6. ``qwen_meta_load``: Qwen-Image built on the meta device and materialised as the trainer does
    (``materialize_tensor_attributes``: the rotary tables must be real and equal a CPU build), then
    ``shard_from_rank0`` in a one-rank process group (NCCL on CUDA), whose forward must equal the unsharded one.
-3. ``blocks``: Flux and Qwen-Image at real width, 2 blocks of each kind: per-block forward / backward /
+7. ``blocks``: Flux and Qwen-Image at real width, 2 blocks of each kind: per-block forward / backward /
    checkpointed backward (recompute + backward) time and activation memory, and the gradients of the whole
    reduced model with and without gradient checkpointing equal (max relative error under a tolerance).
-4. ``flux_lora_512``: the full-depth Flux LoRA update of one DanceGRPO trajectory at 512 px, every variant.
-5. ``vae_rewards``: the FLUX.1-dev VAE decoding a 720 px image and HPSv2.1 / PickScore / CLIPScore scoring it.
-6. ``adamw_dcp``: an AdamW step on a multi-GB shard and its ``torch.distributed.checkpoint`` save (write
-   bandwidth) and load (bit-equal).
-8. ``knots_equal_exact`` (after 7): knots with K = T against exact, the relative LoRA gradient error on reduced
-   Flux at 512 px in fp32 and bf16 (expected near 0).
-7. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
-   W = 3, jagg_frac 0.6) with ``BackwardSetting.backward`` for exact and JAGG in every
-   ``GRAPH_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
-   backbones at the paper resolutions (Flux 720 px; Qwen-Image 720 and 512 px), with peak memory.
+8. ``flux_lora_512``: the full-depth Flux LoRA update of one DanceGRPO trajectory at 512 px, every variant.
+9. ``vae_rewards``: the FLUX.1-dev VAE decoding a 720 px image and HPSv2.1 / PickScore / CLIPScore scoring it.
+10. ``adamw_dcp``: an AdamW step on a multi-GB shard and its ``torch.distributed.checkpoint`` save (write
+    bandwidth) and load (bit-equal).
+11. ``trajectory_updates``: the update of one DanceGRPO trajectory (16 steps, 9 random of the first 15 trained,
+    W = 3, jagg_frac 0.6) with ``BackwardSetting.backward`` for exact and JAGG in every
+    ``GRAPH_MODES`` mode, with and without stored outputs, LoRA (r64 / alpha 128) and full gradients, on both
+    backbones at the paper resolutions (Flux 720 px; Qwen-Image 720 and 512 px), with peak memory; the rows
+    past its deadline are listed as skipped.
 
-"Update" is the gradient computation of one micro-batch (no optimizer step, which stage 6 times). Full-parameter
+"Update" is the gradient computation of one micro-batch (no optimizer step, which stage 10 times). Full-parameter
 runs keep bf16 weights and gradients (fp32 master weights of Qwen-Image do not fit one GPU; FSDP2 shards them
 over 8 in training). Random weights are N(0, 1/fan_in), norm scales 1, biases 0, drawn on the device.
 
-Without CUDA every stage runs its tiny version (``jagg.models.TINY_CONFIGS``, small VAE / CLIPs, a few-MB shard)
-in seconds, says so, and writes ``runs/gpu_check/gpu_check.json``, so nothing under ``results/gpu/`` ever comes
+Without CUDA every stage runs its tiny version (``jagg.models.TINY_CONFIGS``, small VAE / CLIPs, a few-MB shard,
+the paper configs at tiny shapes in fp32) in seconds, says so, and writes ``runs/gpu_check/gpu_check.json``, so nothing under ``results/gpu/`` ever comes
 from a CPU. A Markdown summary is written beside the JSON.
 
     python experiments/gpu_check.py [--out results/gpu/gpu_check.json] [--tiny] [--budget-s 480]
                                     [--stages environment blocks ...] [--scratch DIR]
                                     [--sdpa flash mem_efficient cudnn math] [--[no-]isolate]
+                                    [--memory-gb 80]
 """
 
 from __future__ import annotations
@@ -67,9 +79,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from jagg.capacity import memory_model
+from jagg.capacity.memory_model import GIB
+from jagg.capacity.pass_plan import trained_steps_per_sample
 from jagg.common import atomic_write_text, command_line, run_metadata, set_threads
 from jagg.config import SDPA_KERNELS, AlgorithmConfig, Config, load_config
-from jagg.engine.algorithms import DanceGRPO
+from jagg.distributed import DistInfo
+from jagg.engine.algorithms import ALGORITHMS, DanceGRPO
 from jagg.engine.grpo import TrainedSteps
 from jagg.engine.knots import Knots
 from jagg.engine.routing import Routing
@@ -80,9 +96,14 @@ from jagg.ops.node import apply_sdpa_kernels, sdpa_kernel_flags
 from jagg.scale.architectures import KNOWN_CONFIGS, VAE_SCALE
 from jagg.scale.distributed import materialize_tensor_attributes, transformer_blocks
 from jagg.scale.lora import DEFAULT_TARGETS, apply_lora
+from jagg.scale.placement import parameter_dtypes, place_backbone
+from jagg.scale.pretrained import adapter_kwargs, latent_shape
 
 GPU_OUT = "results/gpu/gpu_check.json"
 CPU_OUT = "runs/gpu_check/gpu_check.json"  # runs/ is git-ignored
+# The check is planned for one GPU of 80 GB (decimal, as sold; ``--memory-gb``): an update whose memory plan needs
+# more is not attempted, and its row carries the plan's reason.
+MEMORY_GB = 80
 PAPER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper"
 
 
@@ -162,9 +183,26 @@ def build_transformer(
         model = cls.from_config(config).to(dtype)
     model = model.to_empty(device=device)
     materialize_tensor_attributes(model, device)  # the trainer's fix (jagg.scale.distributed)
+    _restore_buffers(model, config)
     _init_(model, seed)
     model.enable_gradient_checkpointing()
     return model
+
+
+def _restore_buffers(model: nn.Module, config: dict) -> None:
+    """The buffers ``__init__`` computes (SD3's positional table, Wan's rotary tables), which ``to_empty`` leaves
+    uninitialised: copied from a build of the same class without its repeated blocks on the CPU (as
+    ``materialize_tensor_attributes`` does for plain attributes; the tables do not depend on depth)."""
+    names = [n for n, _ in model.named_buffers()]
+    if not names:
+        return
+    shallow = {**config, **{k: 0 for k in ("num_layers", "num_single_layers") if k in config}}
+    ref = dict(type(model).from_config(shallow).named_buffers())
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name not in ref:
+                raise RuntimeError(f"buffer {name} of {type(model).__name__} is not in its block-free build")
+            buf.copy_(ref[name])
 
 
 # --------------------------------------------------------------------------- one trajectory
@@ -344,6 +382,7 @@ class Context:
     batch: int = 1
     scratch: str | None = None
     log: Callable[[str], None] = print
+    memory_gb: float = MEMORY_GB  # the GPU memory a row's plan must fit (``compare_settings``)
 
     @property
     def cuda(self) -> bool:
@@ -386,7 +425,7 @@ def run_stages(
     exception ends that stage only (``failed``, with its error line), and memory is released before the next.
     ``on_record(records so far)`` after each stage (``main`` rewrites the JSON, so a killed run keeps them).
     Stage deadlines are on ``time.perf_counter``; ``clock`` (a fake one in the tests) decides what starts.
-    ``runner(stage)`` runs one stage (default: in this process; ``main`` passes ``run_isolated`` on CUDA).
+    ``runner(stage)`` runs one stage (default: in this process; ``main`` passes a ``StageWorker`` on CUDA).
     """
     runner = runner or (lambda stage: _run_stage(stage, ctx, clock))
     start = clock()
@@ -441,41 +480,103 @@ TRACEBACK_CHARS = 4000
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
 
 
-def run_isolated(stage: Stage, argv: list[str], timeout_s: float) -> dict:
-    """Run one stage in a child process (this script with ``--one-stage``) and return its record.
+# The start of a stage worker (imports, the CUDA context): 12 to 22 s per child on the H200 run of 2026-12-04
+# (``process_s`` - ``seconds``), planned as 25 s. A worker runs stages until one fails, so a run pays it once,
+# and once more after each failed stage.
+WORKER_START_S = 25
+
+
+class StageWorker:
+    """Stages run one after another in a child process (this script with ``--worker``), restarted after a
+    failed stage.
 
     A CUDA error such as an illegal memory access poisons the process's CUDA context, so every later stage in
-    it would fail too; a child per stage keeps "a failing stage does not stop the others" true on a GPU. A
-    child that dies without writing its record (a crash, a kill at ``timeout_s``) is a ``failed`` record with
-    the end of its stderr. ``seconds`` is the stage's own time, measured in the child; ``process_s`` adds the
-    child's start (imports, CUDA context), which the budget of the whole run pays too.
+    it would fail too: after a failed stage (or a crash, or a kill at the stage's timeout) the next stage gets
+    a fresh child, which keeps "a failing stage does not stop the others" true on a GPU. One child for the run
+    (not one per stage: the H200 run paid 12 to 22 s to start each) keeps the run inside its budget. A child
+    that dies without writing its record is a ``failed`` record with the end of its stderr. ``seconds`` is the
+    stage's own time, measured in the child; ``process_s`` the parent's wait, a child's start included.
     """
-    with tempfile.TemporaryDirectory(prefix="gpu_check_stage_") as tmp:
-        record = Path(tmp) / "record.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-stage", stage.name]
-        cmd += ["--record", str(record)]
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.proc: subprocess.Popen | None = None
+        self.tmp = tempfile.mkdtemp(prefix="gpu_check_worker_")
+        # kept open across stages (each stage's part read from its offset)
+        self.stderr = open(os.path.join(self.tmp, "stderr.txt"), "w+")  # noqa: SIM115
+        self.starts = 0
+
+    def _alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _start(self) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), *self.argv, "--worker"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.starts += 1
+
+    def run(self, stage: Stage, timeout_s: float) -> dict:
+        """The record of ``stage`` run in the worker (started if none is alive)."""
+        if not self._alive():
+            self._start()
+        record = Path(self.tmp) / f"{stage.name}.json"
+        record.unlink(missing_ok=True)
+        offset = self.stderr.seek(0, os.SEEK_END)
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout_s)
-            stderr, rc = proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:  # its stderr can be bytes even with text=True
-            err = exc.stderr or ""
-            stderr = err.decode(errors="replace") if isinstance(err, bytes) else err
-            rc = f"killed after {timeout_s:.0f} s"
+        self.proc.stdin.write(f"{stage.name}\t{record}\n")
+        self.proc.stdin.flush()
+        while not record.exists() and self._alive() and time.perf_counter() - t0 < timeout_s:
+            time.sleep(0.1)
+        waited = time.perf_counter() - t0
+        self.stderr.seek(offset)
+        stderr = self.stderr.read()
         sys.stderr.write(stderr)
-        if record.exists():
-            return {**json.loads(record.read_text()), "process_s": time.perf_counter() - t0}
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
-    error = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), lines[-1] if lines else "")
-    seconds = time.perf_counter() - t0
-    return dict(
-        status="failed",
-        error=f"child process ({rc}): {error.strip()}"[:500],
-        traceback=stderr[-TRACEBACK_CHARS:],
-        seconds=seconds,
-        process_s=seconds,
-        over_budget=seconds > stage.budget_s,
-    )
+        if record.exists():  # written atomically: whole
+            rec = {**json.loads(record.read_text()), "process_s": waited, "worker": self.starts}
+            if rec["status"] == "failed":
+                self.close()
+            return rec
+        rc = f"killed after {timeout_s:.0f} s" if self._alive() else self.proc.returncode
+        self.close()
+        lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+        error = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), lines[-1] if lines else "")
+        return dict(
+            status="failed",
+            error=f"child process ({rc}): {error.strip()}"[:500],
+            traceback=stderr[-TRACEBACK_CHARS:],
+            seconds=waited,
+            process_s=waited,
+            over_budget=waited > stage.budget_s,
+            worker=self.starts,
+        )
+
+    def close(self) -> None:
+        """End the child: its stdin closed (it exits between stages), killed if it does not within 10 s."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def finish(self) -> None:
+        """``close`` and remove the records and the stderr file."""
+        self.close()
+        self.stderr.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def serve_stages(ctx: Context) -> None:
+    """The ``--worker`` child: for each line ``name<TAB>record path`` on stdin, run that stage and write its
+    record there; exit at the end of stdin."""
+    by_name = {s.name: s for s in STAGES}
+    for line in sys.stdin:
+        name, record = line.rstrip("\n").split("\t")
+        rec = _run_stage(by_name[name], ctx, time.perf_counter)
+        atomic_write_text(Path(record), json.dumps(rec, default=str))
 
 
 def _timed(fn: Callable[..., object], device: torch.device, *args) -> tuple[object, float]:
@@ -1033,27 +1134,340 @@ def stage_knots_equal_exact(ctx: Context, deadline: float) -> dict:
     return dict(comparisons=rows)
 
 
+# --------------------------------------------------------------------------- 9-11. paper configs against the plan
+# The memory plan's per-rank terms (``jagg.capacity.memory_model.memory_plan``, at world size 1) that an update
+# here holds: the placed transformer, its gradients and the KL copy. Not held: the optimizer's state and step
+# (no step), the EMA, the text encoders, the VAE and the reward models (none is built).
+UPDATE_PLAN_TERMS = (
+    "transformer weights",
+    "frozen base",
+    "transformer buffers",
+    "gradients",
+    "unsharded",
+    "KL reference",
+)
+# The shapes a CPU run gives each paper config: tiny transformers of the same classes (``TINY_CONFIGS``), fp32
+TINY_SHAPES = {
+    "wan": ["sampling.latent_frames=2", "sampling.latent_size=4", "sampling.latent_width=6"],
+    "sd3": ["sampling.latent_size=8"],
+    "flux": ["sampling.latent_size=8"],
+}
+TINY_RUN = ["model.max_sequence_length=8", "train.precision=fp32"]
+
+
+@dataclass
+class PaperUpdate:
+    """One paper config as a stage runs it: the config (``configs/paper/``, the stage's overrides, tiny shapes on
+    the CPU), the transformer config it builds (the published one, ``memory_model.transformer_config``, or the
+    tiny one of the same class) and that transformer on the meta device (the plan counts it)."""
+
+    cfg: Config
+    config: dict
+    meta: nn.Module
+
+    @classmethod
+    def load(cls, name: str, overrides: list[str], tiny: bool) -> PaperUpdate:
+        backbone = paper_config(name).model.backbone
+        cfg = load_config(
+            PAPER_CONFIGS / f"{name}.yaml", overrides + (TINY_SHAPES[backbone] + TINY_RUN if tiny else [])
+        )
+        config = TINY_CONFIGS[backbone]() if tiny else dict(memory_model.transformer_config(cfg)[0])
+        with torch.device("meta"):
+            meta = BACKBONES[backbone].transformer_cls.from_config(config)
+        if cfg.model.lora_rank > 0:
+            apply_lora(
+                meta,
+                cfg.model.lora_rank,
+                cfg.model.lora_alpha,
+                cfg.model.lora_targets or DEFAULT_TARGETS[backbone],
+            )
+        return cls(cfg, config, meta)
+
+    @property
+    def trained_steps(self) -> int:
+        return trained_steps_per_sample(self.cfg)
+
+    def plan(self, setting, limit_gb: float) -> dict:
+        """The plan of ``setting``'s update of one micro-batch on one GPU: the ``UPDATE_PLAN_TERMS`` and the
+        update's activations (``BackwardSetting.cost``'s graphs alive), the CUDA context and the allocator's
+        slack as the plan assumes them; ``fits`` against ``limit_gb``, else ``reason``. ``run_total_gib``: the
+        whole run's plan on one GPU (optimizer, encoders, VAE, rewards too), for reference."""
+        cfg = self.cfg
+        cost = setting.cost(self.trained_steps, batch=cfg.train.train_batch_size, stored_outputs=True)
+        mp = memory_model.memory_plan(cfg, 1, cost.graphs_alive, setting.holds_gradients, model=self.meta)
+        terms = {k: v for k, v in mp.gpu.items() if k.startswith(UPDATE_PLAN_TERMS)}
+        terms["activations (update)"] = mp.activations[mp.checkpointing]
+        allocated = sum(terms.values())
+        needed = (
+            allocated * (1 + memory_model.ALLOCATOR_SLACK[mp.expandable_segments]) + memory_model.CUDA_CONTEXT
+        )
+        out = dict(
+            plan_allocated_gib=allocated / GIB,
+            plan_needed_gib=needed / GIB,
+            plan_terms_gib={k: v / GIB for k, v in terms.items()},
+            plan_graphs_alive=cost.graphs_alive,
+            run_total_gib=mp.total() / GIB,
+            fits=needed <= limit_gb * 1e9,
+        )
+        if not out["fits"]:
+            largest = sorted(terms.items(), key=lambda kv: -kv[1])[:2]
+            out["reason"] = (
+                f"the plan needs {needed / GIB:.1f} GiB ({', '.join(f'{k} {v / GIB:.1f}' for k, v in largest)}), "
+                f"more than {limit_gb:g} GB ({limit_gb * 1e9 / GIB:.1f} GiB)"
+            )
+        return out
+
+    def build(self, ctx: Context) -> tuple[nn.Module, nn.Module | None]:
+        """(backbone, KL reference or None), random-init and placed by the trainer's ``place_backbone``: LoRA,
+        gradient checkpointing, fp32 trained weights, the frozen base in ``model.base_dtype``'s dtype."""
+        cfg = self.cfg
+        frozen = parameter_dtypes(cfg.train.precision, cfg.model.base_dtype)[1]
+        transformer = build_transformer(cfg.model.backbone, self.config, ctx.device, frozen, ctx.seed)
+        backbone = BACKBONES[cfg.model.backbone](transformer, **adapter_kwargs(cfg.model))
+        return place_backbone(
+            cfg, backbone, device=ctx.device, dist=DistInfo(), reference=cfg.algorithm.kl_beta > 0
+        )
+
+    def trajectory(self, backbone, reference, ctx: Context):
+        """(velocity, loss, outputs) of one micro-batch at its trained steps, as ``Trainer.grpo_loss`` gives them:
+        random prompt embeddings (and the negative prompt's, with CFG) of the plan's text length, straight-
+        path latents at the steps' times, the velocity there (the stored outputs), an SDE step from it (the next
+        latents and old log-probs: ratio 1), and the config's GRPO step loss (KL against ``reference``)."""
+        cfg, device = self.cfg, ctx.device
+        m, s, a = cfg.model, cfg.sampling, cfg.algorithm
+        batch, g = cfg.train.train_batch_size, torch.Generator().manual_seed(ctx.seed)
+        alg = ALGORITHMS[a.name](a, cfg.backward)
+        steps = alg.trained_steps(alg.step_kinds(s.num_steps, g), batch, g).T  # (T, B), sorted by time
+        # SD3.5-M's scheduler (``sampling.schedule: scheduler``): the same shift-3 sigmas
+        sig = shifted_linear_sigmas(s.num_steps, s.shift).float()
+        sigma, sigma_next = sig[steps].to(device), sig[steps + 1].to(device)
+        config = self.meta.config
+        width = getattr(config, "joint_attention_dim", None) or config.text_dim  # Wan: UMT5 rows of text_dim
+        tokens = memory_model.text_tokens(m)
+        pooled = getattr(config, "pooled_projection_dim", None)
+        cond = TextCond(
+            embeds=torch.randn(batch, tokens, width, generator=g),
+            mask=torch.ones(batch, tokens, dtype=torch.long),
+            pooled=None if pooled is None else torch.randn(batch, pooled, generator=g),
+        )
+        if m.true_cfg_scale > 1:  # a stand-in for the negative prompt's conditioning, of the same shapes
+            cond.neg_embeds, cond.neg_mask = torch.randn_like(cond.embeds), cond.mask.clone()
+            cond.neg_pooled = None if pooled is None else torch.randn_like(cond.pooled)
+        velocity = _paper_velocity(backbone, cond, device, cfg)
+        shape = latent_shape(cfg, backbone.latent_channels)
+        x0, eps = (torch.randn(batch, *shape, generator=g) for _ in range(2))
+        s_ = sigma.cpu().view(*sigma.shape, *[1] * len(shape))
+        x = ((1 - s_) * x0 + s_ * eps).to(device)
+        outputs, x_next, old = [], [], []
+        with torch.no_grad():
+            for i in range(x.shape[0]):
+                v = velocity(x[i], sigma[i])
+                step = sde_step_with_logprob(
+                    x[i], v, sigma[i], sigma_next[i], kind=a.sde_kind, noise_level=a.noise_level
+                )
+                outputs.append(v)
+                x_next.append(step.prev_sample)
+                old.append(step.log_prob)
+        trained = TrainedSteps(
+            x=x, x_next=torch.stack(x_next), sigma=sigma, sigma_next=sigma_next, old_log_prob=torch.stack(old)
+        )
+        ref = None if reference is None else _paper_velocity(reference, cond, device, cfg)
+        adv = torch.randn(batch, generator=g).to(device)
+        loss = a.step_loss(trained, adv, scale=1.0 / x.shape[0], ref_velocity=ref)
+        return velocity, loss, torch.stack(outputs)
+
+
+def _paper_velocity(backbone, cond: TextCond, device, cfg: Config):
+    """The trainer's ``velocity`` (``Trainer.velocity``): bf16 autocast under bf16 precision, in the latents'
+    dtype."""
+    cond = cond.to(device)
+    bf16 = cfg.train.precision == "bf16"
+
+    def v(z, t):
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            return backbone.velocity(z, t, cond).to(z.dtype)
+
+    return v
+
+
+def time_update(setting, model: nn.Module, velocity, loss, outputs, device) -> dict:
+    """``setting.backward`` of one micro-batch from zero gradients: seconds (CUDA synchronised), the pass counts,
+    the peak allocated over the whole update (CUDA), and whether the gradient is finite."""
+    model.zero_grad(set_to_none=True)
+    _free(None, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stats, seconds = _timed(lambda: setting.backward(velocity, loss, outputs), device)
+    grads = (p.grad for p in model.parameters() if p.grad is not None)
+    finite = all(bool(torch.isfinite(gr).all()) for gr in grads) and math.isfinite(stats.loss)
+    return dict(
+        status="ok" if finite else "ok (non-finite gradient)",
+        seconds=seconds,
+        forward_passes=stats.forward_passes,
+        forward_passes_with_grad=stats.forward_passes_with_grad,
+        backward_passes=stats.backward_passes,
+        backward_calls=stats.backward_calls,
+        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    )
+
+
+def _trained_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+
+def compare_settings(run: PaperUpdate, settings: dict, ctx: Context, deadline: float) -> dict:
+    """Each of ``settings`` (label -> ``BackwardSetting``; exact first) on the same micro-batch: its plan, and
+    where the plan fits, its update's seconds, passes and peak (CUDA) against the plan, and its gradient's
+    relative error to the first setting's. A row the plan does not fit is not attempted (its reason kept); a
+    row past the stage's deadline is skipped."""
+    limit = ctx.memory_gb if not ctx.cuda else min(ctx.memory_gb, _device_gb(ctx.device))
+    plans = {label: run.plan(s, limit) for label, s in settings.items()}
+    rows = [dict(setting=label, **plans[label]) for label in settings]
+    head = dict(
+        config=run.cfg.model.backbone + ("" if not ctx.tiny else " (tiny)"),
+        trained_steps=run.trained_steps,
+        batch=run.cfg.train.train_batch_size,
+        latent_cells=list(latent_shape(run.cfg, 1)[1:]),
+        params_b=sum(p.numel() for p in run.meta.parameters()) / 1e9,
+        trainable_m=sum(p.numel() for p in run.meta.parameters() if p.requires_grad) / 1e6,
+        memory_limit_gb=limit,
+    )
+    if not any(r["fits"] for r in rows):
+        for r in rows:
+            r["status"] = "skipped (" + r["reason"] + ")"
+        return dict(**head, rows=rows)
+    backbone, reference = run.build(ctx)
+    velocity, loss, outputs = run.trajectory(backbone, reference, ctx)
+    first = None
+    for r, setting in zip(rows, settings.values(), strict=True):
+        if not r["fits"]:
+            r["status"] = "skipped (" + r["reason"] + ")"
+        elif time.perf_counter() > deadline:
+            r["status"] = "skipped (time budget)"
+        else:
+            r.update(time_update(setting, backbone, velocity, loss, outputs, ctx.device))
+            grad = _trained_grad(backbone)
+            first = grad if first is None else first
+            r["grad_rel_error_vs_first"] = float((grad - first).norm() / first.norm().clamp_min(1e-30))
+            if r["peak_gib"] is not None:
+                r["peak_over_plan"] = r["peak_gib"] / r["plan_allocated_gib"]
+            ctx.log(
+                f"  {r['setting']:<22} {r['seconds']:.2f} s, plan {r['plan_allocated_gib']:.1f} GiB"
+                + ("" if r["peak_gib"] is None else f", peak {r['peak_gib']:.1f} GiB")
+            )
+    del backbone, reference, velocity, loss, outputs, first
+    _free(None, ctx.device)
+    return dict(**head, rows=rows)
+
+
+def _device_gb(device) -> float:
+    return torch.cuda.get_device_properties(device).total_memory / 1e9
+
+
+def _knots_settings(cfg: Config) -> dict:
+    """exact, then the config's knots in the ``sequential`` and ``batched`` graph modes."""
+    knots = cfg.backward.planned_setting()
+    return {
+        "exact": knots.exact,
+        **{
+            f"knots K={knots.routing.count}/{m}": dataclasses.replace(knots, graph_mode=m)
+            for m in ("sequential", "batched")
+        },
+    }
+
+
+# Wan2.1-T2V-1.3B at Flash-GRPO's 480x832 px x 81 frames, its knots recipe with 10 trained steps (the window of the
+# first 10 of 20 that Flash-GRPO draws its step from), one video per micro-batch, CFG as configured. Without the
+# KL term: its reference forwards (2 calls at every trained step, the same in every setting) would take ~30 s of
+# the 8 minutes and change no difference between the settings; sd3_kl checks the KL copy.
+WAN_CONFIG = "wan/wan21_flashgrpo_knots"
+WAN_OVERRIDES = [
+    "algorithm.name=flowgrpo_fast",
+    "algorithm.sde_window_size=10",
+    "algorithm.sde_window_range=[0, 10]",
+    "algorithm.kl_beta=0",
+]
+
+
+def stage_wan_video(ctx: Context, deadline: float) -> dict:
+    """Wan2.1-1.3B at 480x832x81: exact against knots K = 4 over 10 trained steps, per-knot (``sequential``) and
+    stacked (``batched``): update seconds and peak memory against the memory plan."""
+    run = PaperUpdate.load(WAN_CONFIG, [*WAN_OVERRIDES, f"train.train_batch_size={ctx.batch}"], ctx.tiny)
+    return compare_settings(run, _knots_settings(run.cfg), ctx, deadline)
+
+
+SD3_CONFIG = "sd3/sd35m_flowgrpo"  # fp32 base, KL 0.01 (the reference copy), CFG 4.5, micro-batches of 9
+
+
+def stage_sd3_kl(ctx: Context, deadline: float) -> dict:
+    """SD3.5-M with its fp32 base and the KL reference copy: one update of a micro-batch of 9 samples with CFG in
+    the config's backward, peak memory against the plan."""
+    run = PaperUpdate.load(SD3_CONFIG, [], ctx.tiny)
+    return compare_settings(run, {"configured": run.cfg.backward.planned_setting()}, ctx, deadline)
+
+
+FLUX_KNOTS_CONFIG = "flux_dancegrpo_knots"  # 720 px, every step of DanceGRPO's first 15 trained, K = 4
+FLUX_KNOTS_OVERRIDES = [
+    f"model.lora_rank={LORA_RANK}",
+    f"model.lora_alpha={LORA_ALPHA}",
+]  # full in the recipe
+
+
+def stage_flux_knots_720(ctx: Context, deadline: float) -> dict:
+    """Flux at 720 px with LoRA (Flow-GRPO-Fast's r64 / alpha 128): knots K = 4 against exact over every trained
+    step of the knots recipe, timing (and the knots gradient's error to exact's: an approximation, not 0)."""
+    overrides = [*FLUX_KNOTS_OVERRIDES, f"train.train_batch_size={ctx.batch}"]
+    run = PaperUpdate.load(FLUX_KNOTS_CONFIG, overrides, ctx.tiny)
+    return compare_settings(run, _knots_settings(run.cfg), ctx, deadline)
+
+
+# The time plan, on one H100 (no H100 run yet: the H200 run of 2026-12-04 measured the older stages, the new ones
+# are estimated from their passes): one worker start (WORKER_START_S) + the budgets = 465 s of the 480 s default.
+# A stage starts only if the time left covers its budget; the issue-55 stages run first, the older ones
+# after, and the last of them (trajectory_updates) takes what is left within its 90 s.
+#   environment           10  H200: 0.6 s
+#   knots_equal_exact     15  two reduced Flux models (2 + 2 blocks) at 512 px, 9 steps twice: a few seconds
+#   wan_video            100  ~0.7 s per 32,760-token forward (2.9e14 FLOPs at ~400 TFLOP/s): the trajectory's
+#                             10 x 2 CFG forwards, exact's 10 x 5 (forward, no-grad CFG call, recompute, backward
+#                             as 2) and each knots mode's 4 x 5: ~90 forwards, ~65 s, + build
+#   sd3_kl                30  18 rows (9 x CFG) of 1,229 tokens, 2.2 B parameters: ~0.3 s per forward; 9 trajectory
+#                             + 9 KL-reference forwards and the configured update's: ~15 s, + the fp32 build
+#   flux_knots_720        45  H200: 9 trained steps of exact at 720 px in 4.6 s; 15 here (~8 s), 2 x 4 knots, the
+#                             trajectory's 15 no-grad forwards, the build: ~30 s
+#   qwen_meta_load        20  H200: 4.6 s
+#   blocks                30  H200: 12.8 s
+#   flux_lora_512         50  H200: 35.7 s
+#   vae_rewards           20  H200: 6.6 s
+#   adamw_dcp             30  H200: 16.7 s (disk bound)
+#   trajectory_updates    90  H200: 151 s for all its rows: the rows past its deadline are skipped (they are listed)
 STAGES = [
-    Stage("environment", 15, stage_environment, "versions, GPU, SDPA kernels"),
+    Stage("environment", 10, stage_environment, "versions, GPU, SDPA kernels"),
+    Stage("knots_equal_exact", 15, stage_knots_equal_exact, "knots with K = T against exact: gradient error"),
+    Stage(
+        "wan_video", 100, stage_wan_video, "Wan2.1-1.3B 480x832x81: exact vs knots K = 4, against the plan"
+    ),
+    Stage(
+        "sd3_kl", 30, stage_sd3_kl, "SD3.5-M fp32 base + KL copy: one update of 9 with CFG, against the plan"
+    ),
+    Stage("flux_knots_720", 45, stage_flux_knots_720, "Flux 720 px LoRA: knots K = 4 vs exact, timing"),
     Stage(
         "qwen_meta_load",
-        60,
+        20,
         stage_qwen_meta_load,
         "Qwen-Image meta-device build, materialise, shard_from_rank0",
     ),
     Stage(
         "blocks",
-        60,
+        30,
         stage_blocks,
         "Flux / Qwen-Image blocks at real width: time, memory, checkpointing grads",
     ),
     Stage(
-        "flux_lora_512", 75, stage_flux_lora_512, "full-depth Flux LoRA update of one trajectory at 512 px"
+        "flux_lora_512", 50, stage_flux_lora_512, "full-depth Flux LoRA update of one trajectory at 512 px"
     ),
-    Stage("vae_rewards", 60, stage_vae_rewards, "Flux VAE decode at 720 px, HPSv2.1 / PickScore / CLIPScore"),
-    Stage("adamw_dcp", 45, stage_adamw_dcp, "AdamW step and DCP save / load of a multi-GB shard"),
-    Stage("trajectory_updates", 150, stage_trajectory_updates, "one trajectory's update, every JAGG mode"),
-    Stage("knots_equal_exact", 15, stage_knots_equal_exact, "knots with K = T against exact: gradient error"),
+    Stage("vae_rewards", 20, stage_vae_rewards, "Flux VAE decode at 720 px, HPSv2.1 / PickScore / CLIPScore"),
+    Stage("adamw_dcp", 30, stage_adamw_dcp, "AdamW step and DCP save / load of a multi-GB shard"),
+    Stage("trajectory_updates", 90, stage_trajectory_updates, "one trajectory's update, every JAGG mode"),
 ]
 
 
@@ -1083,6 +1497,35 @@ def _variant_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _plan_table(result: dict) -> list[str]:
+    """A ``compare_settings`` result as a Markdown table: each setting's plan against its update."""
+    lines = [
+        f"{result['config']}: {result['params_b']:.2f} B parameters, {result['trainable_m']:.1f} M trained, "
+        f"latent {'x'.join(map(str, result['latent_cells']))}, {result['batch']} per micro-batch, "
+        f"{result['trained_steps']} trained steps; a row fits if its plan is within {result['memory_limit_gb']:g} GB.",
+        "",
+        "| setting | graphs alive | plan GiB | peak GiB | peak / plan | s | fwd (grad) | bwd passes "
+        "| grad rel. err. vs first | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        cells = [r["setting"], r["plan_graphs_alive"], f"{r['plan_allocated_gib']:.1f}"]
+        if "seconds" in r:
+            peak = r.get("peak_gib")
+            cells += [
+                "" if peak is None else f"{peak:.1f}",
+                f"{r['peak_over_plan']:.2f}" if "peak_over_plan" in r else "",
+                f"{r['seconds']:.2f}",
+                f"{r['forward_passes']} ({r['forward_passes_with_grad']})",
+                r["backward_passes"],
+                f"{r['grad_rel_error_vs_first']:.1e}",
+            ]
+        else:
+            cells += [""] * 6
+        lines.append("| " + " | ".join(str(c) for c in [*cells, r["status"]]) + " |")
+    return lines
+
+
 def to_markdown(report: dict) -> str:
     """A human summary of the JSON: one line per stage, then the trajectory tables."""
     meta, tiny = report["meta"], report["meta"]["tiny"]
@@ -1105,8 +1548,10 @@ def to_markdown(report: dict) -> str:
         secs = f"{s['seconds']:.1f}" if "seconds" in s else ""
         lines.append(f"| {s['name']} | {s['status']} | {secs} | {s['budget_s']:.0f} | {note} |")
     for s in report["stages"]:
-        if s["status"] == "ok" and "rows" in s["result"]:
-            lines += ["", f"## {s['name']}", "", *_variant_table(s["result"]["rows"])]
+        result = s.get("result") or {}
+        if s["status"] == "ok" and "rows" in result:
+            table = _plan_table(result) if "memory_limit_gb" in result else _variant_table(result["rows"])
+            lines += ["", f"## {s['name']}", "", *table]
     return "\n".join(lines) + "\n"
 
 
@@ -1126,6 +1571,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--memory-gb",
+        type=float,
+        default=MEMORY_GB,
+        help="GPU memory (decimal GB) an update's plan must fit, else it is not attempted (and the GPU's own)",
+    )
+    ap.add_argument(
         "--sdpa",
         nargs="+",
         default=None,
@@ -1139,14 +1590,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="each stage in its own process, so a CUDA crash does not poison the next (default: on with CUDA)",
     )
-    ap.add_argument("--one-stage", default=None, help=argparse.SUPPRESS)  # a child of --isolate
-    ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a child of --isolate
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.budget_s <= 0:
         ap.error(f"--budget-s must be > 0 seconds, got {args.budget_s}")
     if args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")
+    if args.memory_gb <= 0:
+        ap.error(f"--memory-gb must be > 0 GB, got {args.memory_gb}")
     set_threads(1)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -1156,13 +1608,16 @@ def main(argv: list[str] | None = None) -> int:
     args.sdpa = args.sdpa or _DANCE.train.sdpa_kernels  # what a training run enables (jagg.ops.node)
     apply_sdpa_kernels(args.sdpa)
     ctx = Context(
-        device=device, tiny=args.tiny or not cuda, seed=args.seed, batch=args.batch, scratch=args.scratch
+        device=device,
+        tiny=args.tiny or not cuda,
+        seed=args.seed,
+        batch=args.batch,
+        scratch=args.scratch,
+        memory_gb=args.memory_gb,
     )
-    if args.one_stage:  # a child of run_isolated: one stage, its record to --record
-        stage = {s.name: s for s in STAGES}[args.one_stage]
-        atomic_write_text(
-            Path(args.record), json.dumps(_run_stage(stage, ctx, time.perf_counter), default=str)
-        )
+    if args.worker:  # a child of StageWorker: the stages named on stdin
+        ctx.log = lambda line: print(line, flush=True)
+        serve_stages(ctx)
         return 0
     if not cuda:
         print("gpu_check: no CUDA device: every stage runs its tiny version on the CPU (seconds);")
@@ -1193,9 +1648,16 @@ def main(argv: list[str] | None = None) -> int:
 
     selected = set(args.stages) if args.stages else None
     isolate = cuda if args.isolate is None else args.isolate
-    runner = (lambda stage: run_isolated(stage, argv, 2 * stage.budget_s + 60)) if isolate else None
+    worker = StageWorker(argv) if isolate else None
+    runner = (lambda stage: worker.run(stage, 2 * stage.budget_s + 60)) if isolate else None
     meta["isolated_stages"] = isolate
-    report = write(run_stages(STAGES, ctx, args.budget_s, selected=selected, on_record=write, runner=runner))
+    try:
+        records = run_stages(STAGES, ctx, args.budget_s, selected=selected, on_record=write, runner=runner)
+    finally:
+        if worker is not None:
+            worker.finish()
+    meta["worker_starts"] = 0 if worker is None else worker.starts
+    report = write(records)
     md = to_markdown(report)
     atomic_write_text(out.with_suffix(".md"), md)
     print(md)

@@ -16,14 +16,18 @@ from jagg.ops.node import apply_sdpa_kernels, sdpa_kernel_flags  # noqa: E402
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="covers the CPU path (no CUDA)")
 STAGE_NAMES = [
     "environment",
+    "knots_equal_exact",
+    "wan_video",
+    "sd3_kl",
+    "flux_knots_720",
     "qwen_meta_load",
     "blocks",
     "flux_lora_512",
     "vae_rewards",
     "adamw_dcp",
     "trajectory_updates",
-    "knots_equal_exact",
 ]
+PLAN_STAGES = ["wan_video", "sd3_kl", "flux_knots_720"]
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +56,8 @@ def test_cpu_default_output_is_not_results_gpu():
     assert gpu_check.default_out(cuda=True) == "results/gpu/gpu_check.json"
     assert not gpu_check.default_out(cuda=False).startswith("results/")
     assert [s.name for s in gpu_check.STAGES] == STAGE_NAMES
-    assert sum(s.budget_s for s in gpu_check.STAGES) <= 480  # the default global budget holds every stage
+    # the default global budget holds one worker's start and every stage
+    assert gpu_check.WORKER_START_S + sum(s.budget_s for s in gpu_check.STAGES) <= 480
 
 
 def test_meta_built_transformer_keeps_the_rope_tables():
@@ -135,8 +140,98 @@ def test_cpu_run_writes_one_json_with_every_stage(tmp_path, capsys):
     assert knots["fp32"]["knots"] == knots["fp32"]["trained_steps"] > 1
     assert knots["fp32"]["rel_error"] < 1e-5  # tiny on the CPU: bf16 autocast is CUDA's only
     assert knots["bf16"]["status"].startswith("skipped (bf16")
+    _check_plan_stages(stages)
     md = out.with_suffix(".md").read_text()
     assert "Tiny configs, not the real architectures" in md and "| trajectory_updates | ok |" in md
+    assert "## wan_video" in md and "| knots K=4/batched | 4 |" in md
+
+
+def _check_plan_stages(stages: dict) -> None:
+    """The paper-config stages on the tiny models: every setting attempted (the tiny plans fit), with its passes,
+    a finite gradient, the plan's terms, and the knots modes' gradients equal to each other."""
+    want = {
+        "wan_video": (10, {"exact": (10, 10), "knots K=4/sequential": (4, 4), "knots K=4/batched": (4, 4)}),
+        "sd3_kl": (
+            9,
+            {"configured": (7, 7)},
+        ),  # JAGG W = 3, jagg_frac 0.6 from base.yaml: 9 steps in 7 passes
+        "flux_knots_720": (
+            15,
+            {"exact": (15, 15), "knots K=4/sequential": (4, 4), "knots K=4/batched": (4, 4)},
+        ),
+    }
+    for name, (steps, passes) in want.items():
+        result = stages[name]["result"]
+        assert result["trained_steps"] == steps and result["memory_limit_gb"] == 80
+        rows = {r["setting"]: r for r in result["rows"]}
+        assert {k: (r["forward_passes_with_grad"], r["backward_passes"]) for k, r in rows.items()} == passes
+        for r in rows.values():
+            assert r["status"] == "ok" and r["fits"] and r["peak_gib"] is None  # no CUDA: no peak
+            assert r["plan_needed_gib"] > r["plan_allocated_gib"] > 0
+        if "exact" in rows:
+            seq, stacked = rows["knots K=4/sequential"], rows["knots K=4/batched"]
+            assert rows["exact"]["grad_rel_error_vs_first"] == 0.0
+            assert seq["grad_rel_error_vs_first"] > 1e-3  # K = 4 of 10 or 15 steps: an approximation
+            assert stacked["grad_rel_error_vs_first"] == pytest.approx(
+                seq["grad_rel_error_vs_first"], rel=1e-4
+            )
+            assert (seq["plan_graphs_alive"], stacked["plan_graphs_alive"]) == (1, 4)
+    assert stages["sd3_kl"]["result"]["batch"] == 9
+    sd3 = stages["sd3_kl"]["result"]["rows"][0]["plan_terms_gib"]
+    assert {"KL reference (unsharded copy)", "frozen base (replicated)"} <= set(sd3)
+
+
+def test_real_configs_plans_on_one_gpu():
+    """The plans of the real-size rows (meta models, no GPU): the configs and shapes the issue names, and the
+    terms the plan counts for them; a row whose plan exceeds the limit carries the plan's reason."""
+    wan = gpu_check.PaperUpdate.load(gpu_check.WAN_CONFIG, gpu_check.WAN_OVERRIDES, tiny=False)
+    assert wan.trained_steps == 10 and wan.cfg.algorithm.kl_beta == 0
+    assert (wan.cfg.sampling.latent_frames, wan.cfg.sampling.latent_size, wan.cfg.sampling.latent_width) == (
+        21,
+        60,
+        104,
+    )  # 81 frames of 480 x 832 px
+    settings = gpu_check._knots_settings(wan.cfg)
+    plans = {k: wan.plan(s, 80) for k, s in settings.items()}
+    assert plans["exact"]["plan_allocated_gib"] == plans["knots K=4/sequential"]["plan_allocated_gib"]
+    assert plans["knots K=4/batched"]["plan_graphs_alive"] == 4
+    assert plans["knots K=4/batched"]["plan_allocated_gib"] > plans["exact"]["plan_allocated_gib"]
+    tight = wan.plan(settings["knots K=4/batched"], plans["exact"]["plan_needed_gib"] * 2**30 / 1e9)
+    assert not tight["fits"] and tight["reason"].startswith("the plan needs ")
+    assert "activations (update)" in tight["reason"]
+    sd3 = gpu_check.PaperUpdate.load(gpu_check.SD3_CONFIG, [], tiny=False)
+    (plan,) = [sd3.plan(sd3.cfg.backward.planned_setting(), 80)]
+    assert sd3.cfg.model.base_dtype == "fp32" and sd3.cfg.train.train_batch_size == 9
+    assert plan["plan_terms_gib"]["KL reference (unsharded copy)"] == pytest.approx(8.4, abs=0.1)
+    flux = gpu_check.PaperUpdate.load(gpu_check.FLUX_KNOTS_CONFIG, gpu_check.FLUX_KNOTS_OVERRIDES, tiny=False)
+    assert flux.cfg.sampling.latent_size * 8 == 720 and flux.cfg.backward.knots == 4
+    assert flux.cfg.model.lora_rank == 64 and flux.trained_steps == 15
+
+
+def test_rows_the_plan_does_not_fit_are_not_attempted(tmp_path, monkeypatch):
+    """A limit between the per-knot and the stacked plan: exact and sequential run, batched is skipped with the
+    plan's reason and never built; under a limit nothing fits, the stage builds nothing."""
+    run = gpu_check.PaperUpdate.load(
+        gpu_check.WAN_CONFIG, gpu_check.WAN_OVERRIDES + ["train.train_batch_size=1"], True
+    )
+    needed = {k: run.plan(s, 80)["plan_needed_gib"] for k, s in gpu_check._knots_settings(run.cfg).items()}
+    assert needed["knots K=4/batched"] > needed["knots K=4/sequential"]
+    limit = (needed["knots K=4/batched"] + needed["knots K=4/sequential"]) / 2 * 2**30 / 1e9
+    ctx = gpu_check.Context(device=torch.device("cpu"), tiny=True, log=lambda _: None, memory_gb=limit)
+    rows = {r["setting"]: r for r in gpu_check.stage_wan_video(ctx, float("inf"))["rows"]}
+    assert rows["exact"]["status"] == rows["knots K=4/sequential"]["status"] == "ok"
+    batched = rows["knots K=4/batched"]
+    assert batched["status"].startswith("skipped (the plan needs") and "seconds" not in batched
+    monkeypatch.setattr(gpu_check.PaperUpdate, "build", lambda *a: pytest.fail("built a model nothing fits"))
+    out = tmp_path / "gpu_check.json"
+    argv = ["--out", str(out), "--stages", *PLAN_STAGES, "--no-isolate", "--memory-gb", "0.5"]
+    assert gpu_check.main(argv) == 0
+    report = json.loads(out.read_text())
+    for s in report["stages"]:
+        if s["name"] in PLAN_STAGES:
+            assert s["status"] == "ok" and s["result"]["memory_limit_gb"] == 0.5
+            assert all(r["status"].startswith("skipped (the plan needs") for r in s["result"]["rows"])
+    assert "CPU" in report["meta"]["hardware"]
 
 
 def test_failing_stage_is_reported_and_the_others_run(tmp_path, monkeypatch):
@@ -227,18 +322,28 @@ def test_settings_come_from_the_paper_configs():
     assert gpu_check.TEXT_TOKENS["flux"] == dance.model.max_sequence_length == 512
 
 
-def test_isolated_stage_runs_in_a_child_and_a_crashed_child_is_a_failed_record(tmp_path):
-    """On CUDA each stage runs in its own process (a CUDA error poisons its process): the child's record comes
-    back whole; a child that dies without one is ``failed`` with the end of its stderr, and the run goes on."""
-    argv = ["--tiny", "--scratch", str(tmp_path)]
+def test_stage_worker_runs_stages_in_one_child_and_restarts_after_a_crash(tmp_path):
+    """On CUDA the stages run in a worker child (a CUDA error poisons its process): one child for the stages
+    that pass, its records whole; a child that dies without a record is ``failed`` with the end of its stderr,
+    and the next stage gets a fresh child."""
     by_name = {s.name: s for s in gpu_check.STAGES}
-    rec = gpu_check.run_isolated(by_name["adamw_dcp"], argv, timeout_s=120)
-    assert rec["status"] == "ok" and rec["result"]["written_gib"] > 0
-    assert rec["process_s"] >= rec["seconds"] > 0  # the child's start is on top of the stage's own time
-    missing = gpu_check.Stage("no_such_stage", 10, lambda ctx, deadline: {}, "not in STAGES: the child dies")
-    dead = gpu_check.run_isolated(missing, argv, timeout_s=120)
-    assert dead["status"] == "failed" and dead["error"].startswith("child process (1): KeyError")
-    assert "no_such_stage" in dead["traceback"] and "Traceback" in dead["traceback"]
+    worker = gpu_check.StageWorker(["--tiny", "--scratch", str(tmp_path)])
+    try:
+        first = worker.run(by_name["environment"], timeout_s=120)
+        rec = worker.run(by_name["adamw_dcp"], timeout_s=120)
+        assert first["status"] == rec["status"] == "ok" and first["worker"] == rec["worker"] == 1
+        assert rec["result"]["written_gib"] > 0 and rec["process_s"] >= rec["seconds"] > 0
+        missing = gpu_check.Stage(
+            "no_such_stage", 10, lambda ctx, deadline: {}, "not in STAGES: the child dies"
+        )
+        dead = worker.run(missing, timeout_s=120)
+        assert dead["status"] == "failed" and dead["error"].startswith("child process (1): KeyError")
+        assert "no_such_stage" in dead["traceback"] and "Traceback" in dead["traceback"]
+        after = worker.run(by_name["environment"], timeout_s=120)
+        assert after["status"] == "ok" and after["worker"] == 2 and worker.starts == 2
+    finally:
+        worker.finish()
+    assert not Path(worker.tmp).exists()
 
 
 def test_failed_stage_keeps_its_traceback_and_sdpa_restricts_the_kernels(tmp_path, monkeypatch):
