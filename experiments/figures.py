@@ -194,7 +194,7 @@ def plot_memory(results: Path, png: Path) -> None:
         seed=None,  # a computed plan: nothing random
         world_size=8,
     )
-    write_table(rows, results / "memory_plan.csv", meta)
+    meta = write_table(rows, results / "memory_plan.csv", meta)  # an unchanged plan keeps its record
     df = pd.DataFrame(rows)
     t1 = results / "table1.csv"
     fig, axes = plt.subplots(1, 2 if t1.is_file() else 1, figsize=(13, 5), squeeze=False)

@@ -151,8 +151,8 @@ def test_write_table_leaves_a_reproduced_result_and_its_record_alone(tmp_path):
     path = tmp_path / "t.csv"
     record = path.with_suffix(".meta.json")
     write_table([{"a": 1}], path, {"git_sha": "old", "config": {"k": 1}})
-    write_table([{"a": 1}], path, {"git_sha": "new", "git_diff": "d", "config": {"k": 1}})
-    assert json.loads(record.read_text())["git_sha"] == "old"  # same rows, same config: kept
+    kept = write_table([{"a": 1}], path, {"git_sha": "new", "git_diff": "d", "config": {"k": 1}})
+    assert json.loads(record.read_text()) == kept == {"git_sha": "old", "config": {"k": 1}}  # same rows: kept
     write_table([{"a": 1}], path, {"git_sha": "new", "config": {"k": 2}})
     assert json.loads(record.read_text()) == {"git_sha": "new", "config": {"k": 2}}
     write_table([{"a": 2}], path, {"git_sha": "newer", "config": {"k": 2}})

@@ -278,19 +278,21 @@ class ProgressETA:
 PROVENANCE_KEYS = ("git_sha", "git_diff")
 
 
-def write_table(rows: list[dict], path: str | Path, meta: dict) -> None:
+def write_table(rows: list[dict], path: str | Path, meta: dict) -> dict:
     """Write rows as CSV plus ``<stem>.meta.json`` (config, SHA, versions, hardware), both atomically. A table
     whose CSV and record are already on disk, equal but for ``PROVENANCE_KEYS``, is left as it is: a rerun
     that reproduces a committed result (``make figures``' computed memory plan) does not leave the tree dirty
-    for the next driver's SHA; the record keeps the commit that first wrote it."""
+    for the next driver's SHA; the record keeps the commit that first wrote it. Returns the record on disk
+    (what a figure drawn from the table names)."""
     import pandas as pd
 
     path, record = Path(path), Path(path).with_suffix(".meta.json")
     csv, text = pd.DataFrame(rows).to_csv(index=False), json.dumps(meta, indent=2, default=str) + "\n"
     if _unchanged(path, csv, record, json.loads(text)):
-        return
+        return json.loads(record.read_text())
     atomic_write_text(path, csv)
     atomic_write_text(record, text)
+    return json.loads(text)
 
 
 def _unchanged(path: Path, csv: str, record: Path, meta: dict) -> bool:
