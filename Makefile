@@ -28,7 +28,7 @@ $(error KERNELS must be avx2 (the default: the committed world's kernels) or nat
 endif
 SCALE ?= world
 
-.PHONY: help venv kernels smoke test test-dist engines lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-v3 curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv kernels smoke test drill test-dist engines lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-v3 curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -61,6 +61,9 @@ smoke: $(STAMP) ## ~1 min: 2 GRPO iterations with JAGG on a random-init tiny Flu
 TEST_WORKERS ?= 2  # pytest-xdist processes, one torch thread each: both cores of a 2-core machine
 test: $(STAMP) ## Run the test suite on TEST_WORKERS processes (creates .venv if missing)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+drill: $(STAMP) ## The hostile drill's slow cases, kept out of make test (pytest marker drill): real torchrun agents signalled, ranks stopped or failed
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m drill
 
 test-dist: $(STAMP) ## 2-process FSDP2 tests on CPU (gloo): group backward, trainer, torchrun CLI, checkpoints / loading / export
 	$(PY) -m pytest -q tests/test_dist_harness.py tests/test_distributed.py tests/test_distributed_trainer.py tests/test_distributed_checkpoint.py

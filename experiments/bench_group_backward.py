@@ -211,6 +211,11 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What make bench rewrites:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/bench_group_backward*",)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/bench_group_backward.csv")
@@ -231,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         for w in args.group_sizes:
             rows += bench_one(name, w, args.repeats, args.batch, args.size, args.seed)
     meta = run_metadata(
+        outputs=OUTPUTS,
         command=command_line("experiments/bench_group_backward.py", argv),
         seed=args.seed,
         config=vars(args),

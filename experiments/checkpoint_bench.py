@@ -114,6 +114,11 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What make bench-checkpoint rewrites:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/checkpoint_async*",)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/checkpoint_async.csv")
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     meta = run_metadata(
+        outputs=OUTPUTS,
         command=command_line("experiments/checkpoint_bench.py", argv),
         seed=args.seed,
         config=vars(args),

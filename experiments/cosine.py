@@ -44,6 +44,7 @@ from jagg.engine.algorithms import DanceGRPO
 from jagg.engine.diagnostics import group_gradient_cosines
 from jagg.loop.components import build_components
 from jagg.loop.trainer import Trainer
+from jagg.world.pretrained import REPORTS as WORLD_REPORTS
 from plotting import figure_footer, save_figure, world_scale
 
 BACKBONES = ("flux", "qwenimage")
@@ -439,6 +440,11 @@ def render(csv: Path, png: Path) -> None:
     plot(csv, png)
 
 
+# What make cosine rewrites, and make pretrain's reports of the world it runs first:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/cosine*", "paper_figures/cosine_*", *WORLD_REPORTS)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/cosine.csv")
@@ -490,6 +496,7 @@ def _authors_section(args, argv, extra: list[str], eta: ProgressETA) -> None:
 
 def _meta(args, argv, configs: dict) -> dict:
     return run_metadata(
+        outputs=OUTPUTS,
         command=command_line("experiments/cosine.py", argv),
         seeds=args.seeds,
         seed="per row",

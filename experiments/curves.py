@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
@@ -70,6 +71,7 @@ from jagg.stats import (
     sign_flip_test,
     tost,
 )
+from jagg.world.pretrained import REPORTS as WORLD_REPORTS
 from jagg.world.pretrained import world_build
 from plotting import figure_footer, save_figure
 
@@ -1497,6 +1499,7 @@ def measure_timing(
         ]
         rows += [{"recipe": r, **x} for x in mine]
     meta = run_metadata(
+        outputs=outputs(out),
         command=command_line("experiments/curves.py", argv),
         protocol=f"{proto_path.name} @ {protocol_sha(proto_path)}",
         world_build=world_build(),
@@ -1513,14 +1516,27 @@ def default_out(proto_path: Path, pilot: bool) -> str:
     return yaml.safe_load(proto_path.read_text()).get("results", "curves") + ("_pilot" if pilot else "")
 
 
+def outputs(out: Path) -> tuple[str, ...]:
+    """What a protocol run rewrites (pathspec globs, ``jagg.common.tree_state``): its results folder ``out``
+    and figures, and make pretrain's reports of the world it runs first; left out of every record's dirty check."""
+    figures = ("paper_figures/reward_curves_*", "paper_figures/dose_response_*")
+    mine = () if out.is_absolute() else (f"{out.as_posix().rstrip('/')}/**",)  # outside: not in the tree
+    return (*mine, *figures, *WORLD_REPORTS)
+
+
 def tree_changes(out: Path) -> str:
     """What the working tree changes from the commit it records (``git status --porcelain``), leaving out the
-    protocol's own results folder ``out`` (a resumed protocol finds its earlier CSVs there, uncommitted)."""
+    protocol's own results folder ``out`` (a resumed protocol finds its earlier CSVs there, uncommitted) and
+    make pretrain's reports of the world (``WORLD_REPORTS``), which a rebuild rewrites."""
     status = subprocess.run(
         ["git", "status", "--porcelain"], capture_output=True, text=True, check=True
     ).stdout
     mine = out.as_posix().rstrip("/") + "/"
-    return "".join(line + "\n" for line in status.splitlines() if not line[3:].startswith(mine))
+    return "".join(
+        line + "\n"
+        for line in status.splitlines()
+        if not line[3:].startswith(mine) and not any(fnmatch(line[3:], g) for g in WORLD_REPORTS)
+    )
 
 
 def tree_diff() -> str:
@@ -1609,6 +1625,7 @@ def run_and_record(
             job = by_key[(r, a, k)]
             run_json = json.loads((done[(r, a, k)] / "run.json").read_text())
             meta = run_metadata(
+                outputs=outputs(out),
                 command=command_line("experiments/curves.py", argv),
                 run_command=stamp[(r, a, k)],
                 config=job[1],

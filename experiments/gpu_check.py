@@ -1624,6 +1624,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: these are not GPU numbers, and they go to {out}, not {GPU_OUT}.")
     start = time.perf_counter()
     meta = run_metadata(
+        outputs=("results/gpu/*",),  # its own report: left out of the dirty check
         command=command_line("experiments/gpu_check.py", argv),
         seed=args.seed,
         config=vars(args),

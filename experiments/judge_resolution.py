@@ -70,6 +70,11 @@ def render(rows: list[dict], alpha: float = 0.05, power: float = 0.8) -> str:
     return "\n".join(lines + [""])
 
 
+# What this driver rewrites:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/judge_resolution*",)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", nargs="+", type=int, default=list(range(950, 960)))
@@ -81,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = [base_evaluation(s, k, Path(tmp) / f"s{s}_k{k}") for k in args.images for s in args.seeds]
     out = Path(args.out)
     meta = run_metadata(
-        command=command_line("experiments/judge_resolution.py", argv), seeds=args.seeds, config=CONFIG
+        outputs=OUTPUTS,
+        command=command_line("experiments/judge_resolution.py", argv),
+        seeds=args.seeds,
+        config=CONFIG,
     )
     write_table(rows, out, meta)
     atomic_write_text(out.with_suffix(".md"), render(rows))

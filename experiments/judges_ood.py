@@ -35,6 +35,7 @@ from jagg.common import (
     write_table,
 )
 from jagg.world.geometry import read_attributes
+from jagg.world.pretrained import REPORTS as WORLD_REPORTS
 from jagg.world.pretrained import load_module
 from jagg.world.scene import World
 
@@ -88,6 +89,11 @@ def readings(name: str, images: torch.Tensor, world: World, models: dict) -> tor
     return models[name].predict(images)
 
 
+# What make judges-ood rewrites, and make pretrain's reports of the world it runs first:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/judges_ood*", *WORLD_REPORTS)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-prompt", type=int, default=8, help="renders per prompt (72 prompts)")
@@ -121,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
                     position=ok[:, 2].float().mean().item(),
                 )
             )
-    meta = run_metadata(command=command_line("experiments/judges_ood.py", argv), config=None, seed=SEED)
+    meta = run_metadata(
+        outputs=OUTPUTS, command=command_line("experiments/judges_ood.py", argv), config=None, seed=SEED
+    )
     write_table(rows, args.out, meta)
     import pandas as pd
 

@@ -48,6 +48,7 @@ from jagg.engine.routing import BackwardSetting, Routing, calibrate_knots
 from jagg.loop.components import build_components
 from jagg.loop.timing import time_settings
 from jagg.loop.trainer import Trainer
+from jagg.world.pretrained import REPORTS as WORLD_REPORTS
 from plotting import figure_footer, save_figure, world_scale
 
 BACKBONES = ("flux", "qwenimage")
@@ -328,6 +329,11 @@ def render(csv: Path, figure: Path) -> None:
     save_figure(fig, figure, dpi=130)
 
 
+# What make knots rewrites, and make pretrain's reports of the world it runs first:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/knots*", "paper_figures/knots_*", *WORLD_REPORTS)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="default results/knots.csv (--video: results/knots_video.csv)")
@@ -353,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         eta = ProgressETA(len(studies) * args.rollouts + len(timed) * args.iterations, "knots")
         # recorded before the runs: the commit the measured code came from, not the one at write time
         meta = run_metadata(
+            outputs=OUTPUTS,
             command=command_line("experiments/knots.py", argv),
             seed="rollout index",
             config={k: v for k, v in vars(args).items() if k != "overrides"},

@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw
 
 import jagg.loop.rewards  # noqa: F401  (fills the reward registry)
-from jagg.common import command_line, git_sha
+from jagg.common import command_line, tree_state
 from jagg.rewards import build_reward
 from jagg.world import World, default_cache_dir, load_pretrained
 from jagg.world.build import (
@@ -31,6 +31,7 @@ from jagg.world.build import (
 from jagg.world.pretrained import (
     ARTEFACTS,
     BACKBONE_NAMES,
+    REPORTS,
     SAMPLE_SHIFT,
     SAMPLE_STEPS,
     VIDEO_ARTEFACTS,
@@ -87,6 +88,12 @@ def shape_confusion(world: World, name: str, cache: Path, attr_model) -> list[li
     return conf.tolist()
 
 
+def provenance() -> dict:
+    """The commit, with the diff when anything but this driver's own reports (``REPORTS``) is uncommitted."""
+    sha, diff = tree_state(REPORTS)
+    return {"git_sha": sha} | ({"git_diff": diff} if diff is not None else {})
+
+
 def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
@@ -101,7 +108,7 @@ def write_report(
         build_seconds = json.loads(previous.read_text()).get("make_pretrain_seconds_this_run")
     rewards = world_rewards(cache)
     data = {
-        "git_sha": git_sha(),
+        **provenance(),
         "command": command_line("experiments/pretrain.py"),
         "seeds": {
             n: m["seed"] for n, m in manifests.items()
@@ -281,7 +288,7 @@ def write_video_report(cache: Path, results: Path, build_seconds: float | None) 
         build_seconds = json.loads(previous.read_text()).get("make_pretrain_seconds_this_run")
     probe = {n: build_reward(n, cache_dir=cache) for n in PROBED} | {"temporal": build_reward("temporal")}
     data = {
-        "git_sha": git_sha(),
+        **provenance(),
         "command": command_line("experiments/pretrain.py"),
         "environment": environment(),
         "make_pretrain_seconds_this_run": build_seconds,

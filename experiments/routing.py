@@ -33,6 +33,7 @@ from jagg.engine.routing import Routing
 from jagg.loop.components import build_components
 from jagg.loop.timing import QUICK, TIMING_SETUPS, time_settings, timing_config
 from jagg.loop.trainer import Trainer
+from jagg.world.pretrained import REPORTS as WORLD_REPORTS
 
 AUTO = ["backward.jagg_frac=auto", "backward.group_size=auto"]
 
@@ -138,6 +139,11 @@ def render(csv: Path) -> None:
     atomic_write_text(csv.with_suffix(".md"), to_markdown(pd.read_csv(csv).to_dict("records"), meta))
 
 
+# What make routing rewrites, and make pretrain's reports of the world it runs first:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/routing*", *WORLD_REPORTS)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=6)
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     eta = ProgressETA(len(TIMING_SETUPS) * iterations, "routing")
     rows = [measure(setup, args.overrides, iterations, args.quick, eta) for setup in TIMING_SETUPS]
     meta = run_metadata(
+        outputs=OUTPUTS,
         command=command_line("experiments/routing.py", argv),
         config=[f"configs/world/{b}_{a}.yaml" for b, a in TIMING_SETUPS],
         overrides=(QUICK if args.quick else []) + args.overrides,

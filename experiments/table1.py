@@ -66,6 +66,8 @@ from jagg.loop.timing import (
 from jagg.loop.trainer import Trainer
 from jagg.scale.tiny_pipeline import write_tiny_sd3_run
 from jagg.world import World
+from jagg.world.pretrained import REPORTS as WORLD_REPORTS
+from jagg.world.pretrained import world_build
 from plotting import figure_footer, save_figure, world_scale
 
 SETUPS = TIMING_SETUPS
@@ -908,9 +910,9 @@ def plot(rows: list[dict], png: Path, meta: dict | None = None, results: Path = 
     save_figure(fig, png, dpi=100)
 
 
-# What make table1 itself rewrites: its tables and figures, and make pretrain's record of the world it trains
+# What make table1 itself rewrites: its tables and figures, and make pretrain's reports of the world it trains
 # first (the build is recorded by its own hash, world_build): left out of the meta's dirty check.
-OUTPUTS = ("results/table1*", "paper_figures/table1*", "results/world.md")
+OUTPUTS = ("results/table1*", "paper_figures/table1*", *WORLD_REPORTS)
 
 
 def _meta(args, argv, cfg) -> dict:
@@ -921,6 +923,7 @@ def _meta(args, argv, cfg) -> dict:
         iterations=args.iterations,
         config=cfg.to_dict(),
         scale=args.scale,
+        world_build=world_build() if args.scale == "world" else None,
     )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from jagg.common import atomic_write_text, command_line, run_metadata
 from jagg.ops.grids import GRID_COLS, GRID_PAD, GRID_ZOOM, grid_cell
+from jagg.world.pretrained import REPORTS as WORLD_REPORTS
 
 
 def eval_rows(run: Path) -> list[dict]:
@@ -181,10 +182,16 @@ def provenance(run: Path, argv: list[str] | None) -> dict:
     seed, and its run.json in full (the run directory itself is not committed)."""
     training = json.loads((run / "run.json").read_text())
     return run_metadata(
+        outputs=OUTPUTS,
         command=command_line("experiments/world_rl_report.py", argv),
         seed=training.get("seed"),
         training_run=training,
     )
+
+
+# What make world-rl rewrites, and make pretrain's reports of the world it trains on:
+# left out of the meta's dirty check (jagg.common.tree_state).
+OUTPUTS = ("results/world_rl*", "paper_figures/world_rl_*", *WORLD_REPORTS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,8 @@ LAYERS = [  # top first; the packages on one line are siblings
     ["jagg.engine", "jagg.models", "jagg.rewards"],
     ["jagg.errors", "jagg.common", "jagg.distributed", "jagg.stats"],
 ]
-MEMBERS = {"jagg.train": "jagg.loop"}  # the CLI stays at its path (`python -m jagg.train`), in the top layer
+# the CLIs stay at their paths (`python -m jagg.train`, `python -m jagg.launch`), in the top layer
+MEMBERS = {"jagg.train": "jagg.loop", "jagg.launch": "jagg.loop"}
 PUBLIC_API = "jagg"  # the package __init__: may import the engine (and below) only
 LEVEL = {c: i for i, line in enumerate(reversed(LAYERS)) for c in line}  # 0 = bottom
 

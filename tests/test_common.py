@@ -123,3 +123,37 @@ def test_a_drivers_own_outputs_do_not_make_its_record_dirty_and_other_changes_ar
     (tmp_path / "code.py").write_text("x = 2\n")
     sha, diff = tree_state(["results/table1*"], root=tmp_path)
     assert sha == head + "-dirty" and "+x = 2" in diff and "table1.csv" not in diff
+
+
+def test_a_pattern_git_refuses_gives_an_unknown_state_never_a_clean_one(tmp_path):
+    """A driver whose output lies outside the checkout must not silence the dirty check: git refuses the
+    pathspec, and the record then says "unknown" instead of naming a clean commit."""
+    import subprocess
+
+    from jagg.common import tree_state
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run(["git", "add", "."], cwd=tmp_path, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"], cwd=tmp_path, check=True
+    )
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert tree_state([str(tmp_path.parent / "elsewhere" / "*")], root=tmp_path) == ("unknown", None)
+    assert tree_state(["results/*"], root=tmp_path)[0].endswith("-dirty")
+
+
+def test_write_table_leaves_a_reproduced_result_and_its_record_alone(tmp_path):
+    """Issue 58: a rerun that reproduces a committed table at another commit (``make figures``' memory plan)
+    does not rewrite it, so it leaves no dirty file for the next driver's SHA; any other change rewrites both."""
+    from jagg.common import write_table
+
+    path = tmp_path / "t.csv"
+    record = path.with_suffix(".meta.json")
+    write_table([{"a": 1}], path, {"git_sha": "old", "config": {"k": 1}})
+    kept = write_table([{"a": 1}], path, {"git_sha": "new", "git_diff": "d", "config": {"k": 1}})
+    assert json.loads(record.read_text()) == kept == {"git_sha": "old", "config": {"k": 1}}  # same rows: kept
+    write_table([{"a": 1}], path, {"git_sha": "new", "config": {"k": 2}})
+    assert json.loads(record.read_text()) == {"git_sha": "new", "config": {"k": 2}}
+    write_table([{"a": 2}], path, {"git_sha": "newer", "config": {"k": 2}})
+    assert path.read_text() == "a\n2\n" and json.loads(record.read_text())["git_sha"] == "newer"

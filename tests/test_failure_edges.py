@@ -60,7 +60,15 @@ def _copy(trained: Path, tmp_path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- nothing written through a link
-@pytest.mark.parametrize("name", [".lock", "run.json", "metrics.jsonl"])
+# one case per behaviour in make test, the others in make drill (subprocess runs: about a minute each)
+@pytest.mark.parametrize(
+    "name",
+    [
+        ".lock",
+        pytest.param("run.json", marks=pytest.mark.drill),
+        pytest.param("metrics.jsonl", marks=pytest.mark.drill),
+    ],
+)
 def test_a_symlink_planted_where_the_run_writes_is_refused_and_its_target_untouched(trained, tmp_path, name):
     """``ln -s victim R/<name>``, then a resume: one line, exit 2, the victim byte for byte as it was (it holds
     the real file's content, so reading through the link succeeds and only the write can refuse)."""
@@ -76,7 +84,9 @@ def test_a_symlink_planted_where_the_run_writes_is_refused_and_its_target_untouc
 
 
 # --------------------------------------------------------------------------- one line before anything is written
-@pytest.mark.parametrize("config", ["flux_dancegrpo.yaml", "wan_video.yaml"])
+@pytest.mark.parametrize(
+    "config", ["flux_dancegrpo.yaml", pytest.param("wan_video.yaml", marks=pytest.mark.drill)]
+)
 def test_a_missing_world_artefact_with_a_tiny_backbone_is_one_line_before_any_write(tmp_path, config):
     """``model.source=tiny`` keeps the world's rewards, whose cached artefacts are missing: the same line as
     without it, and the run directory is not created (a retry needs no --overwrite)."""
@@ -192,7 +202,13 @@ def _handles(pid: int, signum: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("name", "after_s"), [("SIGINT", 0.0), ("SIGINT", 0.3), ("SIGTERM", 0.0), ("SIGUSR1", 1.0)]
+    ("name", "after_s"),
+    [
+        ("SIGINT", 0.0),
+        ("SIGINT", 0.3),
+        ("SIGTERM", 0.0),
+        pytest.param("SIGUSR1", 1.0, marks=pytest.mark.drill),
+    ],
 )
 def test_a_signal_during_start_up_is_one_line_and_writes_nothing(tmp_path, name, after_s):
     """The drill's start-up window (imports, config, the model's build), from the CLI's first instruction

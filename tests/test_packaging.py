@@ -1,14 +1,18 @@
 """Packaging: every third-party import of the package is a declared dependency, pinned in requirements.txt;
-LICENSE and CITATION.cff say what pyproject says."""
+LICENSE and CITATION.cff say what pyproject says; no tracked file is a symbolic link; every driver that records a
+commit declares its own outputs."""
 
 from __future__ import annotations
 
 import ast
 import re
+import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,3 +86,33 @@ def test_license_and_citation_match_pyproject():
     paper = cff["preferred-citation"]
     assert paper["title"].startswith("JAGG: Jacobian-Aggregated Group Gradient")
     assert paper["year"] == 2026 and "2607.17572" in paper["url"]
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout"
+)
+def test_no_tracked_file_is_a_symbolic_link():
+    """Issue 58: a commit once tracked the ``.venv`` and ``cache`` links of a helper's worktree, and a clone got
+    links into another machine's paths (mode 120000 in the index)."""
+    index = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert index, "git ls-files listed nothing"
+    links = [line.split("\t", 1)[1] for line in index if line.startswith("120000 ")]
+    assert not links, f"tracked symbolic links: {links}"
+
+
+def test_every_driver_that_records_a_commit_declares_its_outputs():
+    """Issue 58: a driver's own rewritten results must not make its record ``-dirty`` (``make table1`` from a
+    fresh clone records a clean SHA): every ``run_metadata`` call in experiments/ passes ``outputs=``, and no
+    driver reads the bare ``git_sha()``, which knows no outputs."""
+    missing = []
+    for path in sorted((ROOT / "experiments").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                keywords = {k.arg for k in node.keywords}
+                if node.func.id == "run_metadata" and "outputs" not in keywords:
+                    missing.append(f"{path.name}:{node.lineno} run_metadata without outputs=")
+                elif node.func.id == "git_sha" and "ignore" not in keywords:
+                    missing.append(f"{path.name}:{node.lineno} git_sha() without ignore=")
+    assert not missing, missing

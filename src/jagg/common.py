@@ -55,7 +55,8 @@ def tree_state(
     then their diff (``git diff HEAD``); ``("unknown", None)`` outside a git checkout. ``ignore``: git pathspec
     globs relative to the repository root (``results/table1*``) left out of both: a driver's own outputs, which
     the run rewrites, do not make its record dirty (``experiments/curves.py`` leaves its results folder out
-    the same way). ``root``: the checkout (default: this package's)."""
+    the same way); a pattern outside the checkout is refused by git, and then the state is "unknown", never
+    clean. ``root``: the checkout (default: this package's)."""
     root = root or Path(__file__).resolve().parents[2]
     spec = ["--", ".", *(f":(exclude,glob){p}" for p in ignore)]
     try:
@@ -71,6 +72,7 @@ def tree_state(
             cwd=root,
             capture_output=True,
             text=True,
+            check=True,  # a failed check (a pattern git refuses) is not a clean tree
         ).stdout.strip()
         if not dirty:
             return sha, None
@@ -273,13 +275,40 @@ class ProgressETA:
         return text
 
 
-def write_table(rows: list[dict], path: str | Path, meta: dict) -> None:
-    """Write rows as CSV plus ``<stem>.meta.json`` (config, SHA, versions, hardware), both atomically."""
+# What a rerun changes in a result's record without changing the result: the commit that ran it and its diff.
+PROVENANCE_KEYS = ("git_sha", "git_diff")
+
+
+def write_table(rows: list[dict], path: str | Path, meta: dict) -> dict:
+    """Write rows as CSV plus ``<stem>.meta.json`` (config, SHA, versions, hardware), both atomically. A table
+    whose CSV and record are already on disk, equal but for ``PROVENANCE_KEYS``, is left as it is: a rerun
+    that reproduces a committed result (``make figures``' computed memory plan) does not leave the tree dirty
+    for the next driver's SHA; the record keeps the commit that first wrote it. Returns the record on disk
+    (what a figure drawn from the table names)."""
     import pandas as pd
 
-    path = Path(path)
-    atomic_write_text(path, pd.DataFrame(rows).to_csv(index=False))
-    atomic_write_text(path.with_suffix(".meta.json"), json.dumps(meta, indent=2, default=str) + "\n")
+    path, record = Path(path), Path(path).with_suffix(".meta.json")
+    csv, text = pd.DataFrame(rows).to_csv(index=False), json.dumps(meta, indent=2, default=str) + "\n"
+    if _unchanged(path, csv, record, json.loads(text)):
+        return json.loads(record.read_text())
+    atomic_write_text(path, csv)
+    atomic_write_text(record, text)
+    return json.loads(text)
+
+
+def _unchanged(path: Path, csv: str, record: Path, meta: dict) -> bool:
+    """Whether ``path`` holds ``csv`` and ``record`` holds ``meta`` up to ``PROVENANCE_KEYS``."""
+    try:
+        if path.is_symlink() or record.is_symlink() or path.read_text() != csv:
+            return False
+        old = json.loads(record.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+
+    def strip(m):
+        return {k: v for k, v in m.items() if k not in PROVENANCE_KEYS} if isinstance(m, dict) else m
+
+    return strip(old) == strip(meta)
 
 
 def markdown_table(df, floatfmt: str = "{:.4f}") -> str:

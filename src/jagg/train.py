@@ -498,6 +498,7 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
     """A fresh run writes run.json; a resumed one (after its checkpoint loaded) keeps it and appends what this
     attempt changed. ``nodes``: how many machines the ranks ran on (a resume may use another layout)."""
     from jagg.common import atomic_write_text, git_sha, run_metadata
+    from jagg.ops.rundir import not_inputs
 
     path = run_dir / "run.json"
     if start.resume and path.is_file():
@@ -510,7 +511,7 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
         meta.setdefault("resumes", []).append(
             {
                 "argv": argv_used,
-                "git_sha": git_sha(),
+                "git_sha": git_sha(ignore=not_inputs(cfg.model.source)),
                 "world_size": world_size,
                 "nodes": nodes,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -520,7 +521,13 @@ def _write_run_json(cfg, run_dir: Path, start, argv_used: list[str], world_size:
             }
         )
     else:
-        meta = run_metadata(config=cfg.to_dict(), seed=cfg.train.seed, argv=argv_used, world_size=world_size)
+        meta = run_metadata(
+            outputs=not_inputs(cfg.model.source),
+            config=cfg.to_dict(),
+            seed=cfg.train.seed,
+            argv=argv_used,
+            world_size=world_size,
+        )
         meta["nodes"] = nodes
         if start.restarts:  # preempted before its first checkpoint: started again, the attempts recorded
             stamp = {"argv": argv_used, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

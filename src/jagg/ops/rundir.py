@@ -57,6 +57,17 @@ RUN_ENTRIES = (
 
 
 # --------------------------------------------------------------------------- what a run directory is
+def not_inputs(source: str) -> tuple[str, ...]:
+    """Tracked files a run's recorded SHA need not be clean of (``run_metadata(outputs=)``): on the world
+    (``model.source``), `make pretrain`'s reports about it, which a rebuild rewrites and no run reads (the
+    build a run loaded is recorded as ``world_build``)."""
+    if source != "world":
+        return ()
+    from jagg.world.pretrained import REPORTS
+
+    return REPORTS
+
+
 def entries(run_dir: Path) -> list[Path]:
     """What the directory holds besides the lock file (a lock left by a killed run is no content)."""
     if not run_dir.is_dir():

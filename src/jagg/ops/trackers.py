@@ -110,6 +110,7 @@ class WandbTracker:
         import wandb
 
         from jagg.common import run_metadata
+        from jagg.ops.rundir import not_inputs
 
         self.wandb, self.run_dir = wandb, run_dir
         id_file = run_dir / "wandb_run_id"  # the newest attempt's run
@@ -117,7 +118,7 @@ class WandbTracker:
         run_id = secrets.token_hex(6)
         with open_for_writing(id_file) as f:
             f.write(run_id + "\n")
-        meta = run_metadata()
+        meta = run_metadata(outputs=not_inputs(config.get("model", {}).get("source", "")))  # as run.json
         linked = {"resumed_from": {"wandb_run": self.previous, "iteration": 0}} if self.previous else {}
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "jagg"),

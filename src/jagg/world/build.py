@@ -25,6 +25,7 @@ from jagg.world.pretrained import (
     FLOW_TRAIN,
     JUDGE_TRAIN,
     JUDGES,
+    REPORTS,
     SAMPLE_SHIFT,
     SAMPLE_STEPS,
     VIDEO_ARTEFACTS,
@@ -183,9 +184,12 @@ def evaluate_eval_judge(judge, attr, backbones: dict, text_encoder, world: World
 def _manifest(name: str, stats: dict, metrics: dict) -> dict:
     trains = (JUDGE_TRAIN, FLOW_TRAIN, EVAL_JUDGE_TRAIN, VIDEO_JUDGE_TRAIN, VIDEO_FLOW_TRAIN)
     seed = next(t[name] for t in trains if name in t).seed
-    return {"name": name, "config": expected_config(name), "seed": seed, "git_sha": git_sha()} | (
-        environment() | stats | {"metrics": metrics}
-    )
+    return {
+        "name": name,
+        "config": expected_config(name),
+        "seed": seed,
+        "git_sha": git_sha(ignore=REPORTS),
+    } | (environment() | stats | {"metrics": metrics})
 
 
 def build_artefact(name: str, cache_dir: Path, log: Callable[[str], None] = logger.info) -> dict:

@@ -49,6 +49,10 @@ ARTEFACTS = JUDGES + BACKBONE_NAMES + EVAL_JUDGES
 VIDEO_JUDGES = ("video_text_encoder", "video_pref")
 VIDEO_BACKBONE_NAMES = ("wan",)
 VIDEO_ARTEFACTS = VIDEO_JUDGES + VIDEO_BACKBONE_NAMES  # built after ARTEFACTS; never in world_build()
+# What `make pretrain` (experiments/pretrain.py) writes about them into the repository, as git pathspec globs
+# (jagg.common.tree_state): left out of the dirty check of the world's records and of every driver that `make`
+# runs after it, since a rebuild rewrites them (timings, SHAs) and the build itself is named by world_build().
+REPORTS = ("results/world.md", "results/world.json", "results/world_video.*", "paper_figures/world_samples_*")
 
 # Training budgets (tuned so each backbone trains in minutes on one CPU thread and lands at a base
 # held-out attribute accuracy in [0.2, 0.7]: recognisable objects with headroom for RL).
