@@ -93,8 +93,7 @@ class Trainer:
         # instruments, controls and the calibrator, each acting at its touch points of the update (jagg.plugins):
         # the one list; whatever is in it when a checkpoint is written is checkpointed (drivers append their own)
         run = RunView(self.params, train.seed, self.run_dir, self.dist, self.device, self.optimizer)
-        self.plugins = build_plugins(cfg, run)
-        self.plugins += [self.calibrator] if self.calibrator else []
+        self.plugins = build_plugins(cfg, run) + ([self.calibrator] if self.calibrator else [])
         # metrics.jsonl, trackers (log.report_to), per-sample scores and grids of evaluations (rank 0)
         self.run_log = RunLog(
             self.run_dir, self.dist.is_main, cfg.log.report_to, cfg.to_dict(), cfg.log.grid_every
@@ -207,17 +206,15 @@ class Trainer:
             plugin.before_step(view, pending)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
         norm = float(full_tensor(norm))  # global norm (a DTensor under FSDP2): same on every rank
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.consecutive_skips += 1
-            return norm, False
-        self.optimizer.step()
+        stepped = math.isfinite(norm)
+        if stepped:
+            self.optimizer.step()
+            decay = ema_decay_at(self.cfg.optim, optimizer_steps(self.optimizer))  # None: no EMA, or not due
+            if self.ema is not None and decay is not None:
+                update_ema(self.ema, self.params, decay)
         self.optimizer.zero_grad(set_to_none=True)
-        self.consecutive_skips = 0
-        decay = ema_decay_at(self.cfg.optim, optimizer_steps(self.optimizer))  # None: no EMA, or not due
-        if self.ema is not None and decay is not None:
-            update_ema(self.ema, self.params, decay)
-        return norm, True
+        self.consecutive_skips = 0 if stepped else self.consecutive_skips + 1
+        return norm, stepped
 
     def plugin(self, name: str) -> Plugin | None:
         """The run's plug-in called ``name`` (``jagg.plugins.PLUGINS``), or None where the config leaves it off."""
