@@ -4,7 +4,8 @@ Flow-Factory's ``GRPOTrainer.optimize`` contract (a0b2bc5, ``src/flow_factory/tr
 Always: a trainer in their shape (an adapter whose ``forward`` runs a transformer then ``scheduler.step``, their
 batch dict with index maps, accelerate's real ``Accelerator`` with accumulation over every trained step) and
 their per-step loop transcribed as the reference: exact routing and knots K = T move the weights as their loop
-does; K knots make K ``accelerator.backward`` calls per micro-batch where they make T.
+does, with and without their KL term (v-based and x-based); K knots make K ``accelerator.backward`` calls per
+micro-batch where they make T.
 With ``FLOW_FACTORY`` pointing at a Flow-Factory source tree (``git clone
 https://github.com/X-GenGroup/Flow-Factory && git -C Flow-Factory checkout a0b2bc5``; its ``src`` is put on the
 path): the real ``GRPOTrainer`` subclass is defined and its ``optimize`` is ours. Skipped otherwise, with that reason.
@@ -12,6 +13,8 @@ path): the real ``GRPOTrainer`` subclass is defined and its ``optimize`` is ours
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import sys
 from pathlib import Path
@@ -62,7 +65,7 @@ class Scheduler:
             noise_level=noise_level,
             prev_sample=next_latents,
         )
-        return SimpleNamespace(log_prob=out.log_prob, noise_pred=noise_pred)
+        return SimpleNamespace(log_prob=out.log_prob, noise_pred=noise_pred, next_latents_mean=out.mean)
 
 
 class Adapter(nn.Module):
@@ -72,6 +75,19 @@ class Adapter(nn.Module):
         super().__init__()
         self.transformer = nn.Sequential(nn.Linear(2 * D + 1, 32), nn.Tanh(), nn.Linear(32, D)).double()
         self.scheduler = Scheduler()
+        # the reference weights: the initial ones moved, so that the KL term has a gradient from the start
+        self.ref = copy.deepcopy(self.transformer).requires_grad_(False)
+        with torch.no_grad():
+            for p in self.ref.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+
+    @contextlib.contextmanager
+    def use_ref_parameters(self):
+        live, self.transformer = self.transformer, self.ref
+        try:
+            yield
+        finally:
+            self.transformer = live
 
     @property
     def trainable_components(self):
@@ -93,7 +109,7 @@ class Adapter(nn.Module):
     ):
         h = torch.cat([latents, prompt_embeds, t.expand(latents.shape[0])[:, None] / 1000], dim=1)
         noise_pred = self.transformer(h)
-        if not compute_log_prob:
+        if not compute_log_prob and return_kwargs == ["noise_pred"]:
             return SimpleNamespace(noise_pred=noise_pred)
         return self.scheduler.step(
             noise_pred, t, latents, t_next, next_latents, True, True, return_kwargs, noise_level
@@ -115,7 +131,7 @@ def batch(seed=0):
     }
 
 
-def trainer(accum):
+def trainer(accum, kl_type=None, kl_beta=0.0):
     from accelerate import Accelerator
 
     torch.manual_seed(0)
@@ -132,16 +148,19 @@ def trainer(accum):
         adv_clip_range=(-5.0, 5.0),
         clip_range=(-1e-3, 1e-3),
         max_grad_norm=1e9,
+        kl_type=kl_type,
+        kl_beta=kl_beta,
     )
     tr = SimpleNamespace(
         adapter=adapter, accelerator=acc, optimizer=optimizer, training_args=args, step=0, epoch=0
     )
+    tr.enable_kl_loss = kl_beta > 0.0
     tr.autocast = lambda: torch.autocast("cpu", enabled=False)
     return tr, calls
 
 
 def their_loop(tr, b):
-    """``GRPOTrainer.optimize``'s body for one micro-batch (a0b2bc5, grpo.py lines 219-330; no KL, no logging)."""
+    """``GRPOTrainer.optimize``'s body for one micro-batch (a0b2bc5, grpo.py lines 219-330; no logging)."""
     acc, args = tr.accelerator, tr.training_args
     for timestep_index in tr.adapter.scheduler.train_timesteps:
         with acc.accumulate(*tr.adapter.trainable_components):
@@ -151,21 +170,21 @@ def their_loop(tr, b):
             t_next = b["timesteps"][:, timestep_index + 1] if timestep_index + 1 < nt else torch.zeros_like(t)
             latents = b["all_latents"][:, b["latent_index_map"][timestep_index]]
             next_latents = b["all_latents"][:, b["latent_index_map"][timestep_index + 1]]
-            out = tr.adapter.forward(
-                t,
-                latents,
-                b["prompt_embeds"],
-                t_next,
-                next_latents,
-                tr.adapter.scheduler.noise_level,
-                True,
-                ["log_prob"],
-            )
+            inputs = (t, latents, b["prompt_embeds"], t_next, next_latents, tr.adapter.scheduler.noise_level)
+            key = {"v-based": "noise_pred", "x-based": "next_latents_mean"}.get(args.kl_type)
+            out = tr.adapter.forward(*inputs, True, ["log_prob"] + ([key] if key else []))
             adv = torch.clamp(b["advantage"], args.adv_clip_range[0], args.adv_clip_range[1])
             ratio = torch.exp(out.log_prob - old_log_prob)
             unclipped = -adv * ratio
             clipped = -adv * torch.clamp(ratio, 1.0 + args.clip_range[0], 1.0 + args.clip_range[1])
-            acc.backward(torch.mean(torch.maximum(unclipped, clipped)))
+            loss = torch.mean(torch.maximum(unclipped, clipped))
+            if tr.enable_kl_loss:  # grpo.py lines 280-311
+                with torch.no_grad(), tr.adapter.use_ref_parameters():
+                    ref = getattr(tr.adapter.forward(*inputs, False, [key]), key)
+                q = getattr(out, key)
+                kl_div = torch.mean(torch.mean((q - ref) ** 2, dim=tuple(range(1, q.ndim)), keepdim=True))
+                loss = loss + args.kl_beta * kl_div
+            acc.backward(loss)
             if acc.sync_gradients:
                 acc.clip_grad_norm_(tr.adapter.get_trainable_parameters(), args.max_grad_norm)
                 tr.optimizer.step()
@@ -210,6 +229,35 @@ def test_one_plan_moves_the_weights_as_their_loop(name):
     assert len(their_calls) == 2 * T and len(our_calls) == 2 * (
         T if name == "exact" else 1 if name == "knotsT" else T
     )
+
+
+@pytest.mark.parametrize("kl_type", ["v-based", "x-based"])
+@pytest.mark.parametrize("name", ["exact", "knotsT"])
+def test_their_kl_term_moves_the_weights_as_their_loop(name, kl_type):
+    """With kl_beta > 0 the plan carries their KL term (reference outputs under use_ref_parameters): the same
+    weights as their loop; the control: the same run without the term moves them measurably elsewhere."""
+    b = batch(0)
+
+    def run(plan, kl_beta):
+        tr, _ = trainer(accum=T, kl_type=kl_type, kl_beta=kl_beta)
+        start = weights(tr)
+        if plan:
+            optimize_micro_batch(tr, b, {"prompt_embeds": b["prompt_embeds"]}, SETTINGS[name])
+        else:
+            their_loop(tr, b)
+        return weights(tr) - start
+
+    want, moved, without = run(False, 0.5), run(True, 0.5), run(True, 0.0)
+    assert ((moved - want).norm() / want.norm()) < 1e-10
+    assert ((without - want).norm() / want.norm()) > 1e-2
+
+
+def test_an_unknown_kl_type_is_refused_before_any_backward():
+    tr, calls = trainer(accum=T, kl_type="score-based", kl_beta=0.1)
+    b = batch(0)
+    with pytest.raises(ValueError, match="train.kl_type must be one of"):
+        optimize_micro_batch(tr, b, {"prompt_embeds": b["prompt_embeds"]}, SETTINGS["exact"])
+    assert not calls and tr.step == 0
 
 
 def test_knots_make_k_backward_calls_per_micro_batch_through_the_accelerator():
@@ -263,5 +311,9 @@ def test_the_real_grpo_trainer_subclass():
         "clipped_loss = -adv * torch.clamp(ratio, 1.0 + ratio_clip_range[0], 1.0 + ratio_clip_range[1])",
         "policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))",
         "self.accelerator.backward(loss)",
+        "with torch.no_grad(), self.adapter.use_ref_parameters():",
+        "ref_forward_inputs['return_kwargs'] = ['next_latents_mean']",
+        "((output.noise_pred - ref_output.noise_pred) ** 2),",
+        "kl_loss = self.training_args.kl_beta * kl_div",
     ):
         assert line in theirs, line

@@ -8,8 +8,11 @@ the same per-step losses to one ``BackwardSetting``: the velocity is ``adapter.f
 ['noise_pred'])``, step i's loss is their loss on ``adapter.scheduler.step(noise_pred=v, ...)``, and every backward
 call goes through ``accelerator.backward`` (``accelerate_backward``). A Flow-Factory user selects it with one
 key: ``train.trainer_type: jagg.integrations.flow_factory.JaggGRPOTrainer`` (the class is defined when
-Flow-Factory is importable). The KL term (``kl_beta > 0``) is not carried over yet: the trainer refuses it.
-Stored outputs are never read (Flow-Factory's samples keep no model outputs).
+Flow-Factory is importable). Their KL term (``kl_beta > 0``, ``kl_type`` ``v-based`` or ``x-based``) is part
+of each step's loss: the reference model's outputs at the T trained steps are computed first, under ``no_grad``
+and ``adapter.use_ref_parameters()`` (T forwards, as their loop runs one per step), and the term is a function of
+the step's velocity, so it routes through the plan like the surrogate. Stored outputs are never read
+(Flow-Factory's samples keep no model outputs).
 """
 
 from __future__ import annotations
@@ -53,6 +56,20 @@ class AdapterVelocity:
 
 
 @dataclass
+class KLTerm:
+    """Their KL penalty of one micro-batch: ``beta`` x mean((q - ref)^2), q the step's ``noise_pred``
+    (``v-based``) or the SDE step's mean ``next_latents_mean`` (``x-based``); ``ref`` (T, B, ...) the same quantity
+    from the reference parameters."""
+
+    beta: float
+    kind: str
+    ref: Tensor
+
+
+KL_KINDS = ("v-based", "x-based")
+
+
+@dataclass
 class MicroBatchLoss:
     """``GRPOTrainer.optimize``'s loss of one micro-batch, step by step (a ``StepLoss``): step i's log-prob from
     ``scheduler.step(noise_pred=v, ...)``, the ratio to the old log-prob, their clipped surrogate (asymmetric
@@ -68,24 +85,51 @@ class MicroBatchLoss:
     advantages: Tensor  # (B,) clamped
     clip_range: tuple[float, float]
     noise_level: float
+    kl: KLTerm | None = None
 
-    def __call__(self, i: int, v: Tensor) -> Tensor:
-        out = self.scheduler.step(
+    def step(self, i: int, v: Tensor, keys: list[str], log_prob: bool = True):
+        """Their ``scheduler.step`` at trained step i with velocity ``v``, returning ``keys``."""
+        return self.scheduler.step(
             noise_pred=v,
             timestep=self.sigma[i],
             latents=self.x[i],
             timestep_next=self.sigma_next[i],
             next_latents=self.x_next[i],
-            compute_log_prob=True,
+            compute_log_prob=log_prob,
             return_dict=True,
-            return_kwargs=["log_prob"],
+            return_kwargs=keys,
             noise_level=self.noise_level,
         )
+
+    def __call__(self, i: int, v: Tensor) -> Tensor:
+        x_based = self.kl is not None and self.kl.kind == "x-based"
+        out = self.step(i, v, ["log_prob", "next_latents_mean"] if x_based else ["log_prob"])
         ratio = torch.exp(out.log_prob - self.old_log_prob[i])
         low, high = self.clip_range
         unclipped = -self.advantages * ratio
         clipped = -self.advantages * torch.clamp(ratio, 1.0 + low, 1.0 + high)
-        return torch.mean(torch.maximum(unclipped, clipped))
+        loss = torch.mean(torch.maximum(unclipped, clipped))
+        if self.kl is None:
+            return loss
+        # their kl_div: a per-sample mean over the other dims, then the batch mean (equal sizes: one mean)
+        q = out.next_latents_mean if x_based else v
+        return loss + self.kl.beta * torch.mean((q - self.kl.ref[i]) ** 2)
+
+    def with_reference(self, trainer, velocity) -> MicroBatchLoss:
+        """This loss with their KL term where ``trainer.enable_kl_loss``: the reference outputs at the T trained
+        steps, computed now (no grad, ``adapter.use_ref_parameters()``), as their loop computes one per step."""
+        args = trainer.training_args
+        if not getattr(trainer, "enable_kl_loss", False):
+            return self
+        if args.kl_type not in KL_KINDS:
+            raise ValueError(f"train.kl_type must be one of {KL_KINDS}, got {args.kl_type!r}")
+        refs = []
+        with torch.no_grad(), trainer.adapter.use_ref_parameters():
+            for i in range(self.x.shape[0]):
+                v = velocity(self.x[i], self.sigma[i])
+                x_based = args.kl_type == "x-based"
+                refs.append(self.step(i, v, ["next_latents_mean"], False).next_latents_mean if x_based else v)
+        return replace(self, kl=KLTerm(float(args.kl_beta), args.kl_type, torch.stack(refs)))
 
 
 def micro_batch_loss(trainer, batch: dict[str, Any]) -> MicroBatchLoss:
@@ -119,6 +163,7 @@ def optimize_micro_batch(
     acc, loss = trainer.accelerator, micro_batch_loss(trainer, batch)
     setting = replace(setting, stored_outputs=False, backward_fn=accelerate_backward(acc))
     velocity = AdapterVelocity(trainer.adapter, inputs, loss.x.shape[1])
+    loss = loss.with_reference(trainer, velocity)  # their KL term, where they have one
     components = trainer.adapter.trainable_components
     for k in range(loss.x.shape[0]):
         with acc.accumulate(*components):
@@ -151,10 +196,6 @@ def plan_optimize(
     (their seeded permutation), micro-batches of ``per_device_batch_size`` stacked by ``stack``
     (``BaseSample.stack``), each through ``optimize_micro_batch``."""
     args, device = trainer.training_args, trainer.accelerator.device
-    if getattr(trainer, "enable_kl_loss", False):
-        raise ValueError(
-            "train.kl_beta > 0: JaggGRPOTrainer does not carry Flow-Factory's KL term yet; set it to 0"
-        )
     size, stats = args.per_device_batch_size, []
     for inner_epoch in range(args.num_inner_epochs):
         shuffled = [samples[i] for i in order(inner_epoch)]
