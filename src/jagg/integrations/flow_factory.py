@@ -123,11 +123,10 @@ class MicroBatchLoss:
             return self
         if args.kl_type not in KL_KINDS:
             raise ValueError(f"train.kl_type must be one of {KL_KINDS}, got {args.kl_type!r}")
-        refs = []
+        refs, x_based = [], args.kl_type == "x-based"
         with torch.no_grad(), trainer.adapter.use_ref_parameters():
             for i in range(self.x.shape[0]):
                 v = velocity(self.x[i], self.sigma[i])
-                x_based = args.kl_type == "x-based"
                 refs.append(self.step(i, v, ["next_latents_mean"], False).next_latents_mean if x_based else v)
         return replace(self, kl=KLTerm(float(args.kl_beta), args.kl_type, torch.stack(refs)))
 
