@@ -86,6 +86,7 @@ from jagg.common import atomic_write_text, command_line, run_metadata, set_threa
 from jagg.config import SDPA_KERNELS, AlgorithmConfig, Config, load_config
 from jagg.distributed import DistInfo
 from jagg.engine.algorithms import ALGORITHMS, DanceGRPO
+from jagg.engine.diagnostics import flat_grad
 from jagg.engine.grpo import TrainedSteps
 from jagg.engine.knots import Knots
 from jagg.engine.routing import Routing
@@ -1311,10 +1312,6 @@ def time_update(setting, model: nn.Module, velocity, loss, outputs, device) -> d
     )
 
 
-def _trained_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-
-
 def compare_settings(run: PaperUpdate, settings: dict, ctx: Context, deadline: float) -> dict:
     """Each of ``settings`` (label -> ``BackwardSetting``; exact first) on the same micro-batch: its plan, and
     where the plan fits, its update's seconds, passes and peak (CUDA) against the plan, and its gradient's
@@ -1346,7 +1343,7 @@ def compare_settings(run: PaperUpdate, settings: dict, ctx: Context, deadline: f
             r["status"] = "skipped (time budget)"
         else:
             r.update(time_update(setting, backbone, velocity, loss, outputs, ctx.device))
-            grad = _trained_grad(backbone)
+            grad = flat_grad(p for p in backbone.parameters() if p.requires_grad).float()
             first = grad if first is None else first
             r["grad_rel_error_vs_first"] = float((grad - first).norm() / first.norm().clamp_min(1e-30))
             if r["peak_gib"] is not None:
