@@ -54,6 +54,7 @@ from jagg.common import (
     generator,
     run_metadata,
     set_threads,
+    tree_state,
     write_table,
 )
 from jagg.config import load_config
@@ -1539,10 +1540,11 @@ def tree_changes(out: Path) -> str:
     )
 
 
-def tree_diff() -> str:
-    """The diff of the working tree against HEAD, untracked files listed: stored with each run made from a
-    dirty tree (``--allow-dirty``), so that the code that trained it can be rebuilt."""
-    diff = subprocess.run(["git", "diff", "HEAD"], capture_output=True, text=True, check=True).stdout
+def tree_diff(out: Path) -> str:
+    """The diff of the working tree against HEAD (``jagg.common.tree_state``: generated results named by blob
+    id, never stored), untracked files listed: stored with each run made from a dirty tree (``--allow-dirty``),
+    so that the code that trained it can be rebuilt."""
+    diff = tree_state(outputs(out))[1] or ""
     untracked = subprocess.run(
         ["git", "ls-files", "--others", "--exclude-standard"], capture_output=True, text=True, check=True
     ).stdout
@@ -1566,7 +1568,7 @@ def dirty_diff(out: Path, allowed: bool) -> str | None:
         )
         raise SystemExit(2)
     try:
-        return tree_diff()
+        return tree_diff(out)
     except (OSError, subprocess.CalledProcessError):
         return changes
 

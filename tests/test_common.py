@@ -125,6 +125,43 @@ def test_a_drivers_own_outputs_do_not_make_its_record_dirty_and_other_changes_ar
     assert sha == head + "-dirty" and "+x = 2" in diff and "table1.csv" not in diff
 
 
+def test_records_of_two_drivers_name_each_others_results_and_never_nest_them(tmp_path):
+    """Issue 56: two protocols writing at once each found the other's uncommitted records dirty, and stored
+    their diff, which held the first one's earlier record: the records doubled in size per run (2.2 MB at the
+    fifth; a submission past the size limit). A generated file is named by blob id, its content never stored."""
+    import json
+    import subprocess
+
+    from jagg.common import tree_state
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    for d in ("a", "b"):
+        (tmp_path / "results" / d).mkdir(parents=True)
+        (tmp_path / "results" / d / "run0.meta.json").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    sizes = []
+    for i in range(1, 7):  # driver a, then b, alternately, each rewriting a tracked record of its own folder
+        d = "ab"[i % 2]
+        sha, diff = tree_state([f"results/{d}/**"], root=tmp_path)
+        record = json.dumps({"git_sha": sha, "git_diff": diff, "payload": "r" * 1000})
+        (tmp_path / "results" / d / "run0.meta.json").write_text(record + "\n")
+        sizes.append(len(record))
+    assert sha.endswith("-dirty") and sizes[-1] == sizes[1] < 1400, sizes  # bounded, not doubling
+    other = "ab"[(i + 1) % 2]
+    blob = git("hash-object", f"results/{other}/run0.meta.json").strip()
+    assert diff == f"# uncommitted, not stored: results/{other}/run0.meta.json {blob}\n"
+    (tmp_path / "code.py").write_text("x = 2\n")  # code is still stored whole, after the named results
+    (tmp_path / "results" / other / "run0.meta.json").unlink()
+    diff = tree_state([f"results/{d}/**"], root=tmp_path)[1]
+    assert diff.startswith(f"# uncommitted, not stored: results/{other}/run0.meta.json deleted\n")
+    assert "+x = 2" in diff and "payload" not in diff
+
+
 def test_a_pattern_git_refuses_gives_an_unknown_state_never_a_clean_one(tmp_path):
     """A driver whose output lies outside the checkout must not silence the dirty check: git refuses the
     pathspec, and the record then says "unknown" instead of naming a clean commit."""

@@ -48,6 +48,12 @@ def generator(seed: int, stream: SeedStream, index: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + (int(stream) + index) * 7919)
 
 
+# Folders of generated artefacts (what drivers write, never code). Their uncommitted files are named in a record
+# by content (git blob id), never diffed into it: a record whose diff held another run's uncommitted record,
+# which held this run's earlier one, doubled in size per run (two protocols writing at once, issue 56).
+GENERATED = ("results/**", "paper_figures/**")
+
+
 def tree_state(
     ignore: Iterable[str] = (), short: bool = False, root: Path | None = None
 ) -> tuple[str, str | None]:
@@ -56,28 +62,29 @@ def tree_state(
     globs relative to the repository root (``results/table1*``) left out of both: a driver's own outputs, which
     the run rewrites, do not make its record dirty (``experiments/curves.py`` leaves its results folder out
     the same way); a pattern outside the checkout is refused by git, and then the state is "unknown", never
-    clean. ``root``: the checkout (default: this package's)."""
+    clean. Uncommitted files under ``GENERATED`` make the tree dirty too, but the diff names them by blob id
+    in ``#`` lines before the code's diff (which ``git apply`` skips), so a record's size does not grow with
+    the results beside it. ``root``: the checkout (default: this package's)."""
     root = root or Path(__file__).resolve().parents[2]
-    spec = ["--", ".", *(f":(exclude,glob){p}" for p in ignore)]
+    mine = [f":(exclude,glob){p}" for p in ignore]
+    spec = ["--", ".", *mine]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short" if short else "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", *spec],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,  # a failed check (a pattern git refuses) is not a clean tree
-        ).stdout.strip()
-        if not dirty:
+        sha = git("rev-parse", "--short" if short else "HEAD").strip()
+        # a failed check (a pattern git refuses) is not a clean tree
+        if not git("status", "--porcelain", "--untracked-files=no", *spec).strip():
             return sha, None
-        diff = subprocess.run(["git", "diff", "HEAD", *spec], cwd=root, capture_output=True, text=True).stdout
-        return sha + "-dirty", diff
+        generated = [f":(glob){p}" for p in GENERATED]
+        data = git("diff", "HEAD", "--name-only", "--", *generated, *mine).splitlines()
+        present = [p for p in data if (root / p).is_file()]
+        ids = git("hash-object", "--", *present).splitlines() if present else []
+        blobs = dict(zip(present, ids, strict=True))
+        named = "".join(f"# uncommitted, not stored: {p} {blobs.get(p, 'deleted')}\n" for p in data)
+        code = git("diff", "HEAD", *spec, *(f":(exclude,glob){p}" for p in GENERATED))
+        return sha + "-dirty", named + code
     except (OSError, subprocess.CalledProcessError):
         return "unknown", None
 
