@@ -271,7 +271,8 @@ def curves_regenerator(protocol: str, pilot: bool):
 
 
 # the protocols after version 3, by results folder; each with its pilot (figures under <its figures
-# folder>/pilot/; the equal-cost protocol's under equal_cost/, as its recipe shares the practitioners' name)
+# folder>/pilot/; the equal-cost protocol's under equal_cost/, as its recipe shares the practitioners' name, and
+# its window amendment's under window/)
 TARGETS += [
     (
         f"reward curves ({folder}{suffix})",
@@ -283,6 +284,7 @@ TARGETS += [
         ("curves_v4", "curves_protocol_v4.yaml", "."),
         ("curves_practitioners", "curves_protocol_practitioners.yaml", "."),
         ("curves_equal_cost", "curves_protocol_equal_cost.yaml", "equal_cost"),
+        ("curves_window", "curves_protocol_window.yaml", "window"),
     )
     for pilot, suffix in ((False, ""), (True, "_pilot"))
 ]
