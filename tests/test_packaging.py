@@ -102,6 +102,22 @@ def test_no_tracked_file_is_a_symbolic_link():
     assert not links, f"tracked symbolic links: {links}"
 
 
+# The largest file a commit may track: the committed results' records reach 2.2 MB (v4's seed-56 controls, from
+# before records stopped storing other runs' results); a record that grows past this is growing by itself.
+MAX_TRACKED_BYTES = 4 * 2**20
+
+
+def test_no_tracked_file_outgrows_the_records():
+    """Issue 56: records that stored each other's diffs doubled per run, and a stop's submission was refused for
+    its size. Every tracked file stays under ``MAX_TRACKED_BYTES``."""
+    names = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
+    sizes = {n: (ROOT / n).stat().st_size for n in names if n and (ROOT / n).is_file()}
+    assert sizes, "git ls-files listed nothing"
+    assert not {n: b for n, b in sizes.items() if b > MAX_TRACKED_BYTES}
+
+
 def test_every_driver_that_records_a_commit_declares_its_outputs():
     """Issue 58: a driver's own rewritten results must not make its record ``-dirty`` (``make table1`` from a
     fresh clone records a clean SHA): every ``run_metadata`` call in experiments/ passes ``outputs=``, and no
