@@ -120,12 +120,19 @@ def test_planner_and_model_put_every_step_on_the_same_expert():
     assert (v - v_low).abs().max() > 1e-3
 
 
-def test_the_trainers_update_keeps_knots_off_the_switch(tmp_path, monkeypatch):
-    """Through the trainer (``Trainer.velocity``, the velocity every update hands the backward): the velocity
-    declares A14B's switch and the update of wan22_a14b_flowfactory_knots.yaml on a tiny two-expert folder plans
-    the 9 trained steps' knots at [0, 3, 4, 8]. Before, ``Trainer.velocity`` was a plain closure declaring no
-    switch: the engine tests, on the backbone's bound velocity, passed while training planned [0, 4, 7, 8], whose
-    interval [0, 4] crosses the switch at sigma 0.875."""
+@pytest.mark.parametrize(
+    "name, steps, knots",
+    [("wan22_a14b_flowfactory_knots", 9, (0, 3, 4, 8)), ("wan22_a14b_flowfactory", 1, (0,))],
+    ids=["knots", "window1"],
+)
+def test_the_trainers_update_plans_each_expert_apart(tmp_path, monkeypatch, name, steps, knots):
+    """Through the trainer (``Trainer.velocity``, the velocity every update hands the backward), on a tiny
+    two-expert folder: the velocity declares A14B's switch, and the update plans the knots config's 9 trained
+    steps at [0, 3, 4, 8] and the recipe's window of one step as a plain step.
+
+    Before, ``Trainer.velocity`` was a plain closure declaring no switch: the engine tests, on the backbone's
+    bound velocity, passed while training planned [0, 4, 7, 8], whose interval [0, 4] crosses the switch at
+    sigma 0.875. With the switch declared, the window of one crashed in ``expert_segments``."""
     from helpers import build_trainer
     from jagg.config import load_config, tiny_pipeline_overrides
     from jagg.engine.routing import BackwardSetting
@@ -136,7 +143,7 @@ def test_the_trainers_update_keeps_knots_off_the_switch(tmp_path, monkeypatch):
     save_tiny_wan_pipeline(tmp_path / "wan2", prompts, boundary_ratio=0.875)
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     cfg = load_config(
-        "configs/paper/wan/wan22_a14b_flowfactory_knots.yaml",
+        f"configs/paper/wan/{name}.yaml",
         [
             *tiny_pipeline_overrides(tmp_path / "wan2", tmp_path / "prompts.txt"),
             "reward.weights={per_frame: 1.0}",
@@ -154,6 +161,6 @@ def test_the_trainers_update_keeps_knots_off_the_switch(tmp_path, monkeypatch):
     plan = BackwardSetting.plan
     monkeypatch.setattr(BackwardSetting, "plan", lambda self, *a: plans.append(plan(self, *a)) or plans[-1])
     ro = trainer.rollout(0)
-    trainer.update(ro)
-    assert ro.trained.tolist() == [list(range(9))] * 2  # Flow-GRPO: int(0.99 x 10) steps, all SDE
-    assert [p.knots for p in plans] == [(0, 3, 4, 8)]
+    assert ro.trained.shape == (2, steps)  # Flow-GRPO: int(0.99 x 10) trained steps; the recipe: one
+    row = trainer.update(ro)
+    assert [p.knots for p in plans] == [knots] and torch.isfinite(torch.tensor(row["loss"]))
