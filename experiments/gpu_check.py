@@ -1254,7 +1254,9 @@ class PaperUpdate:
         if m.true_cfg_scale > 1:  # a stand-in for the negative prompt's conditioning, of the same shapes
             cond.neg_embeds, cond.neg_mask = torch.randn_like(cond.embeds), cond.mask.clone()
             cond.neg_pooled = None if pooled is None else torch.randn_like(cond.pooled)
-        velocity = _paper_velocity(backbone, cond, device, cfg)
+        # the trainer's velocity (``Trainer.velocity``): bf16 autocast under bf16 precision
+        cond, autocast = cond.to(device), torch.bfloat16 if cfg.train.precision == "bf16" else None
+        velocity = backbone.bind(cond, autocast=autocast)
         shape = latent_shape(cfg, backbone.latent_channels)
         x0, eps = (torch.randn(batch, *shape, generator=g) for _ in range(2))
         s_ = sigma.cpu().view(*sigma.shape, *[1] * len(shape))
@@ -1272,23 +1274,10 @@ class PaperUpdate:
         trained = TrainedSteps(
             x=x, x_next=torch.stack(x_next), sigma=sigma, sigma_next=sigma_next, old_log_prob=torch.stack(old)
         )
-        ref = None if reference is None else _paper_velocity(reference, cond, device, cfg)
+        ref = None if reference is None else reference.bind(cond, autocast=autocast)
         adv = torch.randn(batch, generator=g).to(device)
         loss = a.step_loss(trained, adv, scale=1.0 / x.shape[0], ref_velocity=ref)
         return velocity, loss, torch.stack(outputs)
-
-
-def _paper_velocity(backbone, cond: TextCond, device, cfg: Config):
-    """The trainer's ``velocity`` (``Trainer.velocity``): bf16 autocast under bf16 precision, in the latents'
-    dtype."""
-    cond = cond.to(device)
-    bf16 = cfg.train.precision == "bf16"
-
-    def v(z, t):
-        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-            return backbone.velocity(z, t, cond).to(z.dtype)
-
-    return v
 
 
 def time_update(setting, model: nn.Module, velocity, loss, outputs, device) -> dict:

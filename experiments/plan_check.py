@@ -354,23 +354,12 @@ def update_inputs(
         sigma_next=sigma_next,
         old_log_prob=torch.zeros(n_steps, b, device=device),
     )
-    ref = None if reference is None else velocity_fn(reference, cond, device)
+    ref = None if reference is None else reference.bind(cond, autocast=torch.bfloat16)
     loss = a.step_loss(
         steps, torch.randn(b, device=device), scale=1.0 / (t.grad_accum * n_steps), ref_velocity=ref
     )
     outputs = torch.randn(shape, device=device) if cfg.backward.stored_outputs else None
     return cond, loss, outputs
-
-
-def velocity_fn(backbone, cond: TextCond, device: torch.device):
-    """The trainer's ``velocity``: bf16 autocast on ``device``, output in the latents' dtype."""
-
-    def v(z: Tensor, t: Tensor) -> Tensor:
-        with torch.autocast(device.type, torch.bfloat16):
-            out = backbone.velocity(z, t, cond)
-        return out.to(z.dtype)
-
-    return v
 
 
 def simulate_runs(cfg: Config) -> list[dict]:
@@ -424,7 +413,7 @@ def simulate(cfg: Config, units: tuple[int, ...], *, fake: bool = True, arch: di
         extra = [] if reference is None else list(reference.parameters()) + list(reference.buffers())
         tracker = node_mem_tracker(backbone.transformer, optimizer, extra)
         tracker.track_inputs((cond.embeds, loss.x, loss.steps.x_next, outputs))
-        velocity = velocity_fn(backbone, cond, device)
+        velocity = backbone.bind(cond, autocast=torch.bfloat16)  # the trainer's, under bf16
         with tracker:
             stats = backward.planned_setting().backward(velocity, loss, outputs)
             tracker.phase = "clip"
@@ -591,7 +580,7 @@ def device_check(cfg: Config) -> str:
             backbone, _ = place_backbone(single, backbone, device=device, dist=DistInfo())
             materialise_plain_tensors(backbone, device)
             cond, loss, _ = update_inputs(cfg, backbone, device)
-            v = velocity_fn(backbone, cond, device)(loss.x[0], loss.sigma[0])
+            v = backbone.bind(cond, autocast=torch.bfloat16)(loss.x[0], loss.sigma[0])
             step_loss = loss(0, v)
             params = [p for p in backbone.parameters() if p.requires_grad]
             for p in params:

@@ -5,7 +5,8 @@ Always: a trainer in their shape (an adapter whose ``forward`` runs a transforme
 batch dict with index maps, accelerate's real ``Accelerator`` with accumulation over every trained step) and
 their per-step loop transcribed as the reference: exact routing and knots K = T move the weights as their loop
 does, with and without their KL term (v-based and x-based); K knots make K ``accelerator.backward`` calls per
-micro-batch where they make T.
+micro-batch where they make T; a two-expert adapter (their Wan2.2 routing) has its switch declared, so knots
+stay on one expert's steps.
 With ``FLOW_FACTORY`` pointing at a Flow-Factory source tree (``git clone
 https://github.com/X-GenGroup/Flow-Factory && git -C Flow-Factory checkout a0b2bc5``; its ``src`` is put on the
 path): the real ``GRPOTrainer`` subclass is defined and its ``optimize`` is ours. Skipped otherwise, with that reason.
@@ -96,6 +97,9 @@ class Adapter(nn.Module):
     def get_trainable_parameters(self):
         return list(self.transformer.parameters())
 
+    def network(self, t, boundary_timestep):
+        return self.transformer
+
     def forward(
         self,
         t,
@@ -106,14 +110,45 @@ class Adapter(nn.Module):
         noise_level=None,
         compute_log_prob=True,
         return_kwargs=(),
+        boundary_timestep=None,
     ):
         h = torch.cat([latents, prompt_embeds, t.expand(latents.shape[0])[:, None] / 1000], dim=1)
-        noise_pred = self.transformer(h)
+        noise_pred = self.network(t, boundary_timestep)(h)
         if not compute_log_prob and return_kwargs == ["noise_pred"]:
             return SimpleNamespace(noise_pred=noise_pred)
         return self.scheduler.step(
             noise_pred, t, latents, t_next, next_latents, True, True, return_kwargs, noise_level
         )
+
+
+class TwoExpertAdapter(Adapter):
+    """Their Wan2.2 adapters' routing (wan2_t2v.py ``forward``): ``transformer`` at t >= ``boundary_timestep``
+    (default: the pipeline's ``boundary_ratio`` 0.5 x the scheduler's 1000 train timesteps), ``transformer_2``
+    below, one expert per call by its first row's t. ``batch``'s timesteps 1000, 700 | 400, 100 straddle it."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer_2 = copy.deepcopy(self.transformer)
+        with torch.no_grad():  # a different network, as A14B's low-noise expert
+            for p in self.transformer_2.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        self.pipeline = SimpleNamespace(config=SimpleNamespace(boundary_ratio=0.5))
+        self.scheduler.config = SimpleNamespace(num_train_timesteps=1000)
+
+    def network(self, t, boundary_timestep):
+        if boundary_timestep is None:
+            boundary_timestep = (
+                self.pipeline.config.boundary_ratio * self.scheduler.config.num_train_timesteps
+            )
+        t = t[0] if t.ndim == 1 else t
+        return self.transformer if t >= boundary_timestep else self.transformer_2
+
+    @property
+    def trainable_components(self):
+        return [self.transformer, self.transformer_2]
+
+    def get_trainable_parameters(self):
+        return [*self.transformer.parameters(), *self.transformer_2.parameters()]
 
 
 def batch(seed=0):
@@ -131,11 +166,11 @@ def batch(seed=0):
     }
 
 
-def trainer(accum, kl_type=None, kl_beta=0.0):
+def trainer(accum, kl_type=None, kl_beta=0.0, adapter=Adapter):
     from accelerate import Accelerator
 
     torch.manual_seed(0)
-    adapter = Adapter()
+    adapter = adapter()
     acc = Accelerator(cpu=True, gradient_accumulation_steps=accum)
     optimizer = acc.prepare(torch.optim.SGD(adapter.get_trainable_parameters(), lr=0.1))
     calls = []
@@ -268,6 +303,33 @@ def test_knots_make_k_backward_calls_per_micro_batch_through_the_accelerator():
     assert len(calls) == stats.backward_calls == stats.backward_passes == 2 and tr.step == 1
 
 
+def test_a_two_expert_adapter_declares_its_switch_and_plans_each_expert_apart():
+    """Their Wan2.2 routing: the velocity declares the switch in their timesteps (boundary_ratio x
+    num_train_timesteps, or the ``boundary_timestep`` their forward is passed), so K = 2 knots over the 4 steps
+    become the two ends of each expert's steps (all 4: 4 backward calls), which moves the weights as their loop.
+    Before, ``AdapterVelocity`` declared nothing: knots [0, 3], one interval interpolating across both experts."""
+    from jagg.integrations.flow_factory import AdapterVelocity
+
+    b = batch(0)
+    b["advantage"] = b["advantage"].abs()  # their ratios are < 1 here: positive advantages pass the clip
+    inputs = {"prompt_embeds": b["prompt_embeds"]}
+    assert AdapterVelocity(TwoExpertAdapter(), inputs, B).expert_boundaries == (500.0,)
+    assert AdapterVelocity(TwoExpertAdapter(), {**inputs, "boundary_timestep": 800}, B).expert_boundaries == (
+        800.0,
+    )
+    assert AdapterVelocity(Adapter(), inputs, B).expert_boundaries == ()
+    theirs, _ = trainer(accum=T, adapter=TwoExpertAdapter)
+    start = weights(theirs)
+    their_loop(theirs, b)
+    ours, calls = trainer(accum=T, adapter=TwoExpertAdapter)
+    setting = BackwardSetting(routing=Knots(count=2, placement="time"), graph_mode="sequential")
+    optimize_micro_batch(ours, b, inputs, setting)
+    moved, want = weights(ours) - start, weights(theirs) - start
+    half = want.numel() // 2  # both experts moved
+    assert want[:half].norm() > 0 and want[half:].norm() > 0
+    assert len(calls) == 4 and ((moved - want).norm() / want.norm()) < 1e-10
+
+
 def test_plan_optimize_walks_their_micro_batches():
     """plan_optimize: per inner epoch their permutation, micro-batches of per_device_batch_size, stacked."""
     tr, calls = trainer(accum=T)
@@ -317,3 +379,13 @@ def test_the_real_grpo_trainer_subclass():
         "kl_loss = self.training_args.kl_beta * kl_div",
     ):
         assert line in theirs, line
+    # the routing TwoExpertAdapter transcribes (and AdapterVelocity declares) is their Wan adapters'
+    from flow_factory.models.wan.wan2_t2v import Wan2_T2V_Adapter
+
+    wan = inspect.getsource(Wan2_T2V_Adapter.forward)
+    for line in (
+        "t = t[0] if t.ndim == 1 else t",
+        "boundary_timestep = self.pipeline.config.boundary_ratio * self.scheduler.config.num_train_timesteps",
+        "if boundary_timestep is None or t >= boundary_timestep:",
+    ):
+        assert line in wan, line

@@ -1,9 +1,10 @@
-"""``jagg.integrations.unirl.JaggFlowGRPO`` against the installed UniRL (0.2.0): real stages of two model families
-(``SD3DiffusionStage`` and ``Flux2KleinDiffusionStage`` with ``FlowSDEStrategy``, tiny random-init diffusers
-transformers, float32 as UniRL computes its log-probs), a rollout from the stage's own ``diffuse``, and UniRL's
-``FlowGRPO.compute_loss_and_backward`` as the reference:
+"""``jagg.integrations.unirl.JaggFlowGRPO`` against the installed UniRL (0.2.0): real stages of three model families
+(``SD3DiffusionStage``, ``Flux2KleinDiffusionStage`` and the two-expert ``WAN22DiffusionStage`` with
+``FlowSDEStrategy``, tiny random-init diffusers transformers, float32 as UniRL computes its log-probs), a rollout
+from the stage's own ``diffuse``, and UniRL's ``FlowGRPO.compute_loss_and_backward`` as the reference:
 
 - exact routing and knots K = T give FlowGRPO's gradient to 1e-6 relative (every graph mode; with beta > 0 too);
+- a two-expert stage declares its switch: knots and JAGG groups stay on one side, stacked rows run per expert;
 - K knots run K backward passes, JAGG W two per group, FlowGRPO T (counted with hooks on the transformer);
 - knots K = 4 over 10 steps in ``sequential`` mode hold at most half FlowGRPO's saved activations
   (``SavedActivationMeter``);
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from diffusers import WanTransformer3DModel
 
 from helpers import count_passes, grads_of, rel_err
 
@@ -36,11 +38,12 @@ from jagg.engine.profiling import SavedActivationMeter  # noqa: E402
 from jagg.engine.strategies import GRAPH_MODES  # noqa: E402
 from jagg.errors import ConfigError  # noqa: E402
 from jagg.integrations.unirl import JaggFlowGRPO  # noqa: E402
-from jagg.models import tiny_sd3_config  # noqa: E402
+from jagg.models import tiny_sd3_config, tiny_wan_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, ETA, CLIP = 4, 6, 0.7, 2e-3
-FAMILIES = ("sd3", "flux2_klein")
+FAMILIES = ("sd3", "flux2_klein", "wan22")
+BOUNDARY = 0.875  # Wan2.2-T2V-A14B's switch of expert
 
 
 def sd3_stage():
@@ -123,7 +126,51 @@ def flux2_klein_stage():
     return stage, params, Flux2KleinConditions
 
 
-STAGES = {"sd3": sd3_stage, "flux2_klein": flux2_klein_stage}
+def wan22_stage():
+    """UniRL's two-expert ``WAN22DiffusionStage`` on two tiny random-init Wan transformers (one-frame latents of
+    16 channels, the stage's default without a VAE), switching at Wan2.2-A14B's ``boundary_ratio`` 0.875: steps 0
+    and 1 of ``rollout``'s 6-step schedule (sigmas 1, 0.94) on the high-noise expert, the rest on the low-noise."""
+    from unirl.models.wan21.conditions import WAN21Conditions
+    from unirl.models.wan22.bundle import WAN22Bundle, WanDualTransformer
+    from unirl.models.wan22.diffusion import WAN22DiffusionStage, WAN22DiffusionStep
+    from unirl.types.sampling import DiffusionSamplingParams
+
+    high, low = (WanTransformer3DModel(**tiny_wan_config(latent_channels=16)) for _ in range(2))
+    bundle = WAN22Bundle(
+        transformer=WanDualTransformer(high_noise=high, low_noise=low),
+        high_noise_transformer=high,
+        low_noise_transformer=low,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        pretrained_path="",
+        max_sequence_length=5,
+        boundary_ratio=BOUNDARY,
+        guidance_scale_2=None,
+        num_train_timesteps=1000,
+    )
+    stage = WAN22DiffusionStage(
+        model=bundle,
+        step=WAN22DiffusionStep(),
+        strategy=FlowSDEStrategy(),
+        autocast_precision="fp32",
+        trajectory_precision="fp32",
+    )
+    params = lambda t: DiffusionSamplingParams(  # noqa: E731
+        num_inference_steps=t,
+        guidance_scale=1.0,
+        height=32,
+        width=32,
+        num_frames=1,
+        eta=ETA,
+        sde_indices=list(range(t)),
+    )
+    return stage, params, WAN21Conditions
+
+
+STAGES = {"sd3": sd3_stage, "flux2_klein": flux2_klein_stage, "wan22": wan22_stage}
 
 
 def rollout(family: str, steps: int = T, seed: int = 0):
@@ -198,6 +245,58 @@ def test_a_jagg_group_is_not_flowgrpos_gradient(family_rollout):
     reference, _ = step(flowgrpo, r)
     got, _ = step(jagg, r)
     assert rel_err(got, reference) > 1e-3
+
+
+def test_a_two_expert_stage_declares_its_switch_and_plans_each_expert_apart():
+    """UniRL's WAN22 stage: the velocity declares ``boundary_ratio`` (0.875), so K = 3 knots are raised to the two
+    ends of each expert's steps, [0, 1] and [2, 5] (4 backward passes), and the JAGG groups [0, 1, 2], [3, 4, 5]
+    are cut at the switch into [0, 1], [2] exact, [3, 4, 5] (5 passes), and both experts are trained. Before,
+    ``StageVelocity`` declared nothing: 3 knots with the interval [1, 5] across the switch, and 4 passes."""
+    from jagg.integrations.unirl import StageVelocity
+
+    r = rollout("wan22")
+    conds = r.cls.from_dict(r.conditions)
+    assert StageVelocity(r.stage, conds, r.params).expert_boundaries == (BOUNDARY,)
+    assert StageVelocity(sd3_stage()[0], conds, r.params).expert_boundaries == ()
+    experts = r.stage.trainable_module()
+    for backward, passes in (
+        ({"strategy": "knots", "knots": 3, "placement": "time"}, 4),
+        ({"strategy": "jagg", "group_size": 3, "jagg_frac": 1.0}, 5),
+    ):
+        _, jagg = algorithms(r, backward)
+        step(jagg, r)
+        assert jagg.last_stats.backward_passes == passes
+        assert all(
+            p.grad.abs().max() > 0
+            for p in (experts.high_noise.proj_out.weight, experts.low_noise.proj_out.weight)
+        )
+
+
+def test_stacked_rows_never_run_across_the_switch(monkeypatch):
+    """A two-expert stage with a batched replay (``_tile_conditions``, here added to the WAN22 stage as SD3's
+    is): UniRL runs one expert per call, chosen by the first row's sigma, so a stacked knot forward of all 6
+    steps must be split at the switch. Knots K = T in ``batched`` mode then give FlowGRPO's gradient; before, one
+    tiled call ran the low-noise steps on the high-noise expert."""
+    from unirl.models.wan22.diffusion import WAN22DiffusionStage
+
+    tiled = []
+
+    def tile(conditions, repeats):
+        tiled.append(repeats)
+        text = conditions.text
+        return type(conditions)(
+            text=TextEmbedCondition(
+                embeds=text.embeds.repeat(repeats, 1, 1), pooled=text.pooled.repeat(repeats, 1)
+            )
+        )
+
+    monkeypatch.setattr(WAN22DiffusionStage, "_tile_conditions", staticmethod(tile), raising=False)
+    r = rollout("wan22")
+    flowgrpo, jagg = algorithms(r, {"strategy": "knots", "knots": T, "graph_mode": "batched"})
+    reference, _ = step(flowgrpo, r)
+    got, _ = step(jagg, r)
+    assert rel_err(got, reference) <= 1e-6
+    assert tiled == [2, 4]  # the high-noise steps 0-1 in one call, the low-noise steps 2-5 in another
 
 
 def test_the_kl_term_with_beta(tmp_path):

@@ -249,6 +249,21 @@ def test_expert_segments_cut_where_any_sample_changes_network():
     assert expert_segments(per_sample.double(), (0.875,)) == [range(2), range(2, 3), range(3, 9)]
 
 
+def test_one_step_is_one_stretch_and_plans_as_a_plain_step():
+    """A window of one trained step (Flow-Factory's A14B recipe) on either side of a boundary: one stretch, and
+    every routing's plan of it is the plain step. Before, the cut reshaped the (0[, B]) empty difference of its
+    sides to (0, -1), which torch refuses: the recipe's first update crashed."""
+    for sig in (torch.tensor([0.9]), torch.tensor([0.3]), torch.tensor([[0.9, 0.3]]).double()):
+        assert expert_segments(sig, (0.875,)) == [range(1)]
+        for routing in (
+            Routing.exact(),
+            Routing(strategy="jagg", group_size=3),
+            Knots(count=4, placement="time"),
+        ):
+            plan = routing.interpolation(sig, (0.875,))
+            assert plan.knots == (0,) and plan.blocks == ((0,),) and plan.is_plain((0,))
+
+
 def test_split_count_gives_every_stretch_its_ends_and_shares_the_rest():
     assert split_count(6, [9]) == [6] and split_count(12, [9]) == [9]
     assert split_count(4, [3, 6]) == [2, 2]

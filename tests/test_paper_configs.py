@@ -5,9 +5,10 @@ stand-ins of the real reward classes (HPSv2.1's open_clip, PickScore's and CLIPS
 ImageReward's BLIP, HPSv3's Qwen2-VL) saved to disk and loaded through the rewards' own constructors.
 
 Before issue 55 none of the three Wan configs passed this: each named an image reward (hpsv3 / pickscore, and
-base.yaml's image evaluation rewards) on a video backbone. The slow test runs one iteration of each config on a
+base.yaml's image evaluation rewards) on a video backbone. A last test runs one iteration of each config on a
 tiny pipeline folder of its backbone's real classes with its own rewards (the 2-rank FSDP2 runs of the configs
-that shard: tests/test_paper_configs_two_ranks.py, tests/test_wan_distributed.py, tests/test_sd3.py).
+that shard: tests/test_paper_configs_two_ranks.py, tests/test_wan_distributed.py, tests/test_sd3.py); no longer
+marked slow: all 16 take about 35 s with -n 0, so it is part of the default run.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def test_mixgrpo_as_launched_is_the_advantage_scale_three_quarters():
     assert (plain - theirs).abs().max() > 0.1
 
 
-# --------------------------------------------------------------------------- one iteration (slow)
+# --------------------------------------------------------------------------- one iteration
 def _pipeline(root: Path, cfg) -> Path:
     """A tiny pipeline folder of ``cfg``'s backbone in its published layout (Wan: two experts for A14B, expanded
     timesteps for TI2V-5B), written once per layout under ``root``."""
@@ -203,7 +204,6 @@ def _pipeline(root: Path, cfg) -> Path:
     return folder
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_paper_config_trains_one_iteration_with_its_own_rewards(stand_ins, tmp_path_factory, config):
     """The CLI on one process: the config's precision, checkpointing, LoRA, CFG, SDE and KL kept (sizes shrunk,

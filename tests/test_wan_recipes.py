@@ -118,3 +118,49 @@ def test_planner_and_model_put_every_step_on_the_same_expert():
         v_low = bb._call(bb.transformer_2, z, t, cond.embeds)
     torch.testing.assert_close(v, v_high, rtol=0, atol=0)
     assert (v - v_low).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "name, steps, knots",
+    [("wan22_a14b_flowfactory_knots", 9, (0, 3, 4, 8)), ("wan22_a14b_flowfactory", 1, (0,))],
+    ids=["knots", "window1"],
+)
+def test_the_trainers_update_plans_each_expert_apart(tmp_path, monkeypatch, name, steps, knots):
+    """Through the trainer (``Trainer.velocity``, the velocity every update hands the backward), on a tiny
+    two-expert folder: the velocity declares A14B's switch, and the update plans the knots config's 9 trained
+    steps at [0, 3, 4, 8] and the recipe's window of one step as a plain step.
+
+    Before, ``Trainer.velocity`` was a plain closure declaring no switch: the engine tests, on the backbone's
+    bound velocity, passed while training planned [0, 4, 7, 8], whose interval [0, 4] crosses the switch at
+    sigma 0.875. With the switch declared, the window of one crashed in ``expert_segments``."""
+    from helpers import build_trainer
+    from jagg.config import load_config, tiny_pipeline_overrides
+    from jagg.engine.routing import BackwardSetting
+    from jagg.engine.strategies import expert_boundaries
+    from jagg.scale.tiny_pipeline import save_tiny_wan_pipeline
+
+    prompts = ["a red ball", "a blue cube"]
+    save_tiny_wan_pipeline(tmp_path / "wan2", prompts, boundary_ratio=0.875)
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    cfg = load_config(
+        f"configs/paper/wan/{name}.yaml",
+        [
+            *tiny_pipeline_overrides(tmp_path / "wan2", tmp_path / "prompts.txt"),
+            "reward.weights={per_frame: 1.0}",
+            "reward.eval=[per_frame]",
+            "reward.kwargs={per_frame: {reward: jpeg}}",
+            *("train.precision=fp32", "model.gradient_checkpointing=false"),
+            *("sampling.latent_size=4", "sampling.latent_frames=2", "optim.ema_decay=0"),
+            *("train.prompts_per_iter=1", "train.images_per_prompt=2", "train.train_batch_size=2"),
+            *("train.grad_accum=1", f"log.run_dir={tmp_path / 'run'}"),
+        ],
+    )
+    trainer = build_trainer(cfg)
+    assert expert_boundaries(trainer.velocity(trainer.comp.text_encoder.encode_prompts(prompts))) == (0.875,)
+    plans = []
+    plan = BackwardSetting.plan
+    monkeypatch.setattr(BackwardSetting, "plan", lambda self, *a: plans.append(plan(self, *a)) or plans[-1])
+    ro = trainer.rollout(0)
+    assert ro.trained.shape == (2, steps)  # Flow-GRPO: int(0.99 x 10) trained steps; the recipe: one
+    row = trainer.update(ro)
+    assert [p.knots for p in plans] == [knots] and torch.isfinite(torch.tensor(row["loss"]))

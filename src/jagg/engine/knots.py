@@ -81,13 +81,16 @@ PLACEMENTS: dict[str, Callable[[Tensor, int], tuple[int, ...]]] = {
 
 def expert_segments(sigma: Tensor, boundaries: Sequence[float]) -> list[range]:
     """The T time-sorted steps cut into maximal stretches in which no sample crosses an expert boundary (which
-    side a step is on: ``jagg.common.expert_side``, the rule the model runs its experts by); one stretch without boundaries. ``sigma`` (T,) or per
-    sample (T, B): a cut wherever any sample's step j and step j + 1 lie on different sides."""
+    side a step is on: ``jagg.common.expert_side``, the rule the model runs its experts by); one stretch without
+    boundaries. ``sigma`` (T,) or per sample (T, B): a cut wherever any sample's step j and step j + 1 lie on
+    different sides. One step (a window of one) is one stretch."""
     t = sigma.shape[0]
     if not boundaries:
         return [range(t)]
     side = expert_side(sigma, boundaries)  # (T[, B]): the model's own rule (float32 timesteps), jagg.common
-    changes = (side[1:] != side[:-1]).reshape(t - 1, -1).any(dim=1)
+    # (T, B or 1) before the difference, whose T - 1 rows may be none: an empty tensor has no -1 to infer
+    side = side.reshape(t, math.prod(side.shape[1:]))
+    changes = (side[1:] != side[:-1]).any(dim=1)  # (T - 1,): any sample changes side after step j
     cuts = [0, *(j + 1 for j in range(t - 1) if bool(changes[j])), t]
     return [range(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
 

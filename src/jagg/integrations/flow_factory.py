@@ -34,10 +34,16 @@ from jagg.integrations import accelerate_backward
 
 class AdapterVelocity:
     """``velocity(z, t)``: the adapter's transformer output (``noise_pred``), as its ``forward`` computes it from
-    the micro-batch's other inputs (prompt embeddings, ids, guidance). Stacked rows (n x B) run B at a time."""
+    the micro-batch's other inputs (prompt embeddings, ids, guidance). Stacked rows (n x B) run B at a time.
+
+    A two-expert adapter (their Wan2.2 ones, ``src/flow_factory/models/wan/wan2_t2v.py`` ``forward``: ``transformer``
+    at timesteps t >= ``boundary_timestep``, ``transformer_2`` below) declares the switch as ``expert_boundaries``,
+    in the unit of the times the plan reads (their timesteps in [0, 1000]), so no knot interval or group spans it.
+    Their forward picks one expert per call from its first row's t: B rows of one step at a time never mix."""
 
     def __init__(self, adapter, inputs: dict[str, Any], batch: int) -> None:
         self.adapter, self.inputs, self.batch = adapter, inputs, batch
+        self.expert_boundaries = _boundary_timesteps(adapter, inputs)
 
     def __call__(self, z: Tensor, t: Tensor) -> Tensor:
         t = t.expand(z.shape[0]) if t.ndim == 0 else t
@@ -53,6 +59,18 @@ class AdapterVelocity:
             "return_kwargs": ["noise_pred"],
         }
         return self.adapter.forward(**kwargs).noise_pred
+
+
+def _boundary_timesteps(adapter, inputs: dict[str, Any]) -> tuple[float, ...]:
+    """Their forward's switch of expert: the ``boundary_timestep`` it is passed (a training arg), else the
+    pipeline's ``boundary_ratio`` x the scheduler's ``num_train_timesteps``, as their forward defaults it; () for an
+    adapter of one transformer (no ``boundary_ratio``)."""
+    boundary = inputs.get("boundary_timestep")
+    if boundary is None:
+        ratio = getattr(getattr(getattr(adapter, "pipeline", None), "config", None), "boundary_ratio", None)
+        if ratio is not None:
+            boundary = ratio * adapter.scheduler.config.num_train_timesteps
+    return () if boundary is None else (float(boundary),)
 
 
 @dataclass

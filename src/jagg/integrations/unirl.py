@@ -48,13 +48,38 @@ class StageVelocity:
     """``velocity(z, t)`` of a UniRL diffusion stage: ``stage.predict_noise_at_step`` at the sampling params (CFG
     included when ``guidance_scale > 1``), what ``stage.replay`` forwards. z may hold n x B rows with one t per
     row (a stacked knot forward): the conditioning is tiled with the stage's own ``_tile_conditions`` (the one
-    its batched replay uses), or, for a stage without one, the rows run B at a time."""
+    its batched replay uses), or, for a stage without one, the rows run B at a time.
+
+    A two-expert stage (UniRL's ``WAN22DiffusionStage``: the model's ``boundary_ratio``, the high-noise transformer
+    at sigma >= it) declares the switch as ``expert_boundaries``, so the plan keeps knots and groups on one side.
+    UniRL picks one expert per call, from its first row's sigma: stacked rows are run in runs of whole B-row
+    blocks whose first sigmas lie on one side, never across the switch. (The plan's side of a step,
+    ``jagg.common.expert_side`` on 1000 x float32 sigma, is UniRL's but for a sigma within float32 rounding of the
+    ratio: float32(0.9) is below 0.9 for UniRL, at 900 for the plan.)"""
 
     def __init__(self, stage, conditions, params) -> None:
         self.stage, self.conditions, self.params = stage, conditions, params
         self.batch = _batch_size(conditions)
+        ratio = getattr(stage.model, "boundary_ratio", None)
+        self.expert_boundaries = () if ratio is None else (float(ratio),)
 
     def __call__(self, z: Tensor, t: Tensor) -> Tensor:
+        if z.shape[0] == self.batch:
+            return self._predict(self.conditions, z, t)
+        t = t.expand(z.shape[0]) if t.ndim == 0 else t
+        return torch.cat([self._stacked(z[rows], t[rows]) for rows in self._one_expert_runs(t)])
+
+    def _one_expert_runs(self, t: Tensor) -> list[slice]:
+        """The stacked rows as consecutive runs of B-row blocks on one side of every switch, by UniRL's own rule
+        (``WAN22DiffusionStep._select_for_sigma``: the block's first sigma as a Python float >= the ratio)."""
+        if not self.expert_boundaries:
+            return [slice(None)]
+        starts = range(0, t.shape[0], self.batch)
+        sides = [sum(float(t[r]) >= b for b in self.expert_boundaries) for r in starts]
+        cuts = [r for r, side, prev in zip(starts, sides, [None, *sides]) if side != prev] + [t.shape[0]]
+        return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def _stacked(self, z: Tensor, t: Tensor) -> Tensor:
         reps = z.shape[0] // self.batch
         if reps == 1:
             return self._predict(self.conditions, z, t)
@@ -63,7 +88,6 @@ class StageVelocity:
                 return self._predict(self.stage._tile_conditions(self.conditions, reps), z, t)
             except NotImplementedError:
                 pass
-        t = t.expand(z.shape[0]) if t.ndim == 0 else t
         rows = range(0, z.shape[0], self.batch)
         return torch.cat(
             [self._predict(self.conditions, z[r : r + self.batch], t[r : r + self.batch]) for r in rows]

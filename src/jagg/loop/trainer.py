@@ -36,7 +36,7 @@ from jagg.engine.strategies import GroupStats
 from jagg.loop.calibration import Probe, calibrator_for
 from jagg.loop.evaluate import evaluate, swapped_in
 from jagg.loop.rollout import Rollout, Sampler, micro_batches, schedules
-from jagg.models import Backbone, Components, TextCond
+from jagg.models import Backbone, BoundVelocity, Components, TextCond
 from jagg.ops.checkpoint import CheckpointWriter, Progress, checkpoint_dir, resume_checkpoint
 from jagg.ops.heartbeat import PhaseWatch
 from jagg.ops.trackers import RunLog
@@ -105,17 +105,11 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ model calls and rollouts
-    def velocity(self, cond: TextCond, model: Backbone | None = None):
-        """``velocity(z, t)`` of ``model`` (default: the trained backbone), autocast under bf16."""
-        model = model or self.backbone
-        cond = cond.to(self.device)
-
-        def v(z: Tensor, t: Tensor) -> Tensor:
-            with torch.autocast(self.device.type, torch.bfloat16, enabled=self.dtype == torch.bfloat16):
-                out = model.velocity(z, t.to(self.device) if torch.is_tensor(t) else t, cond)
-            return out.to(z.dtype)
-
-        return v
+    def velocity(self, cond: TextCond, model: Backbone | None = None) -> BoundVelocity:
+        """``velocity(z, t)`` of ``model`` (default: the trained backbone), autocast under bf16: its ``bind``, so
+        the velocity declares the model's expert switches (Wan2.2-A14B) to the plan of every update."""
+        bf16 = self.dtype == torch.bfloat16
+        return (model or self.backbone).bind(cond.to(self.device), autocast=torch.bfloat16 if bf16 else None)
 
     def rollout(self, it: int, stream: SeedStream = SeedStream.ROLLOUT) -> Rollout:
         """The rollout of draw ``it`` of ``stream`` on the current weights (``jagg.loop.rollout.Sampler``):

@@ -13,7 +13,7 @@ Layer: beside the engine and the rewards; from the package it may import only ``
 
 from __future__ import annotations
 
-from jagg.models.base import Backbone, Components, TextCond, pack_2x2, unpack_2x2
+from jagg.models.base import Backbone, BoundVelocity, Components, TextCond, pack_2x2, unpack_2x2
 from jagg.models.flux import FluxBackbone, tiny_flux_config
 from jagg.models.qwenimage import QwenImageBackbone, tiny_qwenimage_config
 from jagg.models.sd3 import SD3Backbone, tiny_sd3_config
@@ -44,6 +44,7 @@ def build_tiny_backbone(name: str, seed: int = 0, **overrides) -> Backbone:
 __all__ = [
     "BACKBONES",
     "Backbone",
+    "BoundVelocity",
     "Components",
     "FluxBackbone",
     "QwenImageBackbone",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -128,9 +129,12 @@ class Backbone(nn.Module):
         for one network; Wan2.2-A14B's two experts override it."""
         return ()
 
-    def bind(self, cond: TextCond) -> BoundVelocity:
-        """``velocity(z, t)`` with the conditioning fixed: the callable the backward strategies take."""
-        return BoundVelocity(self, cond)
+    def bind(self, cond: TextCond, *, autocast: torch.dtype | None = None) -> BoundVelocity:
+        """``velocity(z, t)`` with the conditioning fixed: the callable the backward strategies take, and the one
+        every caller builds (the trainer's rollouts and updates included), so that none drops the backbone's
+        ``expert_boundaries``. ``autocast``: each call under ``torch.autocast`` to that dtype on the latents'
+        device (the trainer's bf16 precision); None enters no autocast (an outer one still applies)."""
+        return BoundVelocity(self, cond, autocast)
 
     def _forward_tokens(self, tokens: Tensor, timestep: Tensor, cond: TextCond, h: int, w: int) -> Tensor:
         raise NotImplementedError
@@ -138,14 +142,20 @@ class Backbone(nn.Module):
 
 @dataclass(frozen=True, eq=False)
 class BoundVelocity:
-    """``backbone.velocity(z, t, cond)`` as ``velocity(z, t)``, carrying the backbone's ``expert_boundaries`` so
-    the engine keeps knots and groups from straddling a switch of network (``jagg.engine.knots``)."""
+    """``backbone.velocity(z, t, cond)`` as ``velocity(z, t)`` (in z's dtype, under ``autocast`` where given),
+    carrying the backbone's ``expert_boundaries`` so the engine keeps knots and groups from straddling a switch of
+    network (``jagg.engine.knots``)."""
 
     backbone: Backbone
     cond: TextCond
+    autocast: torch.dtype | None = None
 
     def __call__(self, z: Tensor, t: Tensor | float) -> Tensor:
-        return self.backbone.velocity(z, t, self.cond)
+        t = t.to(z.device) if torch.is_tensor(t) else t
+        cast = torch.autocast(z.device.type, self.autocast) if self.autocast else contextlib.nullcontext()
+        with cast:
+            out = self.backbone.velocity(z, t, self.cond)
+        return out.to(z.dtype)
 
     @property
     def expert_boundaries(self) -> tuple[float, ...]:
