@@ -48,6 +48,7 @@ import yaml
 
 import equal_cost
 from jagg.common import (
+    GENERATED,
     SeedStream,
     atomic_write_text,
     command_line,
@@ -1526,9 +1527,10 @@ def outputs(out: Path) -> tuple[str, ...]:
 
 
 def tree_changes(out: Path) -> str:
-    """What the working tree changes from the commit it records (``git status --porcelain``), leaving out the
+    """What the working tree changes from the commit it records (``git status --porcelain``) in the code: the
     protocol's own results folder ``out`` (a resumed protocol finds its earlier CSVs there, uncommitted) and
-    make pretrain's reports of the world (``WORLD_REPORTS``), which a rebuild rewrites."""
+    every generated artefact (``jagg.common.GENERATED``: another protocol's results running beside this one,
+    make pretrain's reports) are left out; no run reads them, and each record names them by blob id."""
     status = subprocess.run(
         ["git", "status", "--porcelain"], capture_output=True, text=True, check=True
     ).stdout
@@ -1536,7 +1538,7 @@ def tree_changes(out: Path) -> str:
     return "".join(
         line + "\n"
         for line in status.splitlines()
-        if not line[3:].startswith(mine) and not any(fnmatch(line[3:], g) for g in WORLD_REPORTS)
+        if not line[3:].startswith(mine) and not any(fnmatch(line[3:], g) for g in GENERATED)
     )
 
 

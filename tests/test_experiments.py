@@ -1004,3 +1004,34 @@ def test_landing_spearman_ranks_in_float64_with_a_bootstrap_over_seeds():
     mixed.loc[flip, "next_reward_abs_diff"] = -mixed.loc[flip, "next_reward_abs_diff"]
     rho, lo, hi = landing.spearman_interval(mixed, "fidelity_cosine", "exact", n_boot=200)
     assert lo < rho <= hi and lo <= -0.9
+
+
+def test_a_protocol_runs_beside_another_protocols_uncommitted_results_but_not_beside_code_changes(
+    tmp_path, monkeypatch
+):
+    """Issue 56: v4's controls and the window amendment run at once; each one's uncommitted results made the
+    other refuse to start (exit 2), though no run reads them. A change to the code still refuses."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True)
+
+    git("init", "-q")
+    (tmp_path / "results" / "curves_v4").mkdir(parents=True)
+    (tmp_path / "results" / "curves_v4" / "a_seed1.csv").write_text("x\n1\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "results" / "curves_v4"  # the other protocol's results: one rewritten, one new
+    (other / "a_seed1.csv").write_text("x\n2\n")
+    (other / "b_seed1.csv").write_text("x\n3\n")
+    (tmp_path / "results" / "curves_window").mkdir()
+    (tmp_path / "results" / "curves_window" / "c_seed1.csv").write_text("x\n4\n")  # this protocol's own
+    assert curves.tree_changes(Path("results/curves_window")) == ""
+    assert curves.dirty_diff(Path("results/curves_window"), allowed=False) is None
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert curves.tree_changes(Path("results/curves_window")) == " M code.py\n"
+    with pytest.raises(SystemExit) as stop:
+        curves.dirty_diff(Path("results/curves_window"), allowed=False)
+    assert stop.value.code == 2
