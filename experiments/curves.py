@@ -878,6 +878,9 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         + goal_lines(stats, proto, name, detected)
         + contrast_lines(stats, proto)
         + share_lines(stats, proto["recipes"].get(name, {}).get("share"))
+        + equal_cost.descriptive_lines(
+            df, stats, proto["recipes"].get(name, {}).get("descriptive"), SUMMARIES
+        )
         + sizing_lines(stats, proto, specs)
         + fidelity_lines(df, arms)
         + dose_lines(df, stats, proto, arms, specs)

@@ -178,8 +178,9 @@ def section_lines(df, stats: dict, view: dict, ec: dict) -> list[str]:
 
 def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = None) -> None:
     """Held-out reward gain over the base model (same seed) against the budget clock (``evaluations``;
-    measured training seconds without ``ec``) and against backward passes, one curve per arm: the mean over
-    seeds at each evaluation, the band +- one standard error across seeds."""
+    measured training seconds without ``ec``), against backward passes and against iterations (the
+    per-iteration view: gain follows iterations, and a cheaper arm runs more of them), one curve per arm: the
+    mean over seeds at each evaluation, the band +- one standard error across seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,7 +191,7 @@ def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = Non
     if not metrics or not arms:
         return
     secs = (ec or {}).get("seconds_per_iteration") or {}
-    fig, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.6 * len(metrics)), squeeze=False)
+    fig, axes = plt.subplots(len(metrics), 3, figsize=(15, 3.6 * len(metrics)), squeeze=False)
     colour = dict(zip(arms, plt.get_cmap("tab10" if len(arms) <= 10 else "tab20").colors, strict=False))
     for row, m in enumerate(metrics):
         for arm in arms:
@@ -200,7 +201,7 @@ def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = Non
             e["gain"] = e[m] - e.seed.map(e[e.iteration == 0].groupby("seed")[m].first())
             g = e.groupby("iteration")
             mean, se = g.gain.mean(), g.gain.sem().fillna(0)
-            for col, x in enumerate((g.budget.mean(), g.passes.mean())):
+            for col, x in enumerate((g.budget.mean(), g.passes.mean(), mean.index.to_series())):
                 ax = axes[row][col]
                 ax.plot(x.values, mean.values, marker="o", ms=3, color=colour[arm], label=arm)
                 ax.fill_between(
@@ -212,6 +213,7 @@ def plot(name: str, df, view: dict, png: Path, meta: dict, ec: dict | None = Non
         )
         axes[row][0].set(ylabel=label, xlabel=clock)
         axes[row][1].set(ylabel=label, xlabel="backward passes spent (mean over seeds)")
+        axes[row][2].set(ylabel=label, xlabel="training iterations")
         if secs:
             axes[row][0].axvline(budget_seconds(ec), color="grey", lw=0.8, ls=":")
     for ax in axes.flat:
@@ -346,4 +348,76 @@ def share_lines(stats: dict, spec: dict | None, k: int) -> list[str]:
         f"({spec['arm']} - {spec['without']}) / ({spec['arm']} - {spec['over']}), {spec['metric'][5:-5]} at the "
         f"{spec['summary']}: {value:+.2f} [{lo:+.2f}, {hi:+.2f}] (95% percentile bootstrap over {n} paired seeds).",
         "",
+    ]
+
+
+def per_iteration_diffs(df, better: str, worse: str, metric: str) -> dict[int, list[float]]:
+    """better - worse at each iteration both evaluated on the same seed: {iteration: diffs over those seeds}.
+    The per-iteration view of two arms of different lengths (exact45 against knots4: the same iterations, at
+    different costs), where the end-of-budget contrast compares different iterations."""
+    ev = {
+        arm: {
+            (int(s), int(i)): float(v)
+            for s, i, v in df[df.strategy == arm]
+            .dropna(subset=[metric])[["seed", "iteration", metric]]
+            .values
+        }
+        for arm in (better, worse)
+    }
+    out: dict[int, list[float]] = {}
+    for s, i in sorted(set(ev[better]) & set(ev[worse]), key=lambda si: (si[1], si[0])):
+        out.setdefault(i, []).append(ev[better][(s, i)] - ev[worse][(s, i)])
+    return out
+
+
+def descriptive_lines(df, stats: dict, specs: list[dict] | None, k_of: dict[str, int]) -> list[str]:
+    """Markdown: the recipe's ``descriptive`` contrasts (registered as descriptions, so intervals and no test):
+    better - worse per seed at the ``summary`` (end / auc: ``k_of``, paired over the seeds both ran) or, with
+    ``summary: per_iteration``, at every iteration both evaluated (``per_iteration_diffs``), on each of its
+    ``metrics``. A contrast with fewer than 2 paired seeds is left out."""
+    from jagg.stats import paired_interval
+
+    lines: list[str] = []
+    for c in specs or []:
+        metrics = [m for m in c["metrics"] if m in stats["metrics"]]
+        name = " / ".join(m[5:-5] for m in metrics)
+        if c["summary"] == "per_iteration":
+            by_metric = {m: per_iteration_diffs(df, c["better"], c["worse"], m) for m in metrics}
+            its = sorted(i for i, d in by_metric[metrics[0]].items() if len(d) >= 2) if metrics else []
+            if not its:
+                continue
+            lines += [
+                f"**{c['better']} - {c['worse']}, per iteration** ({name}; mean [95% t interval] over the seeds "
+                "both evaluated at that iteration):",
+                "",
+                "| iteration | seeds | " + " | ".join(m[5:-5] for m in metrics) + " |",
+                "|---|---|" + "---|" * len(metrics),
+                *(
+                    f"| {i} | {len(by_metric[metrics[0]][i])} | "
+                    + " | ".join(f"{paired_interval(by_metric[m][i])}" for m in metrics)
+                    + " |"
+                    for i in its
+                ),
+                "",
+            ]
+            continue
+        runs, k = stats["runs"], k_of[c["summary"]]
+        seeds = sorted(s for a, s in runs if a == c["better"] and (c["worse"], s) in runs)
+        cells = [
+            f"{m[5:-5]} {paired_interval([runs[(c['better'], s)][m][k] - runs[(c['worse'], s)][m][k] for s in seeds])}"
+            f" (n {len(seeds)})"
+            for m in metrics
+            if len(seeds) >= 2
+        ]
+        if cells:
+            lines += [f"- **{c['better']} - {c['worse']}** ({c['summary']}): " + "; ".join(cells), ""]
+    if not lines:
+        return []
+    return [
+        "### Reported descriptively (registered without a test)",
+        "",
+        "Paired differences with their 95% t interval over seeds; no test, no verdict: the protocol registers "
+        "these as descriptions.",
+        "",
+        *lines,
     ]

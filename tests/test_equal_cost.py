@@ -359,3 +359,31 @@ def test_timing_runs_only_the_named_arms(tmp_path, monkeypatch):
     )
     assert sorted(ran) == ["window2", "window2_dance"]
     assert "Budget: 24 iterations of exact = 392 s" in text  # exact not rerun: its recorded 16.32 s
+
+
+def test_descriptive_contrasts_are_intervals_per_iteration_and_at_the_end_without_a_test():
+    """The window amendment's descriptions: exact45 - knots4 at every iteration both evaluated (here knots4 -
+    exact at 0 and 4: seed 1 10.9 - 11.0, seed 2 10.5 - 9.8), and arm - arm at the end (11.1 - 11.0,
+    10.6 - 9.8); a pair with under 2 seeds (window2 ran one) is left out, and no line carries a verdict."""
+    df, stats, ec = equal_cost_frame()
+    m = "eval_pref_mean"
+    d = ec.per_iteration_diffs(df, "knots4", "exact", m)
+    assert sorted(d) == [0, 4] and d[0] == [0.0, 0.0] and d[4] == pytest.approx([-0.1, 0.7])
+    specs = [
+        {"better": "knots4", "worse": "exact", "metrics": [m], "summary": "per_iteration"},
+        {"better": "knots4", "worse": "exact", "metrics": [m], "summary": "end"},
+        {"better": "window2", "worse": "exact", "metrics": [m], "summary": "end"},
+    ]
+    lines = ec.descriptive_lines(df, stats, specs, curves.SUMMARIES)
+    text = "\n".join(lines)
+    assert "| 4 | 2 | +0.300 [" in text and "| 8 |" not in text  # exact never evaluated at 8
+    assert "- **knots4 - exact** (end): pref +0.450 [" in text and "(n 2)" in text
+    assert "window2" not in text and "shown" not in text
+    assert ec.descriptive_lines(df, stats, specs[2:], curves.SUMMARIES) == []
+
+
+def test_the_window_protocol_registers_its_descriptions_over_its_own_arms():
+    spec = curves.load_protocol(Path("experiments/curves_protocol_window.yaml"))["recipes"]["every_step"]
+    pairs = {(c["better"], c["worse"], c["summary"]) for c in spec["descriptive"]}
+    assert ("exact45", "knots4", "per_iteration") in pairs and len(pairs) == 3
+    assert all({c["better"], c["worse"]} <= set(spec["arms"]) for c in spec["descriptive"])
