@@ -37,10 +37,11 @@ from jagg.loop.trainer import Trainer
 CONFIG = "configs/world/curves_flux_every_step.yaml"
 STEPS = 20  # the schedule's trained steps (21 sampling steps, the last one ODE)
 WINDOW, RANGE = 2, (0, 10)  # window2's: 2 consecutive steps starting in [0, 8]
-# rollout -> (SDE kind, noise level, the steps it samples with noise; None: the window's own)
+# rollout -> (SDE kind, noise level, the steps it samples with noise; None: the window's own). every_step: the
+# every-step arms' rollout, which window2_dance trains window2's steps under; window: window2's (the control)
 ROLLOUTS = {
-    "every_step (window2_dance, exact, knots4)": ("dance", 1.0, range(STEPS)),
-    "window (window2; the control)": ("flow_grpo", 0.9, None),
+    "every_step": ("dance", 1.0, range(STEPS)),
+    "window": ("flow_grpo", 0.9, None),
 }
 
 
@@ -120,7 +121,9 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         "window's per group (one initial noise per group, as in training). Share: the part of the group's reward "
         "variance that the window's own noise carries (law of total variance, ANOVA estimates), pooled over "
         "groups, 95% bootstrap interval over groups. The window rollout's share is 1 by construction (no other "
-        "step is random): it checks the estimator.",
+        "step is random): it checks the estimator. `every_step`: DanceGRPO's SDE at eta 1 on steps 0-19 (the "
+        "every-step arms' rollout, under which window2_dance trains window2's steps); `window`: flow_grpo's SDE at "
+        "0.9 on the window only (window2's rollout).",
         "",
         "| rollout | groups | window's share of the reward variance | reward SD in a group | mean reward |",
         "|---|---|---|---|---|",
