@@ -370,47 +370,59 @@ def per_iteration_diffs(df, better: str, worse: str, metric: str) -> dict[int, l
     return out
 
 
+def per_iteration_lines(df, c: dict, metrics: list[str]) -> list[str]:
+    """Markdown: the descriptive contrast ``c`` at every iteration where both arms evaluated 2 seeds or more."""
+    from jagg.stats import paired_interval
+
+    by_metric = {m: per_iteration_diffs(df, c["better"], c["worse"], m) for m in metrics}
+    its = sorted(
+        i
+        for i in set.intersection(*(set(d) for d in by_metric.values()))
+        if len(by_metric[metrics[0]][i]) >= 2
+    )
+    if not its:
+        return []
+    return [
+        f"**{c['better']} - {c['worse']}, per iteration** ({' / '.join(m[5:-5] for m in metrics)}; mean [95% t "
+        "interval] over the seeds both evaluated at that iteration):",
+        "",
+        "| iteration | seeds | " + " | ".join(m[5:-5] for m in metrics) + " |",
+        "|---|---|" + "---|" * len(metrics),
+        *(
+            f"| {i} | {len(by_metric[metrics[0]][i])} | "
+            + " | ".join(f"{paired_interval(by_metric[m][i])}" for m in metrics)
+            + " |"
+            for i in its
+        ),
+        "",
+    ]
+
+
 def descriptive_lines(df, stats: dict, specs: list[dict] | None, k_of: dict[str, int]) -> list[str]:
     """Markdown: the recipe's ``descriptive`` contrasts (registered as descriptions, so intervals and no test):
     better - worse per seed at the ``summary`` (end / auc: ``k_of``, paired over the seeds both ran) or, with
-    ``summary: per_iteration``, at every iteration both evaluated (``per_iteration_diffs``), on each of its
+    ``summary: per_iteration``, at every iteration both evaluated (``per_iteration_lines``), on each of its
     ``metrics``. A contrast with fewer than 2 paired seeds is left out."""
     from jagg.stats import paired_interval
 
     lines: list[str] = []
+    runs = stats["runs"]
     for c in specs or []:
         metrics = [m for m in c["metrics"] if m in stats["metrics"]]
-        name = " / ".join(m[5:-5] for m in metrics)
-        if c["summary"] == "per_iteration":
-            by_metric = {m: per_iteration_diffs(df, c["better"], c["worse"], m) for m in metrics}
-            its = sorted(i for i, d in by_metric[metrics[0]].items() if len(d) >= 2) if metrics else []
-            if not its:
-                continue
-            lines += [
-                f"**{c['better']} - {c['worse']}, per iteration** ({name}; mean [95% t interval] over the seeds "
-                "both evaluated at that iteration):",
-                "",
-                "| iteration | seeds | " + " | ".join(m[5:-5] for m in metrics) + " |",
-                "|---|---|" + "---|" * len(metrics),
-                *(
-                    f"| {i} | {len(by_metric[metrics[0]][i])} | "
-                    + " | ".join(f"{paired_interval(by_metric[m][i])}" for m in metrics)
-                    + " |"
-                    for i in its
-                ),
-                "",
-            ]
+        if not metrics:
             continue
-        runs, k = stats["runs"], k_of[c["summary"]]
-        seeds = sorted(s for a, s in runs if a == c["better"] and (c["worse"], s) in runs)
+        if c["summary"] == "per_iteration":
+            lines += per_iteration_lines(df, c, metrics)
+            continue
+        k, (b, w) = k_of[c["summary"]], (c["better"], c["worse"])
+        seeds = sorted(s for a, s in runs if a == b and (w, s) in runs)
+        if len(seeds) < 2:
+            continue
         cells = [
-            f"{m[5:-5]} {paired_interval([runs[(c['better'], s)][m][k] - runs[(c['worse'], s)][m][k] for s in seeds])}"
-            f" (n {len(seeds)})"
+            f"{m[5:-5]} {paired_interval([runs[(b, s)][m][k] - runs[(w, s)][m][k] for s in seeds])} (n {len(seeds)})"
             for m in metrics
-            if len(seeds) >= 2
         ]
-        if cells:
-            lines += [f"- **{c['better']} - {c['worse']}** ({c['summary']}): " + "; ".join(cells), ""]
+        lines += [f"- **{b} - {w}** ({c['summary']}): " + "; ".join(cells), ""]
     if not lines:
         return []
     return [
