@@ -116,7 +116,7 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [
         "# Whose noise moves the group's reward (experiments/credit.py)",
         "",
-        f"Base model of `{CONFIG}`, training reward, {args.prompts} training prompts x 9 windows of {WINDOW} steps "
+        f"Base model of `{args.config}`, training reward, {args.prompts} training prompts x 9 windows of {WINDOW} steps "
         f"(starts 0-8) per rollout, {args.outer} draws of the noise outside the window x {args.inner} of the "
         "window's per group (one initial noise per group, as in training). Share: the part of the group's reward "
         "variance that the window's own noise carries (law of total variance, ANOVA estimates), pooled over "
