@@ -878,9 +878,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
         + goal_lines(stats, proto, name, detected)
         + contrast_lines(stats, proto)
         + share_lines(stats, proto["recipes"].get(name, {}).get("share"))
-        + equal_cost.descriptive_lines(
-            df, stats, proto["recipes"].get(name, {}).get("descriptive"), SUMMARIES
-        )
+        + descriptive_lines(df, stats, proto["recipes"].get(name, {}).get("descriptive"))
         + sizing_lines(stats, proto, specs)
         + fidelity_lines(df, arms)
         + dose_lines(df, stats, proto, arms, specs)
@@ -972,6 +970,38 @@ def one_contrast_lines(stats: dict, proto: dict, c: dict) -> list[str]:
         f"sign-flip p = {_p(test.p_flip)}: {verdict}. Paired SD {test.sd:.3f}: {len(d)} seeds detect a true "
         f"difference of {test.mdd:.3f} with power {proto['power']} (one-sided t-test at alpha {proto['alpha']}).",
         "",
+    ]
+
+
+def descriptive_lines(df, stats: dict, specs: list[dict] | None) -> list[str]:
+    """The recipe's ``descriptive`` contrasts (registered as descriptions: intervals, no test): better - worse
+    paired by seed at the ``summary`` (end / auc) or, with ``summary: per_iteration``, at every iteration both
+    evaluated (``equal_cost.per_iteration_lines``), on each of its ``metrics``; under 2 paired seeds, left out."""
+    lines: list[str] = []
+    for c in specs or []:
+        metrics = [m for m in c["metrics"] if m in stats["metrics"]]
+        if not metrics:
+            continue
+        if c["summary"] == "per_iteration":
+            lines += equal_cost.per_iteration_lines(df, c, metrics)
+            continue
+        diffs = {
+            m: paired_diffs(stats["runs"], c["better"], m, SUMMARIES[c["summary"]], c["worse"])
+            for m in metrics
+        }
+        if len(diffs[metrics[0]]) < 2:
+            continue
+        cells = [f"{m[5:-5]} {paired_interval(d)} (n {len(d)})" for m, d in diffs.items()]
+        lines += [f"- **{c['better']} - {c['worse']}** ({c['summary']}): " + "; ".join(cells), ""]
+    if not lines:
+        return []
+    return [
+        "### Reported descriptively (registered without a test)",
+        "",
+        "Paired differences with their 95% t interval over seeds; no test, no verdict: the protocol registers "
+        "these as descriptions.",
+        "",
+        *lines,
     ]
 
 

@@ -374,12 +374,12 @@ def test_descriptive_contrasts_are_intervals_per_iteration_and_at_the_end_withou
         {"better": "knots4", "worse": "exact", "metrics": [m], "summary": "end"},
         {"better": "window2", "worse": "exact", "metrics": [m], "summary": "end"},
     ]
-    lines = ec.descriptive_lines(df, stats, specs, curves.SUMMARIES)
+    lines = curves.descriptive_lines(df, stats, specs)
     text = "\n".join(lines)
     assert "| 4 | 2 | +0.300 [" in text and "| 8 |" not in text  # exact never evaluated at 8
     assert "- **knots4 - exact** (end): pref +0.450 [" in text and "(n 2)" in text
     assert "window2" not in text and "shown" not in text
-    assert ec.descriptive_lines(df, stats, specs[2:], curves.SUMMARIES) == []
+    assert curves.descriptive_lines(df, stats, specs[2:]) == []
 
 
 def test_the_window_protocol_registers_its_descriptions_over_its_own_arms():
