@@ -28,7 +28,7 @@ $(error KERNELS must be avx2 (the default: the committed world's kernels) or nat
 endif
 SCALE ?= world
 
-.PHONY: help venv kernels smoke test drill test-dist engines lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-v3 curves-long judges-ood world-rl figures notebooks all
+.PHONY: help venv kernels smoke test drill test-dist engines lint format bench bench-checkpoint gpu-check plan-check check-weights hpsv2-ref hpsv3-ref pretrain clean theorem table1 cosine knots routing curves curves-pilot curves-practitioners curves-equal-cost curves-window curves-v3 curves-long judges-ood world-rl figures notebooks all
 
 help: ## List every target
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -138,6 +138,9 @@ curves-practitioners: $(STAMP) pretrain ## Protocol v4's instruments on MixGRPO'
 
 curves-equal-cost: $(STAMP) pretrain ## Equal cost (experiments/curves_protocol_equal_cost.yaml): every step (exact / knots 3, 4 / JAGG W=4) against DanceGRPO 12, Flow-GRPO-Fast's window of 2, one step, MixGRPO's window of 4 (exact / JAGG), each for exact's 24-iteration wall-clock; TIMING=1: the timing run that sizes the arms, PILOT=1: its pilot -> results/curves_equal_cost{,_timing,_pilot}/
 	$(PY) experiments/curves.py --protocol experiments/curves_protocol_equal_cost.yaml $(if $(TIMING),--timing,) $(if $(PILOT),--pilot,)
+
+curves-window: $(STAMP) pretrain ## The equal-cost protocol's amendment 1 (experiments/curves_protocol_window.yaml, issue 56): window2 under the every-step noise, the window's regime over steps 0-9 through 2 and 4 knots, exact for 45 iterations, window2's cosine-0.8 control; resumes from results/curves_window/ (~10 CPU-hours; TIMING=1: the timing run that sizes the new arms) -> results/curves_window{,_timing}/
+	$(PY) experiments/curves.py --protocol experiments/curves_protocol_window.yaml $(if $(TIMING),--timing --arms exact window2 window2_dance knots4_window_noise window10_knots2,)
 
 curves-v3: $(STAMP) pretrain ## Protocol v3 as analysed (experiments/curves_protocol.yaml): DanceGRPO x exact / jagg / auto / endpoints / uniform / jagg_index / control 0.2 x 7 seeds (~45 min) -> results/curves/
 	$(PY) experiments/curves.py
