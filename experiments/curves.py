@@ -779,7 +779,13 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
     detected = control_detected(rows, design_controls(proto), alpha)
     controls = primary_controls(detected, rows)
     if not controls:
-        design = "No positive-control arm ran: the design's power is unknown and NO equivalence is claimed."
+        design = (
+            f"No positive control of {ref} ran: the battery's power is unknown and NO equivalence is claimed."
+        )
+        # a control of another arm (the window amendment's window2_control_0.8) is read in its own contrast
+        others = [a for a in arms if "control" in a and a not in controls_named]
+        if others:
+            design += f" {', '.join(others)} degrades another arm's gradient: see its contrast below."
     elif all(controls.values()):
         design = (
             f"The positive control ({', '.join(controls)}) is detected on the primary metric: equivalence "
