@@ -1035,3 +1035,16 @@ def test_a_protocol_runs_beside_another_protocols_uncommitted_results_but_not_be
     with pytest.raises(SystemExit) as stop:
         curves.dirty_diff(Path("results/curves_window"), allowed=False)
     assert stop.value.code == 2
+
+
+def test_a_control_of_another_arm_is_not_called_missing(tmp_path):
+    """The window amendment's only control degrades window2, not exact: the design check says no control of
+    exact ran (the battery claims no equivalence) and names the other arm's control, read in its contrast."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "curves_window"
+    shutil.copytree(root / "results" / "curves_window" / "every_step", out / "every_step")
+    curves.render(out, tmp_path / "figures", Path(curves.__file__).with_name("curves_protocol_window.yaml"))
+    summary = (out / "summary.md").read_text()
+    assert "No positive control of exact ran" in summary
+    assert "window2_control_0.8 degrades another arm's gradient: see its contrast below." in summary
+    assert "### Pre-registered contrast: window2 - window2_control_0.8 (pref, end)" in summary
