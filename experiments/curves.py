@@ -95,6 +95,12 @@ QUICK = [
 
 
 # --------------------------------------------------------------------------- protocol
+def mixes_control(proto: dict, arm: str) -> bool:
+    """Whether ``arm`` mixes a control direction into its gradient (``train.control_cosine``): a positive
+    control, of the reference or of another arm."""
+    return any(o.startswith("train.control_cosine=") for o in proto["arms"].get(arm, []))
+
+
 def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False) -> dict:
     """The protocol as a dict; ``long`` merges its ``long`` section (more seeds, more recipes), ``pilot``
     narrows it to its ``pilot`` section's seeds and arms. Arms whose strategy the engine does not register
@@ -110,11 +116,7 @@ def load_protocol(path: Path = PROTOCOL, long: bool = False, pilot: bool = False
         proto["seeds"] = proto["pilot"]["seeds"]
         # the pilot's controls are its arms that mix a control direction into exact's gradient, retired ones
         # included (v4's pilot ran control_0.8 / 0.5, which amendment 1 replaced with control_blocks_*)
-        proto["control_arms"] = [
-            a
-            for a in proto["pilot"]["arms"]
-            if any(o.startswith("train.control_cosine=") for o in proto["arms"].get(a, []))
-        ]
+        proto["control_arms"] = [a for a in proto["pilot"]["arms"] if mixes_control(proto, a)]
         proto.pop("design_controls", None)  # named among the later arms: the pilot's check reads its own
         for spec in proto["recipes"].values():  # the pilot's seeds replace a recipe's own
             spec.pop("seeds", None)
@@ -783,7 +785,7 @@ def recipe_section(name: str, recipe_dir: Path, df, proto: dict) -> str:
             f"No positive control of {ref} ran: the battery's power is unknown and NO equivalence is claimed."
         )
         # a control of another arm (the window amendment's window2_control_0.8) is read in its own contrast
-        others = [a for a in arms if "control" in a and a not in controls_named]
+        others = [a for a in arms if mixes_control(proto, a) and a not in controls_named]
         if others:
             design += f" {', '.join(others)} degrades another arm's gradient: see its contrast below."
     elif all(controls.values()):
